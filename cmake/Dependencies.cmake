@@ -1,0 +1,21 @@
+# Third-party dependencies (DESIGN.md §7), all from Debian 12 packages.
+
+find_package(OpenMP REQUIRED)
+find_package(hwy REQUIRED)
+
+# OpenBLAS: prefer Debian's OpenMP build. Its sgemm, called from inside one of our OpenMP
+# parallel regions, runs on the calling thread instead of starting a second thread pool that
+# would fight ours for the two cores (the pthread build does exactly that).
+find_path(FLASHATTN_CBLAS_INCLUDE_DIR cblas.h
+  HINTS /usr/include/x86_64-linux-gnu/openblas-openmp /usr/include/openblas
+  NO_CACHE)
+find_library(FLASHATTN_OPENBLAS_LIBRARY openblas
+  HINTS /usr/lib/x86_64-linux-gnu/openblas-openmp
+  NO_CACHE)
+if(NOT FLASHATTN_CBLAS_INCLUDE_DIR OR NOT FLASHATTN_OPENBLAS_LIBRARY)
+  message(FATAL_ERROR "OpenBLAS not found: install libopenblas-openmp-dev (Debian) or libopenblas-dev")
+endif()
+add_library(flashattn_openblas INTERFACE)
+target_include_directories(flashattn_openblas INTERFACE "${FLASHATTN_CBLAS_INCLUDE_DIR}")
+target_link_libraries(flashattn_openblas INTERFACE "${FLASHATTN_OPENBLAS_LIBRARY}")
+message(STATUS "flashattn: OpenBLAS ${FLASHATTN_OPENBLAS_LIBRARY}")

@@ -1,0 +1,28 @@
+# `cmake --install` puts the library, its headers and a package config in place so that
+# `find_package(flashattn)` gives the imported target flashattn::flashattn.
+include(CMakePackageConfigHelpers)
+
+# The public headers use C++20 (std::span): the exported target says so, so that a consumer
+# compiles them with -std=c++20 without setting CMAKE_CXX_STANDARD itself.
+target_compile_features(flashattn PUBLIC cxx_std_20)
+
+install(TARGETS flashattn EXPORT flashattnTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY include/flashattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(EXPORT flashattnTargets NAMESPACE flashattn::
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)
+if(TARGET flashattn_cli)
+  install(TARGETS flashattn_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
+
+configure_package_config_file(cmake/flashattnConfig.cmake.in
+  ${CMAKE_CURRENT_BINARY_DIR}/flashattnConfig.cmake
+  INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/flashattnConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES
+  ${CMAKE_CURRENT_BINARY_DIR}/flashattnConfig.cmake
+  ${CMAKE_CURRENT_BINARY_DIR}/flashattnConfigVersion.cmake
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)

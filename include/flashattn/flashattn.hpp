@@ -1,0 +1,8 @@
+#pragma once
+
+// Everything a user of the library needs.
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "flashattn/mha.hpp"
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"

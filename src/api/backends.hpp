@@ -1,0 +1,28 @@
+#pragma once
+
+// Backend entry points. Each takes validated AttentionParams and writes params.out and
+// params.lse (when not null).
+
+#include <cstdint>
+
+#include "api/params.hpp"
+
+namespace flashattn::detail {
+
+// Plain loops, fp64 accumulation. out_f64 is contiguous [batch, seqlen_q, heads_q, head_dim],
+// lse_f64 contiguous [batch, heads_q, seqlen_q] (may be null). Used by the tests as the oracle.
+void reference_forward_f64(const AttentionParams& params, double* out_f64, double* lse_f64);
+void reference_forward(const AttentionParams& params);
+
+void standard_forward(const AttentionParams& params);
+
+void flash_forward(const AttentionParams& params);
+
+// Tile sizes of the FlashAttention path: Br query rows by Bc keys.
+struct FlashTiles {
+  std::int64_t rows = 0;  // Br
+  std::int64_t keys = 0;  // Bc
+};
+FlashTiles flash_tiles(std::int64_t head_dim);
+
+}  // namespace flashattn::detail

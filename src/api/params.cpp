@@ -1,0 +1,234 @@
+#include "api/params.hpp"
+
+#include <omp.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace flashattn {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "f32";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
+  }
+  return "unknown";
+}
+
+namespace detail {
+namespace {
+
+template <class... Parts>
+[[noreturn]] void fail(const char* caller, const Parts&... parts) {
+  std::ostringstream message;
+  message << caller << ": ";
+  (message << ... << parts);
+  throw Error(message.str());
+}
+
+std::string shape_string(const std::array<std::int64_t, 4>& shape) {
+  std::ostringstream text;
+  text << '[' << shape[0] << ", " << shape[1] << ", " << shape[2] << ", " << shape[3] << ']';
+  return text.str();
+}
+
+// Bytes [begin, end) that a view can touch, computed with overflow checks. Empty for numel 0.
+struct ByteSpan {
+  std::uintptr_t begin = 0, end = 0;
+  bool overlaps(const ByteSpan& other) const {
+    return begin < end && other.begin < other.end && begin < other.end && other.begin < end;
+  }
+};
+
+template <class View>
+ByteSpan byte_span(const char* caller, const char* name, const View& view) {
+  if (view.numel() == 0) return {};
+  std::int64_t last = 0;  // element offset of the last element
+  for (int d = 0; d < 4; ++d) {
+    std::int64_t term = 0;
+    if (__builtin_mul_overflow(view.shape[d] - 1, view.strides[d], &term) ||
+        __builtin_add_overflow(last, term, &last)) {
+      fail(caller, name, ": shape ", shape_string(view.shape), " with strides ",
+           shape_string(view.strides), " overflows a 64-bit offset");
+    }
+  }
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(last + 1, static_cast<std::int64_t>(dtype_size(view.dtype)), &bytes)) {
+    fail(caller, name, ": extent of ", last + 1, " elements overflows a 64-bit byte count");
+  }
+  const auto begin = reinterpret_cast<std::uintptr_t>(view.data);
+  return {begin, begin + static_cast<std::uintptr_t>(bytes)};
+}
+
+template <class View>
+void check_view(const char* caller, const char* name, const View& view) {
+  for (int d = 0; d < 4; ++d) {
+    if (view.shape[d] < 0) {
+      fail(caller, name, ": expected non-negative dims, got shape ", shape_string(view.shape));
+    }
+    if (view.strides[d] < 0) {
+      fail(caller, name, ": expected non-negative strides, got strides ",
+           shape_string(view.strides));
+    }
+  }
+  if (view.shape[3] > 1 && view.strides[3] != 1) {
+    fail(caller, name, ": expected a contiguous last dim (stride 1), got stride ",
+         view.strides[3]);
+  }
+  if (view.numel() > 0 && view.data == nullptr) {
+    fail(caller, name, ": expected a data pointer, got null for shape ", shape_string(view.shape));
+  }
+}
+
+// True when two distinct indices of `view` can address the same element. Sorting the dims by
+// stride, each stride must be at least the extent of everything inside it.
+bool self_overlapping(const TensorView& view) {
+  std::vector<int> order = {0, 1, 2, 3};
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return view.strides[a] < view.strides[b]; });
+  std::int64_t extent = 1;
+  for (int d : order) {
+    if (view.shape[d] <= 1) continue;
+    if (view.strides[d] < extent) return true;
+    extent = view.strides[d] * view.shape[d];
+  }
+  return false;
+}
+
+Strides strides_of(const std::array<std::int64_t, 4>& strides) {
+  return {strides[0], strides[1], strides[2]};
+}
+
+}  // namespace
+
+AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
+                            const ConstTensorView& v, const TensorView& out, float* lse,
+                            const AttentionOptions& options) {
+  check_view(caller, "q", q);
+  check_view(caller, "k", k);
+  check_view(caller, "v", v);
+  check_view(caller, "out", out);
+
+  for (const auto& [name, dtype] : {std::pair{"k", k.dtype}, {"v", v.dtype}, {"out", out.dtype}}) {
+    if (dtype != q.dtype) {
+      fail(caller, name, ": expected dtype ", dtype_name(q.dtype), " (as q), got ",
+           dtype_name(dtype));
+    }
+  }
+
+  const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
+                     head_dim = q.shape[3];
+  const std::int64_t seqlen_kv = k.shape[1], heads_kv = k.shape[2];
+  if (head_dim == 0) fail(caller, "q: expected head_dim >= 1, got 0");
+  if (heads_q == 0) fail(caller, "q: expected heads_q >= 1, got 0");
+  if (heads_kv == 0) fail(caller, "k: expected heads_kv >= 1, got 0");
+  if (k.shape[0] != batch) fail(caller, "k: expected batch ", batch, " (as q), got ", k.shape[0]);
+  if (k.shape[3] != head_dim) {
+    fail(caller, "k: expected head_dim ", head_dim, " (as q), got ", k.shape[3]);
+  }
+  if (v.shape != k.shape) {
+    fail(caller, "v: expected shape ", shape_string(k.shape), " (as k), got ",
+         shape_string(v.shape));
+  }
+  if (out.shape != q.shape) {
+    fail(caller, "out: expected shape ", shape_string(q.shape), " (as q), got ",
+         shape_string(out.shape));
+  }
+  if (heads_q % heads_kv != 0) {
+    fail(caller, "k: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ",
+         heads_kv);
+  }
+
+  float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  if (options.softmax_scale) {
+    scale = *options.softmax_scale;
+    if (!std::isfinite(scale) || scale <= 0.0f) {
+      fail(caller, "softmax_scale: expected a finite value > 0, got ", scale);
+    }
+  }
+  if (options.window_left < -1) {
+    fail(caller, "window_left: expected >= -1 (-1 = unbounded), got ", options.window_left);
+  }
+  if (options.window_right < -1) {
+    fail(caller, "window_right: expected >= -1 (-1 = unbounded), got ", options.window_right);
+  }
+  if (options.num_threads < 0) {
+    fail(caller, "num_threads: expected >= 0 (0 = all), got ", options.num_threads);
+  }
+
+  const ByteSpan out_span = byte_span(caller, "out", out);
+  if (self_overlapping(out)) {
+    fail(caller, "out: expected strides that give every element its own address, got strides ",
+         shape_string(out.strides), " for shape ", shape_string(out.shape));
+  }
+  for (const auto& [name, span] : {std::pair{"q", byte_span(caller, "q", q)},
+                                   {"k", byte_span(caller, "k", k)},
+                                   {"v", byte_span(caller, "v", v)}}) {
+    if (out_span.overlaps(span)) {
+      fail(caller, "out: expected memory disjoint from ", name, ", got overlapping buffers");
+    }
+  }
+  if (lse != nullptr) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(lse);
+    const ByteSpan lse_span{begin, begin + static_cast<std::uintptr_t>(batch * heads_q *
+                                                                       seqlen_q * sizeof(float))};
+    if (out_span.overlaps(lse_span)) {
+      fail(caller, "lse: expected memory disjoint from out, got overlapping buffers");
+    }
+  }
+
+  AttentionParams params;
+  params.q = q.data;
+  params.k = k.data;
+  params.v = v.data;
+  params.out = out.data;
+  params.lse = lse;
+  params.dtype = q.dtype;
+  params.batch = batch;
+  params.seqlen_q = seqlen_q;
+  params.seqlen_kv = seqlen_kv;
+  params.heads_q = heads_q;
+  params.heads_kv = heads_kv;
+  params.head_dim = head_dim;
+  params.q_strides = strides_of(q.strides);
+  params.k_strides = strides_of(k.strides);
+  params.v_strides = strides_of(v.strides);
+  params.out_strides = strides_of(out.strides);
+  params.scale = scale;
+  params.causal = options.causal;
+  params.window_left = options.window_left;
+  params.window_right = options.window_right;
+  params.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  return params;
+}
+
+}  // namespace detail
+
+std::int64_t visible_pairs(std::int64_t seqlen_q, std::int64_t seqlen_kv,
+                           const AttentionOptions& options) {
+  detail::AttentionParams shape;
+  shape.seqlen_q = seqlen_q;
+  shape.seqlen_kv = seqlen_kv;
+  shape.causal = options.causal;
+  shape.window_left = options.window_left;
+  shape.window_right = options.window_right;
+  std::int64_t pairs = 0;
+  for (std::int64_t row = 0; row < seqlen_q; ++row) {
+    const detail::KeyRange keys = shape.key_range(row);
+    pairs += keys.end - keys.begin;
+  }
+  return pairs;
+}
+
+double attention_flops(std::int64_t batch, std::int64_t heads_q, std::int64_t seqlen_q,
+                       std::int64_t seqlen_kv, std::int64_t head_dim,
+                       const AttentionOptions& options) {
+  return 4.0 * static_cast<double>(batch) * static_cast<double>(heads_q) *
+         static_cast<double>(head_dim) *
+         static_cast<double>(visible_pairs(seqlen_q, seqlen_kv, options));
+}
+
+}  // namespace flashattn

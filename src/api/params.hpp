@@ -1,0 +1,74 @@
+#pragma once
+
+// The one plain struct the API layer hands to a backend (DESIGN.md §2). Validation happens once,
+// in make_params; backends assume every field is valid.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "flashattn/attention.hpp"
+
+namespace flashattn::detail {
+
+// Element strides of one [batch, seq, head, dim] operand; dim is contiguous.
+struct Strides {
+  std::int64_t batch = 0, seq = 0, head = 0;
+
+  std::int64_t offset(std::int64_t b, std::int64_t s, std::int64_t h) const {
+    return b * batch + s * seq + h * head;
+  }
+};
+
+// Keys [begin, end) visible to one query row; empty when begin >= end.
+struct KeyRange {
+  std::int64_t begin = 0, end = 0;
+  bool empty() const { return begin >= end; }
+};
+
+struct AttentionParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // contiguous [batch, heads_q, seqlen_q], or null
+  DType dtype = DType::f32;
+
+  std::int64_t batch = 0, seqlen_q = 0, seqlen_kv = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  Strides q_strides, k_strides, v_strides, out_strides;
+
+  float scale = 1.0f;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  int num_threads = 1;  // resolved: >= 1
+
+  std::int64_t group_size() const { return heads_q / heads_kv; }
+  std::int64_t kv_head(std::int64_t head_q) const { return head_q / group_size(); }
+  std::int64_t lse_index(std::int64_t b, std::int64_t h, std::int64_t row) const {
+    return (b * heads_q + h) * seqlen_q + row;
+  }
+
+  // The mask as an interval per row, aligned to the bottom-right corner: row i sits on the
+  // diagonal key i + seqlen_kv - seqlen_q.
+  KeyRange key_range(std::int64_t row) const {
+    const std::int64_t diagonal = row + seqlen_kv - seqlen_q;
+    std::int64_t end = seqlen_kv;
+    if (causal) end = std::min(end, diagonal + 1);
+    if (window_right >= 0) end = std::min(end, diagonal + window_right + 1);
+    std::int64_t begin = 0;
+    if (window_left >= 0) begin = std::max(begin, diagonal - window_left);
+    return {begin, std::max(begin, end)};
+  }
+
+  // Union of the key ranges of rows [row_begin, row_end): the begin and end are monotone in the
+  // row, so the first row gives the lowest begin and the last row the highest end.
+  KeyRange key_range(std::int64_t row_begin, std::int64_t row_end) const {
+    return {key_range(row_begin).begin, key_range(row_end - 1).end};
+  }
+};
+
+// Validates the call and resolves defaults (scale, threads). `caller` prefixes every message.
+AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
+                            const ConstTensorView& v, const TensorView& out, float* lse,
+                            const AttentionOptions& options);
+
+}  // namespace flashattn::detail

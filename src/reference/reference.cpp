@@ -1,0 +1,89 @@
+// The oracle: the seed's standard attention in plain loops with fp64 accumulation. It never gets
+// fast and never goes away; every other path is tested against it.
+
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::detail {
+
+void reference_forward_f64(const AttentionParams& p, double* out_f64, double* lse_f64) {
+  const std::int64_t D = p.head_dim;
+  const double scale = p.scale;
+  const std::int64_t tasks = p.batch * p.heads_q;
+
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    std::vector<double> scores(static_cast<std::size_t>(p.seqlen_kv));
+    std::vector<double> output_row(static_cast<std::size_t>(D));
+#pragma omp for schedule(dynamic)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t b = task / p.heads_q, h = task % p.heads_q, h_kv = p.kv_head(h);
+      for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+        double* out_row = out_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
+        double* lse = lse_f64 ? lse_f64 + p.lse_index(b, h, row) : nullptr;
+        const KeyRange keys = p.key_range(row);
+        if (keys.empty()) {
+          for (std::int64_t d = 0; d < D; ++d) out_row[d] = 0.0;
+          if (lse) *lse = -std::numeric_limits<double>::infinity();
+          continue;
+        }
+        // Scores of the visible keys and their maximum. A NaN score is skipped by the max but
+        // flows through exp() into the sum, so the whole row becomes NaN.
+        const std::int64_t q_offset = p.q_strides.offset(b, row, h);
+        double max_score = -std::numeric_limits<double>::infinity();
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          const std::int64_t k_offset = p.k_strides.offset(b, j, h_kv);
+          double dot = 0.0;
+          for (std::int64_t d = 0; d < D; ++d) {
+            dot += static_cast<double>(load_f32(p.q, p.dtype, q_offset + d)) *
+                   static_cast<double>(load_f32(p.k, p.dtype, k_offset + d));
+          }
+          scores[j] = dot * scale;
+          if (scores[j] > max_score) max_score = scores[j];
+        }
+        // All scores -inf (only reachable with infinite inputs): subtract 0 instead of -inf.
+        const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
+        double sum = 0.0;
+        for (std::int64_t d = 0; d < D; ++d) output_row[d] = 0.0;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          const double weight = std::exp(scores[j] - shift);
+          sum += weight;
+          const std::int64_t v_offset = p.v_strides.offset(b, j, h_kv);
+          for (std::int64_t d = 0; d < D; ++d) {
+            output_row[d] += weight * static_cast<double>(load_f32(p.v, p.dtype, v_offset + d));
+          }
+        }
+        for (std::int64_t d = 0; d < D; ++d) out_row[d] = output_row[d] / sum;
+        if (lse) *lse = shift + std::log(sum);
+      }
+    }
+  }
+}
+
+void reference_forward(const AttentionParams& p) {
+  const std::int64_t D = p.head_dim;
+  std::vector<double> out(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * D));
+  std::vector<double> lse(p.lse ? static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q) : 0);
+  reference_forward_f64(p, out.data(), p.lse ? lse.data() : nullptr);
+
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+      for (std::int64_t h = 0; h < p.heads_q; ++h) {
+        const double* src = out.data() + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
+        const std::int64_t dst = p.out_strides.offset(b, row, h);
+        for (std::int64_t d = 0; d < D; ++d) {
+          store_f32(p.out, p.dtype, dst + d, static_cast<float>(src[d]));
+        }
+      }
+    }
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i) p.lse[i] = static_cast<float>(lse[i]);
+}
+
+}  // namespace flashattn::detail

@@ -1,0 +1,124 @@
+// The standard path, as the seed describes it and as users would otherwise write it: per
+// (batch, head) the full seqlen_q x seqlen_kv score matrix A = Q·Kᵀ·scale (OpenBLAS sgemm),
+// the mask, a row softmax with max subtraction, then O = P·V (sgemm).
+//
+// Memory: each thread holds one seqlen_q x seqlen_kv fp32 matrix (4 · Sq · Skv bytes: 4 MiB at
+// S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for one head when the inputs
+// are f16/bf16 or the layout is not one sgemm can read.
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::detail {
+namespace {
+
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+// An fp32 matrix of `rows` rows of `cols` contiguous elements, `stride` elements apart: either
+// the caller's memory (f32 inputs) or a converted copy in `storage`.
+struct Matrix {
+  const float* data;
+  std::int64_t stride;
+};
+
+Matrix gather_rows(std::vector<float>& storage, const void* base, DType dtype,
+                   const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t rows,
+                   std::int64_t cols) {
+  // sgemm reads f32 rows in place when they do not overlap (its leading dimension must be
+  // >= cols); a single row may have any stride.
+  if (dtype == DType::f32 && (rows <= 1 || strides.seq >= cols)) {
+    return {static_cast<const float*>(base) + strides.offset(b, 0, h),
+            rows <= 1 ? cols : strides.seq};
+  }
+  storage.resize(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    load_row_f32(storage.data() + r * cols, base, dtype, strides.offset(b, r, h), cols);
+  }
+  return {storage.data(), cols};
+}
+
+// In place: row of scores -> row of probabilities over the visible keys, zeros elsewhere.
+// Returns the row's logsumexp (-inf when no key is visible).
+float softmax_row(float* scores, std::int64_t seqlen_kv, KeyRange keys) {
+  for (std::int64_t j = 0; j < keys.begin; ++j) scores[j] = 0.0f;
+  for (std::int64_t j = keys.end; j < seqlen_kv; ++j) scores[j] = 0.0f;
+  if (keys.empty()) return kNegativeInfinity;
+
+  float max_score = kNegativeInfinity;
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    if (scores[j] > max_score) max_score = scores[j];
+  }
+  const float shift = max_score == kNegativeInfinity ? 0.0f : max_score;
+  float sum = 0.0f;
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    scores[j] = std::exp(scores[j] - shift);
+    sum += scores[j];
+  }
+  const float inverse_sum = 1.0f / sum;
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= inverse_sum;
+  return shift + std::log(sum);
+}
+
+}  // namespace
+
+void standard_forward(const AttentionParams& p) {
+  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim;
+  const std::int64_t tasks = p.batch * p.heads_q;
+
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    std::vector<float> scores(static_cast<std::size_t>(Sq * Skv));
+    std::vector<float> q_copy, k_copy, v_copy, out_copy;
+#pragma omp for schedule(dynamic)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t b = task / p.heads_q, h = task % p.heads_q, h_kv = p.kv_head(h);
+      const Matrix q = gather_rows(q_copy, p.q, p.dtype, p.q_strides, b, h, Sq, D);
+      const Matrix k = gather_rows(k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
+      const Matrix v = gather_rows(v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
+
+      // A = scale · Q·Kᵀ                                       [Sq x Skv]
+      if (Skv > 0) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, p.scale, q.data,
+                    q.stride, k.data, k.stride, 0.0f, scores.data(), Skv);
+      }
+      // P = softmax(A + M), row by row                         [Sq x Skv]
+      for (std::int64_t row = 0; row < Sq; ++row) {
+        const float lse = softmax_row(scores.data() + row * Skv, Skv, p.key_range(row));
+        if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
+      }
+      // O = P·V                                                [Sq x D]
+      float* out = nullptr;
+      std::int64_t out_stride = D;
+      const bool write_in_place = p.dtype == DType::f32 && (Sq <= 1 || p.out_strides.seq >= D);
+      if (write_in_place) {
+        out = static_cast<float*>(p.out) + p.out_strides.offset(b, 0, h);
+        out_stride = Sq <= 1 ? D : p.out_strides.seq;
+      } else {
+        out_copy.resize(static_cast<std::size_t>(Sq * D));
+        out = out_copy.data();
+      }
+      if (Skv > 0) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, scores.data(),
+                    Skv, v.data, v.stride, 0.0f, out, out_stride);
+      } else {
+        for (std::int64_t row = 0; row < Sq; ++row) {
+          for (std::int64_t d = 0; d < D; ++d) out[row * out_stride + d] = 0.0f;
+        }
+      }
+      if (!write_in_place) {
+        for (std::int64_t row = 0; row < Sq; ++row) {
+          store_row_f32(p.out, p.dtype, p.out_strides.offset(b, row, h), out + row * D, D);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace flashattn::detail

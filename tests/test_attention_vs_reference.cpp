@@ -1,0 +1,287 @@
+// The FlashAttention path and the standard path against the fp64 reference on fresh random
+// inputs, over a grid of shapes that breaks tiling (DESIGN.md §4).
+//
+// Tolerance, derived rather than guessed:
+//  * The standard path must stay inside the first-order forward error bound of fp32 attention:
+//    the scores carry u·scale·D·max|q|·max|k| (dot products of length D), the softmax sum and
+//    P·V another u·Skv relative (naive sums of Skv terms), each scaled by max|v|; plus one
+//    rounding of the output to its dtype. Bound: u32·max|v|·(4·scale·D·max|q|·max|k| + 2·Skv + 16)
+//    + u_dtype·max|ref|. It is loose, but any indexing or masking bug is orders of magnitude
+//    above it.
+//  * The flash path must be within 4x the standard path's measured max error, plus a floor of
+//    2 roundings of the output dtype at the largest output (both paths end with that rounding,
+//    so the standard path can be lucky where the flash path is not).
+//  * lse: the same rule with fp32 roundings of |lse| as the floor; fully masked rows must be
+//    exactly -inf.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <sstream>
+#include <string>
+
+#include "test_support.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+enum class Layout {
+  bshd,    // [B, S, H, D] contiguous
+  bhsd,    // the seed's [B, H, S, D] memory seen as [B, S, H, D]
+  padded,  // [B, S, H, D] with each (s, h) row padded by 8 elements
+};
+
+struct Case {
+  std::int64_t batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  DType dtype = DType::f32;
+  int threads = 2;
+  Layout layout = Layout::bshd;
+};
+
+std::string describe(const Case& c) {
+  static const char* layouts[] = {"bshd", "bhsd", "padded"};
+  std::ostringstream text;
+  text << "B" << c.batch << "_Sq" << c.seqlen_q << "_Skv" << c.seqlen_kv << "_Hq" << c.heads_q
+       << "_Hkv" << c.heads_kv << "_D" << c.head_dim << (c.causal ? "_causal" : "")
+       << (c.window_left >= 0 || c.window_right >= 0
+               ? "_win" + std::to_string(c.window_left) + "," + std::to_string(c.window_right)
+               : "")
+       << "_" << dtype_name(c.dtype) << "_t" << c.threads << "_"
+       << layouts[static_cast<int>(c.layout)];
+  return text.str();
+}
+
+std::array<std::int64_t, 4> strides_for(Layout layout, std::array<std::int64_t, 4> shape) {
+  const auto [B, S, H, D] = shape;
+  switch (layout) {
+    case Layout::bshd: return contiguous_strides(shape);
+    case Layout::bhsd: return {H * S * D, D, S * D, 1};
+    case Layout::padded: return {S * H * (D + 8), H * (D + 8), D + 8, 1};
+  }
+  return contiguous_strides(shape);
+}
+
+std::vector<Case> make_grid() {
+  std::vector<Case> grid;
+  const std::int64_t seqlens[] = {1, 2, 3, 7, 64, 113, 127, 128, 129, 203, 255, 1023, 1025};
+  const std::int64_t head_dims[] = {32, 40, 59, 64, 80, 96, 111, 128, 256};
+  const int thread_counts[] = {1, 2, 3};
+  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::padded};
+
+  // Square self-attention at every seqlen; head dims, threads, layouts and dtypes rotate so
+  // every value of each appears, with and without the causal mask.
+  int n = 0;
+  for (std::int64_t s : seqlens) {
+    for (bool causal : {false, true}) {
+      const bool long_sequence = s > 1000;
+      Case c{long_sequence ? 1 : 2, s, s, 2, 2, head_dims[n % 9]};
+      c.causal = causal;
+      c.threads = thread_counts[n % 3];
+      c.dtype = dtypes[(n / 3) % 3];
+      c.layout = layouts[(n / 2) % 3];
+      if (long_sequence) c.head_dim = std::min<std::int64_t>(c.head_dim, 64);
+      grid.push_back(c);
+      ++n;
+    }
+  }
+  // Every head dim at an awkward seqlen.
+  for (std::int64_t d : head_dims) {
+    Case c{1, 129, 129, 2, 1, d};
+    c.causal = d % 2 == 0;
+    c.threads = thread_counts[d % 3];
+    grid.push_back(c);
+  }
+  // seqlen_q != seqlen_kv both ways: a query block against a long KV cache and the reverse,
+  // where the bottom-right causal alignment leaves the first rows fully masked.
+  const std::pair<std::int64_t, std::int64_t> uneven[] = {
+      {113, 203}, {203, 113}, {1, 239}, {799, 3}, {3, 799}, {1, 1025}, {64, 129}, {129, 64}};
+  for (const auto& [sq, skv] : uneven) {
+    for (bool causal : {false, true}) {
+      Case c{1, sq, skv, 4, 2, 64};
+      c.causal = causal;
+      c.threads = causal ? 3 : 1;
+      c.layout = causal ? Layout::bhsd : Layout::bshd;
+      grid.push_back(c);
+    }
+  }
+  // Sliding windows, alone and with the causal mask, on square and uneven shapes.
+  const std::pair<std::int64_t, std::int64_t> windows[] = {{0, 0}, {16, 0}, {32, 8}, {-1, 4},
+                                                           {7, -1}, {200, 200}};
+  int w = 0;
+  for (const auto& [left, right] : windows) {
+    for (const auto& [sq, skv] : {std::pair<std::int64_t, std::int64_t>{255, 255}, {113, 203}}) {
+      Case c{1, sq, skv, 2, 2, 40};
+      c.window_left = left;
+      c.window_right = right;
+      c.causal = w % 2 == 1;
+      c.threads = thread_counts[w % 3];
+      c.dtype = dtypes[w % 3];
+      grid.push_back(c);
+      ++w;
+    }
+  }
+  // GQA and MQA.
+  for (const auto& [hq, hkv] : {std::pair<std::int64_t, std::int64_t>{4, 2}, {6, 1}, {8, 8},
+                                {8, 4}}) {
+    Case c{2, 127, 130, hq, hkv, 64};
+    c.causal = hq != hkv;
+    c.threads = 3;
+    c.layout = Layout::padded;
+    grid.push_back(c);
+  }
+  return grid;
+}
+
+struct MaxError {
+  double value = 0.0;
+  std::int64_t index = -1;
+  double got = 0.0, want = 0.0;
+};
+
+// Largest |got - want| over all elements of `out` (NaN counts as infinite).
+MaxError max_output_error(const Tensor& out, const ReferenceResult& ref) {
+  MaxError worst;
+  std::int64_t flat = 0;
+  out.for_each_index([&](auto b, auto s, auto h, auto d) {
+    const double got = out.at(b, s, h, d), want = ref.out[flat];
+    const double error = std::isnan(got) ? INFINITY : std::abs(got - want);
+    if (error > worst.value || worst.index < 0) worst = {error, flat, got, want};
+    ++flat;
+  });
+  return worst;
+}
+
+MaxError max_lse_error(const std::vector<float>& lse, const ReferenceResult& ref) {
+  MaxError worst;
+  for (std::size_t i = 0; i < lse.size(); ++i) {
+    const double got = lse[i], want = ref.lse[i];
+    double error = std::abs(got - want);
+    if (std::isinf(want)) error = got == want ? 0.0 : INFINITY;
+    if (std::isnan(got)) error = INFINITY;
+    if (error > worst.value || worst.index < 0) worst = {error, static_cast<std::int64_t>(i), got, want};
+  }
+  return worst;
+}
+
+double max_abs(const Tensor& t) {
+  double result = 0.0;
+  t.for_each_index(
+      [&](auto a, auto b, auto c, auto d) { result = std::max<double>(result, std::abs(t.at(a, b, c, d))); });
+  return result;
+}
+
+double max_abs_finite(const std::vector<double>& values) {
+  double result = 0.0;
+  for (double x : values) {
+    if (std::isfinite(x)) result = std::max(result, std::abs(x));
+  }
+  return result;
+}
+
+class AttentionVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) {
+  const Case c = GetParam();
+  const std::uint64_t seed = test_seed() ^ std::hash<std::string>{}(describe(c));
+  std::mt19937_64 rng(seed);
+  const std::array<std::int64_t, 4> q_shape{c.batch, c.seqlen_q, c.heads_q, c.head_dim};
+  const std::array<std::int64_t, 4> kv_shape{c.batch, c.seqlen_kv, c.heads_kv, c.head_dim};
+  Tensor q(c.dtype, q_shape, strides_for(c.layout, q_shape));
+  Tensor k(c.dtype, kv_shape, strides_for(c.layout, kv_shape));
+  Tensor v(c.dtype, kv_shape, strides_for(c.layout, kv_shape));
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+
+  AttentionOptions options;
+  options.causal = c.causal;
+  options.window_left = c.window_left;
+  options.window_right = c.window_right;
+  options.num_threads = c.threads;
+  const ReferenceResult ref = reference(q, k, v, options);
+
+  auto run = [&](AttentionImpl impl, std::vector<float>& lse) {
+    Tensor out(c.dtype, q_shape, strides_for(c.layout, q_shape));
+    out.poison();
+    lse.assign(static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q), NAN);
+    attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
+    return out;
+  };
+  std::vector<float> standard_lse, flash_lse;
+  const Tensor standard_out = run(AttentionImpl::standard, standard_lse);
+  const Tensor flash_out = run(AttentionImpl::flash, flash_lse);
+
+  const double u32 = unit_roundoff(DType::f32), u_out = unit_roundoff(c.dtype);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const double max_out = max_abs_finite(ref.out), max_lse = max_abs_finite(ref.lse);
+  const double standard_bound =
+      u32 * max_abs(v) *
+          (4.0 * scale * c.head_dim * max_abs(q) * max_abs(k) + 2.0 * c.seqlen_kv + 16.0) +
+      u_out * max_out;
+
+  const MaxError standard_error = max_output_error(standard_out, ref);
+  const MaxError flash_error = max_output_error(flash_out, ref);
+  const double flash_bound = 4.0 * standard_error.value + 2.0 * u_out * max_out;
+  const std::string context = describe(c) + " seed " + std::to_string(seed);
+
+  EXPECT_LE(standard_error.value, standard_bound)
+      << context << ": standard out[" << standard_error.index << "] = " << standard_error.got
+      << ", reference " << standard_error.want;
+  EXPECT_LE(flash_error.value, flash_bound)
+      << context << ": flash out[" << flash_error.index << "] = " << flash_error.got
+      << ", reference " << flash_error.want << " (standard max error " << standard_error.value
+      << ")";
+
+  const MaxError standard_lse_error = max_lse_error(standard_lse, ref);
+  const MaxError flash_lse_error = max_lse_error(flash_lse, ref);
+  EXPECT_LE(standard_lse_error.value, standard_bound + 4.0 * u32 * max_lse)
+      << context << ": standard lse[" << standard_lse_error.index
+      << "] = " << standard_lse_error.got << ", reference " << standard_lse_error.want;
+  EXPECT_LE(flash_lse_error.value, 4.0 * standard_lse_error.value + 4.0 * u32 * max_lse)
+      << context << ": flash lse[" << flash_lse_error.index << "] = " << flash_lse_error.got
+      << ", reference " << flash_lse_error.want;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, AttentionVsReference, ::testing::ValuesIn(make_grid()),
+                         [](const auto& info) {
+                           std::string name = describe(info.param);
+                           std::replace_if(name.begin(), name.end(),
+                                           [](char ch) { return !std::isalnum(ch); }, '_');
+                           return name;
+                         });
+
+// Each task owns its output rows, so the thread count must not change a single bit.
+TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
+  std::mt19937_64 rng(test_seed());
+  const std::array<std::int64_t, 4> q_shape{2, 301, 4, 72}, kv_shape{2, 517, 2, 72};
+  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape);
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  std::vector<std::vector<std::uint8_t>> outputs;
+  std::vector<std::vector<float>> lses;
+  for (int threads : {1, 2, 3, 7}) {
+    Tensor out(DType::f32, q_shape);
+    out.poison();
+    std::vector<float> lse(2 * 4 * 301, NAN);
+    AttentionOptions options;
+    options.causal = true;
+    options.num_threads = threads;
+    flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+    outputs.push_back(out.bytes);
+    lses.push_back(lse);
+  }
+  for (std::size_t i = 1; i < outputs.size(); ++i) {
+    EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
+    EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
+        << "lse differs for thread-count run " << i;
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::testing

@@ -1,0 +1,106 @@
+#pragma once
+
+// Shared helpers for the attention tests: owned tensors in any dtype, random fill, NaN poison,
+// and the fp64 oracle on the same inputs.
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "flashattn/flashattn.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::testing {
+
+// An owned buffer seen through a 4-d view whose strides may differ from C order.
+struct Tensor {
+  std::vector<std::uint8_t> bytes;
+  TensorView view;
+
+  Tensor(DType dtype, std::array<std::int64_t, 4> shape)
+      : Tensor(dtype, shape, contiguous_strides(shape)) {}
+
+  // `strides` must describe a layout that fits in the product of the padded extents.
+  Tensor(DType dtype, std::array<std::int64_t, 4> shape, std::array<std::int64_t, 4> strides) {
+    std::int64_t extent = 1;
+    for (int d = 0; d < 4; ++d) extent += (shape[d] - 1) * strides[d];
+    bytes.assign(static_cast<std::size_t>(std::max<std::int64_t>(extent, 1)) * dtype_size(dtype),
+                 0);
+    view = {bytes.data(), dtype, shape, strides};
+  }
+
+  std::int64_t offset(std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3) const {
+    return i0 * view.strides[0] + i1 * view.strides[1] + i2 * view.strides[2] +
+           i3 * view.strides[3];
+  }
+  float at(std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3) const {
+    return detail::load_f32(view.data, view.dtype, offset(i0, i1, i2, i3));
+  }
+  void set(std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3, float value) {
+    detail::store_f32(view.data, view.dtype, offset(i0, i1, i2, i3), value);
+  }
+
+  template <class Fn>
+  void for_each_index(Fn&& fn) const {
+    const auto& s = view.shape;
+    for (std::int64_t a = 0; a < s[0]; ++a)
+      for (std::int64_t b = 0; b < s[1]; ++b)
+        for (std::int64_t c = 0; c < s[2]; ++c)
+          for (std::int64_t d = 0; d < s[3]; ++d) fn(a, b, c, d);
+  }
+
+  void fill_normal(std::mt19937_64& rng, float stddev = 1.0f) {
+    std::normal_distribution<float> normal(0.0f, stddev);
+    for_each_index([&](auto a, auto b, auto c, auto d) { set(a, b, c, d, normal(rng)); });
+  }
+  void fill(float value) {
+    for_each_index([&](auto a, auto b, auto c, auto d) { set(a, b, c, d, value); });
+  }
+  void poison() { fill(std::numeric_limits<float>::quiet_NaN()); }
+};
+
+// Seed for "fresh random inputs": new each run unless FLASHATTN_TEST_SEED pins it. Failure
+// messages print it so a failing run can be replayed.
+inline std::uint64_t test_seed() {
+  static const std::uint64_t seed = [] {
+    if (const char* pinned = std::getenv("FLASHATTN_TEST_SEED")) {
+      return static_cast<std::uint64_t>(std::strtoull(pinned, nullptr, 10));
+    }
+    return (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  }();
+  return seed;
+}
+
+// Unit roundoff of a storage dtype (half an ulp at 1).
+inline double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return 0x1p-24;
+    case DType::f16: return 0x1p-11;
+    case DType::bf16: return 0x1p-8;
+  }
+  return 0.0;
+}
+
+struct ReferenceResult {
+  std::vector<double> out;  // contiguous [B, Sq, Hq, D]
+  std::vector<double> lse;  // contiguous [B, Hq, Sq]
+};
+
+inline ReferenceResult reference(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const AttentionOptions& options) {
+  Tensor unused_out(q.view.dtype, q.view.shape);
+  const detail::AttentionParams params =
+      detail::make_params("reference", q.view, k.view, v.view, unused_out.view, nullptr, options);
+  ReferenceResult result;
+  result.out.resize(static_cast<std::size_t>(q.view.numel()));
+  result.lse.resize(static_cast<std::size_t>(params.batch * params.heads_q * params.seqlen_q));
+  detail::reference_forward_f64(params, result.out.data(), result.lse.data());
+  return result;
+}
+
+}  // namespace flashattn::testing
