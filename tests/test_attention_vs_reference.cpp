@@ -22,6 +22,7 @@
 #include <sstream>
 #include <string>
 
+#include "cpu/tile_kernels.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -183,10 +184,7 @@ double max_abs_finite(const std::vector<double>& values) {
   return result;
 }
 
-class AttentionVsReference : public ::testing::TestWithParam<Case> {};
-
-TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) {
-  const Case c = GetParam();
+void check_against_reference(const Case& c) {
   const std::uint64_t seed = test_seed() ^ std::hash<std::string>{}(describe(c));
   std::mt19937_64 rng(seed);
   const std::array<std::int64_t, 4> q_shape{c.batch, c.seqlen_q, c.heads_q, c.head_dim};
@@ -247,6 +245,10 @@ TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) {
       << ", reference " << flash_lse_error.want;
 }
 
+class AttentionVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) { check_against_reference(GetParam()); }
+
 INSTANTIATE_TEST_SUITE_P(Grid, AttentionVsReference, ::testing::ValuesIn(make_grid()),
                          [](const auto& info) {
                            std::string name = describe(info.param);
@@ -254,6 +256,33 @@ INSTANTIATE_TEST_SUITE_P(Grid, AttentionVsReference, ::testing::ValuesIn(make_gr
                                            [](char ch) { return !std::isalnum(ch); }, '_');
                            return name;
                          });
+
+// Every SIMD target compiled into the library that this CPU runs, forced in turn, on shapes
+// with ragged edges in every tile dimension (rows, keys and head_dim not multiples of 4 or 16).
+TEST(AttentionVsReferencePerTarget, EveryCompiledTargetMatches) {
+  detail::cpu::force_simd_target(0);
+  const std::vector<detail::cpu::SimdTarget> targets = detail::cpu::supported_simd_targets();
+  ASSERT_FALSE(targets.empty());
+  for (const auto& target : targets) {
+    SCOPED_TRACE("SIMD target " + target.name);
+    detail::cpu::force_simd_target(target.id);
+    ASSERT_EQ(detail::cpu::active_simd_target(), target.name);
+    Case ragged{2, 131, 203, 4, 2, 59};
+    ragged.causal = true;
+    ragged.threads = 3;
+    check_against_reference(ragged);
+    Case windowed{1, 67, 67, 2, 1, 111};
+    windowed.window_left = 9;
+    windowed.window_right = 3;
+    windowed.dtype = DType::bf16;
+    windowed.layout = Layout::padded;
+    check_against_reference(windowed);
+    Case wide{1, 70, 40, 2, 2, 256};
+    wide.dtype = DType::f16;
+    check_against_reference(wide);
+  }
+  detail::cpu::force_simd_target(0);
+}
 
 // Each task owns its output rows, so the thread count must not change a single bit.
 TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {

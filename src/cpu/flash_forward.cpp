@@ -30,7 +30,7 @@ namespace flashattn::detail {
 FlashTiles flash_tiles(std::int64_t head_dim) {
   // Br = 64 query rows, Bc = 128 keys keeps the five tiles of one task (224 KiB at D = 128)
   // inside a 1-2 MiB L2 with room for the next K/V block; shrink the query block for wide
-  // heads so the working set stays about the same.
+  // heads so the working set stays about the same. Bc must be a multiple of cpu::kTileLanes.
   const std::int64_t rows = head_dim > 128 ? 32 : 64;
   return {rows, 128};
 }
@@ -39,25 +39,29 @@ namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
+// Per-thread tiles. Row widths are padded to whole vectors (cpu::pad_to_lanes) with zeros, so
+// the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0.
 struct Scratch {
+  std::int64_t dims_padded;
   std::vector<float> q, k_packed, v, scores, acc, row_max, row_sum;
 
-  explicit Scratch(FlashTiles tiles, std::int64_t D)
-      : q(tiles.rows * D), k_packed(D * tiles.keys), v(tiles.keys * D),
-        scores(tiles.rows * tiles.keys), acc(tiles.rows * D), row_max(tiles.rows),
-        row_sum(tiles.rows) {}
+  Scratch(FlashTiles tiles, std::int64_t D)
+      : dims_padded(cpu::pad_to_lanes(D)), q(tiles.rows * dims_padded),
+        k_packed(D * tiles.keys), v(tiles.keys * dims_padded), scores(tiles.rows * tiles.keys),
+        acc(tiles.rows * dims_padded), row_max(tiles.rows), row_sum(tiles.rows) {}
 };
 
 // One task: rows [row_begin, row_end) of head h in batch b.
 void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int64_t b,
                 std::int64_t h, std::int64_t row_begin, std::int64_t row_end) {
-  const std::int64_t D = p.head_dim, rows = row_end - row_begin, h_kv = p.kv_head(h);
+  const std::int64_t D = p.head_dim, Dp = t.dims_padded, rows = row_end - row_begin;
+  const std::int64_t h_kv = p.kv_head(h);
 
   // Prologue: load the Q block, reset the running statistics.
   for (std::int64_t i = 0; i < rows; ++i) {
-    load_row_f32(t.q.data() + i * D, p.q, p.dtype, p.q_strides.offset(b, row_begin + i, h), D);
+    load_row_f32(t.q.data() + i * Dp, p.q, p.dtype, p.q_strides.offset(b, row_begin + i, h), D);
   }
-  std::fill_n(t.acc.begin(), rows * D, 0.0f);
+  std::fill_n(t.acc.begin(), rows * Dp, 0.0f);
   std::fill_n(t.row_max.begin(), rows, kNegativeInfinity);
   std::fill_n(t.row_sum.begin(), rows, 0.0f);
 
@@ -68,39 +72,44 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int
   for (std::int64_t key_begin = block_keys.begin; key_begin < block_keys.end;
        key_begin += tiles.keys) {
     const std::int64_t key_end = std::min(key_begin + tiles.keys, block_keys.end);
-    const std::int64_t keys = key_end - key_begin;
+    const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
-    // Pack Kᵀ [D x keys] and V [keys x D] for this block.
+    // Pack Kᵀ [D x keys_padded] and V [keys x Dp], zero-padded.
     for (std::int64_t j = 0; j < keys; ++j) {
       const std::int64_t k_offset = p.k_strides.offset(b, key_begin + j, h_kv);
       for (std::int64_t d = 0; d < D; ++d) {
-        t.k_packed[d * keys + j] = load_f32(p.k, p.dtype, k_offset + d);
+        t.k_packed[d * keys_padded + j] = load_f32(p.k, p.dtype, k_offset + d);
       }
-      load_row_f32(t.v.data() + j * D, p.v, p.dtype, p.v_strides.offset(b, key_begin + j, h_kv),
+      load_row_f32(t.v.data() + j * Dp, p.v, p.dtype, p.v_strides.offset(b, key_begin + j, h_kv),
                    D);
     }
+    for (std::int64_t d = 0; d < D; ++d) {
+      std::fill(t.k_packed.begin() + d * keys_padded + keys,
+                t.k_packed.begin() + (d + 1) * keys_padded, 0.0f);
+    }
 
-    cpu::scores_tile(t.scores.data(), keys, t.q.data(), t.k_packed.data(), rows, keys, D,
-                     p.scale);
+    cpu::scores_tile(t.scores.data(), tiles.keys, t.q.data(), Dp, t.k_packed.data(), keys_padded,
+                     rows, keys_padded, D, p.scale);
 
-    // Masked block: some row sees only part of [key_begin, key_end).
+    // Mask: padded keys always, and the keys of a partly visible block outside each row's range.
     const bool fully_visible = last_row.begin <= key_begin && first_row.end >= key_end;
-    if (!fully_visible) {
-      for (std::int64_t i = 0; i < rows; ++i) {
-        const KeyRange row_keys = p.key_range(row_begin + i);
-        float* s = t.scores.data() + i * keys;
-        for (std::int64_t j = 0; j < keys; ++j) {
-          const std::int64_t key = key_begin + j;
-          if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
-        }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* s = t.scores.data() + i * tiles.keys;
+      std::fill(s + keys, s + keys_padded, kNegativeInfinity);
+      if (fully_visible) continue;
+      const KeyRange row_keys = p.key_range(row_begin + i);
+      for (std::int64_t j = 0; j < keys; ++j) {
+        const std::int64_t key = key_begin + j;
+        if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
       }
     }
 
-    cpu::online_softmax_tile(t.scores.data(), keys, t.row_max.data(), t.row_sum.data(),
-                             t.acc.data(), D, rows, keys, D);
+    cpu::online_softmax_tile(t.scores.data(), tiles.keys, t.row_max.data(), t.row_sum.data(),
+                             t.acc.data(), Dp, rows, keys_padded, Dp);
 
     if (fully_visible) {
-      cpu::accumulate_pv_tile(t.acc.data(), D, t.scores.data(), keys, t.v.data(), rows, keys, D);
+      cpu::accumulate_pv_tile(t.acc.data(), Dp, t.scores.data(), tiles.keys, t.v.data(), Dp, rows,
+                              keys, Dp);
     } else {
       // Only each row's visible keys: a masked key's p is 0, but 0 · inf in its value row would
       // still leak NaN into a row that never saw it.
@@ -109,15 +118,15 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int
         const std::int64_t first = std::clamp(row_keys.begin, key_begin, key_end) - key_begin;
         const std::int64_t last = std::clamp(row_keys.end, key_begin, key_end) - key_begin;
         if (first >= last) continue;
-        cpu::accumulate_pv_tile(t.acc.data() + i * D, D, t.scores.data() + i * keys + first, keys,
-                                t.v.data() + first * D, 1, last - first, D);
+        cpu::accumulate_pv_tile(t.acc.data() + i * Dp, Dp, t.scores.data() + i * tiles.keys + first,
+                                tiles.keys, t.v.data() + first * Dp, Dp, 1, last - first, Dp);
       }
     }
   }
 
   // Epilogue: out = acc / l, lse = m + log(l); rows that saw no key get 0 and -inf.
   for (std::int64_t i = 0; i < rows; ++i) {
-    float* acc_row = t.acc.data() + i * D;
+    float* acc_row = t.acc.data() + i * Dp;
     const float sum = t.row_sum[i];
     const bool no_key_seen = sum == 0.0f;
     const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;

@@ -1,34 +1,58 @@
 #pragma once
 
-// The FlashAttention inner steps on one (Q block, K/V block) tile, each a separate function so a
-// SIMD version can replace one without touching the driver. Tiles are fp32 and row-major:
-//   q        [rows x D]        the query block
-//   k_packed [D x keys]        the key block transposed, so the score loop streams keys
-//   v        [keys x D]        the value block
-//   scores   [rows x keys]     scores, then probabilities, in place
-//   acc      [rows x D]        unnormalized output accumulator
-// `ld` arguments are row strides in elements.
+// The FlashAttention inner steps on one (Q block, K/V block) tile, each a separate function so
+// that one can be replaced without touching the driver. Each is compiled once per SIMD target
+// (Highway: SSSE3, SSE4, AVX2, AVX-512 and a portable fallback) and picked at run time for the
+// CPU at hand. Tiles are fp32 and row-major, with padded widths so that every row is a whole
+// number of vectors:
+//   q        [rows x ld_q]        the query block (first head_dim columns used)
+//   k_packed [head_dim x ld_k]    the key block transposed, keys zero-padded to ld_k
+//   v        [keys x ld_v]        the value block, head_dim zero-padded to ld_v
+//   scores   [rows x ld_scores]   scores, then probabilities, in place
+//   acc      [rows x ld_acc]      unnormalized output accumulator
+// `width` arguments (keys_padded, dims_padded) are multiples of kTileLanes.
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace flashattn::detail::cpu {
 
-// scores = scale · q · k_packed                                   [rows x keys]
-void scores_tile(float* scores, std::int64_t ld_scores, const float* q, const float* k_packed,
-                 std::int64_t rows, std::int64_t keys, std::int64_t head_dim, float scale);
+// Row widths are padded to this many floats: a whole number of vectors on every target
+// (AVX-512 holds 16 floats).
+inline constexpr std::int64_t kTileLanes = 16;
+
+constexpr std::int64_t pad_to_lanes(std::int64_t n) {
+  return (n + kTileLanes - 1) / kTileLanes * kTileLanes;
+}
+
+// scores[:, :keys_padded] = scale · q · k_packed                       [rows x keys_padded]
+void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
+                 const float* k_packed, std::int64_t ld_k, std::int64_t rows,
+                 std::int64_t keys_padded, std::int64_t head_dim, float scale);
 
 // Online softmax over one tile (Milakov & Gimelshein 2018; FlashAttention-2, Alg. 1): per row
 // m_new = max(m, rowmax(s)); p = exp(s - m_new); l = l·exp(m - m_new) + rowsum(p); the
 // accumulator row is rescaled by exp(m - m_new) only when the max grew. Masked scores are -inf
 // and give p = 0; a row whose scores are all -inf so far keeps m = -inf, l = 0 and never
-// computes (-inf) - (-inf).
+// computes (-inf) - (-inf). A NaN score makes its row NaN.
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, float* row_sum,
-                         float* acc, std::int64_t ld_acc, std::int64_t rows, std::int64_t keys,
-                         std::int64_t head_dim);
+                         float* acc, std::int64_t ld_acc, std::int64_t rows,
+                         std::int64_t keys_padded, std::int64_t dims_padded);
 
-// acc += p · v                                                    [rows x D]
+// acc[:, :dims_padded] += p[:, :keys] · v                              [rows x dims_padded]
 void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::int64_t ld_p,
-                        const float* v, std::int64_t rows, std::int64_t keys,
-                        std::int64_t head_dim);
+                        const float* v, std::int64_t ld_v, std::int64_t rows, std::int64_t keys,
+                        std::int64_t dims_padded);
+
+// The SIMD targets compiled into the library that this CPU supports, best first, and a way to
+// pin dispatch to one of them (0 restores the default: the best). For tests and benchmarks.
+struct SimdTarget {
+  std::int64_t id;
+  std::string name;
+};
+std::vector<SimdTarget> supported_simd_targets();
+void force_simd_target(std::int64_t id);
+std::string active_simd_target();
 
 }  // namespace flashattn::detail::cpu
