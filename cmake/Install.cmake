@@ -2,10 +2,6 @@
 # `find_package(flashattn)` gives the imported target flashattn::flashattn.
 include(CMakePackageConfigHelpers)
 
-# The public headers use C++20 (std::span): the exported target says so, so that a consumer
-# compiles them with -std=c++20 without setting CMAKE_CXX_STANDARD itself.
-target_compile_features(flashattn PUBLIC cxx_std_20)
-
 install(TARGETS flashattn EXPORT flashattnTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}

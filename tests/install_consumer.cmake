@@ -1,0 +1,52 @@
+# Proves that an installed flashattn is usable: installs the build tree into a fresh prefix,
+# configures examples/ against that prefix only (find_package(flashattn)), builds `minimal` and
+# runs it. Run as
+#   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DCXX_COMPILER=...
+#         -DCONFIG=... -P install_consumer.cmake
+# Any failing step stops the script with a FATAL_ERROR, which ctest reports as a failure.
+
+foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER CONFIG)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "install_consumer.cmake: expected -D${var}=..., got nothing")
+  endif()
+endforeach()
+
+set(prefix "${WORK_DIR}/prefix")
+set(consumer "${WORK_DIR}/consumer")
+file(REMOVE_RECURSE "${WORK_DIR}")
+
+function(run_step name)
+  execute_process(COMMAND ${ARGN}
+    RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE output)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "${name} failed (${result}):\n${output}")
+  endif()
+  set(step_output "${output}" PARENT_SCOPE)
+endfunction()
+
+run_step("install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${prefix}"
+  --config "${CONFIG}")
+
+# The package registry and system paths are switched off so that only the fresh prefix can
+# satisfy find_package(flashattn).
+run_step("configure examples" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/examples" -B "${consumer}"
+  -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${CONFIG}"
+  "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+  -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
+file(STRINGS "${consumer}/CMakeCache.txt" found_dir REGEX "^flashattn_DIR:")
+string(FIND "${found_dir}" "${prefix}/" at)
+if(NOT at GREATER -1)
+  message(FATAL_ERROR "find_package(flashattn) expected a config under ${prefix}, got ${found_dir}")
+endif()
+
+run_step("build minimal" "${CMAKE_COMMAND}" --build "${consumer}" --config "${CONFIG}")
+
+find_program(minimal minimal PATHS "${consumer}" "${consumer}/${CONFIG}" NO_DEFAULT_PATH
+  NO_CACHE REQUIRED)
+run_step("run minimal" "${minimal}")
+string(STRIP "${step_output}" step_output)
+if(NOT step_output MATCHES "max \\|flash - standard\\| = ")
+  message(FATAL_ERROR "minimal: expected a line 'max |flash - standard| = ...', got:\n"
+    "${step_output}")
+endif()
+message(STATUS "installed flashattn works from ${prefix}: ${step_output}")
