@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
 
 namespace flashattn {
 
@@ -56,7 +57,8 @@ std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::
       return threads * tiles.rows * tiles.keys * static_cast<std::int64_t>(sizeof(float));
     }
     case AttentionImpl::standard:
-      return threads * seqlen_q * seqlen_kv * static_cast<std::int64_t>(sizeof(float));
+      return threads * seqlen_q * detail::cpu::pad_to_lanes(seqlen_kv) *
+             static_cast<std::int64_t>(sizeof(float));
     case AttentionImpl::reference:
       return threads * seqlen_kv * static_cast<std::int64_t>(sizeof(double));
   }

@@ -2,18 +2,20 @@
 // (batch, head) the full seqlen_q x seqlen_kv score matrix A = Q·Kᵀ·scale (OpenBLAS sgemm),
 // the mask, a row softmax with max subtraction, then O = P·V (sgemm).
 //
-// Memory: each thread holds one seqlen_q x seqlen_kv fp32 matrix (4 · Sq · Skv bytes: 4 MiB at
-// S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for one head when the inputs
+// Memory: each thread holds one seqlen_q x seqlen_kv fp32 matrix (4 · Sq · Skv bytes, rows
+// padded to 16 floats: 4 MiB at S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for one head when the inputs
 // are f16/bf16 or the layout is not one sgemm can read.
 
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
 #include "util/convert.hpp"
 
 namespace flashattn::detail {
@@ -44,37 +46,36 @@ Matrix gather_rows(std::vector<float>& storage, const void* base, DType dtype,
   return {storage.data(), cols};
 }
 
-// In place: row of scores -> row of probabilities over the visible keys, zeros elsewhere.
-// Returns the row's logsumexp (-inf when no key is visible).
-float softmax_row(float* scores, std::int64_t seqlen_kv, KeyRange keys) {
-  for (std::int64_t j = 0; j < keys.begin; ++j) scores[j] = 0.0f;
-  for (std::int64_t j = keys.end; j < seqlen_kv; ++j) scores[j] = 0.0f;
-  if (keys.empty()) return kNegativeInfinity;
-
-  float max_score = kNegativeInfinity;
-  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-    if (scores[j] > max_score) max_score = scores[j];
+// In place: row of scores -> row of probabilities, zeros outside the visible keys. The row is
+// `width` floats (seqlen_kv padded to whole vectors); max, exp and sum run through the SIMD
+// softmax kernel of the FlashAttention path, applied to the whole row as one tile. Returns the
+// row's logsumexp (-inf when no key is visible).
+float softmax_row(float* scores, std::int64_t width, KeyRange keys) {
+  std::fill(scores, scores + keys.begin, kNegativeInfinity);
+  std::fill(scores + keys.end, scores + width, kNegativeInfinity);
+  float max_score = kNegativeInfinity, sum = 0.0f;
+  if (!keys.empty()) {
+    cpu::online_softmax_tile(scores, width, &max_score, &sum, nullptr, 0, 1, width, 0);
   }
-  const float shift = max_score == kNegativeInfinity ? 0.0f : max_score;
-  float sum = 0.0f;
-  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-    scores[j] = std::exp(scores[j] - shift);
-    sum += scores[j];
+  if (sum == 0.0f) {
+    std::fill(scores, scores + width, 0.0f);
+    return kNegativeInfinity;
   }
   const float inverse_sum = 1.0f / sum;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= inverse_sum;
-  return shift + std::log(sum);
+  return (max_score == kNegativeInfinity ? 0.0f : max_score) + std::log(sum);
 }
 
 }  // namespace
 
 void standard_forward(const AttentionParams& p) {
   const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim;
+  const std::int64_t width = cpu::pad_to_lanes(Skv);  // row stride of the score matrix
   const std::int64_t tasks = p.batch * p.heads_q;
 
 #pragma omp parallel num_threads(p.num_threads)
   {
-    std::vector<float> scores(static_cast<std::size_t>(Sq * Skv));
+    std::vector<float> scores(static_cast<std::size_t>(Sq * width));
     std::vector<float> q_copy, k_copy, v_copy, out_copy;
 #pragma omp for schedule(dynamic)
     for (std::int64_t task = 0; task < tasks; ++task) {
@@ -86,11 +87,11 @@ void standard_forward(const AttentionParams& p) {
       // A = scale · Q·Kᵀ                                       [Sq x Skv]
       if (Skv > 0) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, p.scale, q.data,
-                    q.stride, k.data, k.stride, 0.0f, scores.data(), Skv);
+                    q.stride, k.data, k.stride, 0.0f, scores.data(), width);
       }
       // P = softmax(A + M), row by row                         [Sq x Skv]
       for (std::int64_t row = 0; row < Sq; ++row) {
-        const float lse = softmax_row(scores.data() + row * Skv, Skv, p.key_range(row));
+        const float lse = softmax_row(scores.data() + row * width, width, p.key_range(row));
         if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
       }
       // O = P·V                                                [Sq x D]
@@ -106,7 +107,7 @@ void standard_forward(const AttentionParams& p) {
       }
       if (Skv > 0) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, scores.data(),
-                    Skv, v.data, v.stride, 0.0f, out, out_stride);
+                    width, v.data, v.stride, 0.0f, out, out_stride);
       } else {
         for (std::int64_t row = 0; row < Sq; ++row) {
           for (std::int64_t d = 0; d < D; ++d) out[row * out_stride + d] = 0.0f;
