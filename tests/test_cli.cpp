@@ -1,0 +1,594 @@
+// The `flashattn` command-line tool, run as a subprocess in a fresh directory per test: results
+// of `run` against the library's reference, its JSON line, every bad input (each must fail with
+// one line on stderr and leave no file behind), `demo` on a small shape, and --help.
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "flashattn/attention.hpp"
+#include "npy.hpp"
+#include "util/convert.hpp"
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+using flashattn::AttentionImpl;
+using flashattn::AttentionOptions;
+using flashattn::DType;
+using Shape = std::array<std::int64_t, 4>;
+
+struct Completed {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string read_text(const fs::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+}
+
+// Runs the CLI with `args`, stdout and stderr captured in files of `capture_dir`.
+Completed run_cli(const std::vector<std::string>& args, const fs::path& capture_dir) {
+  const fs::path out_path = capture_dir / "stdout", err_path = capture_dir / "stderr";
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  std::vector<std::string> all = {FLASHATTN_CLI_PATH};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : all) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+
+  Completed completed;
+  pid_t pid = 0;
+  const int spawned =
+      posix_spawn(&pid, FLASHATTN_CLI_PATH, &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (spawned != 0) {
+    completed.err = "posix_spawn failed";
+    return completed;
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  // A crash (signal) reads as a distinct negative code, never as a clean failure.
+  completed.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  completed.out = read_text(out_path);
+  completed.err = read_text(err_path);
+  return completed;
+}
+
+// A flat JSON object as `run` prints it: key -> raw value text (strings without their quotes).
+// Throws std::runtime_error on anything else, which fails the calling test.
+std::map<std::string, std::string> parse_json_line(const std::string& line) {
+  std::map<std::string, std::string> fields;
+  std::size_t pos = 0;
+  auto fail = [&](const std::string& problem) {
+    throw std::runtime_error("bad JSON (" + problem + " at " + std::to_string(pos) + "): " + line);
+  };
+  auto peek = [&] { return pos < line.size() ? line[pos] : '\0'; };
+  auto skip = [&] {
+    while (std::isspace(static_cast<unsigned char>(peek()))) ++pos;
+  };
+  auto expect = [&](char wanted) {
+    skip();
+    if (peek() != wanted) fail(std::string("expected '") + wanted + "'");
+    ++pos;
+    skip();
+  };
+  auto until = [&](const char* stops) {
+    const std::size_t end = line.find_first_of(stops, pos);
+    if (end == std::string::npos) fail("unterminated value");
+    std::string text = line.substr(pos, end - pos);
+    pos = end;
+    return text;
+  };
+
+  expect('{');
+  while (true) {
+    expect('"');
+    const std::string key = until("\"");
+    expect('"');
+    expect(':');
+    if (peek() == '"') {
+      ++pos;
+      fields[key] = until("\"");
+      ++pos;
+    } else if (peek() == '[') {
+      fields[key] = until("]") + "]";
+      ++pos;
+    } else {
+      fields[key] = until(",}");
+    }
+    skip();
+    if (peek() == '}') break;
+    expect(',');
+  }
+  expect('}');
+  if (pos != line.size()) fail("text after the object");
+  return fields;
+}
+
+// One attention operand: values held in its dtype (f32 or f16), savable as .npy.
+struct Operand {
+  DType dtype = DType::f32;
+  Shape shape{};
+  std::vector<float> f32;
+  std::vector<std::uint16_t> f16;
+
+  std::int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
+  const void* data() const {
+    return dtype == DType::f32 ? static_cast<const void*>(f32.data())
+                               : static_cast<const void*>(f16.data());
+  }
+  flashattn::ConstTensorView view() const {
+    return flashattn::contiguous_view(data(), dtype, shape);
+  }
+  float at(std::int64_t i) const { return flashattn::detail::load_f32(data(), dtype, i); }
+
+  void save(const fs::path& path) const {
+    if (dtype == DType::f32) {
+      flashattn::npy::write_npy(path, f32.data(), shape);
+      return;
+    }
+    std::ofstream file(path, std::ios::binary);
+    file << flashattn::npy::make_header("<f2", shape);
+    file.write(reinterpret_cast<const char*>(f16.data()),
+               static_cast<std::streamsize>(f16.size() * sizeof(std::uint16_t)));
+  }
+};
+
+Operand random_operand(DType dtype, Shape shape, std::mt19937_64& rng) {
+  Operand operand{dtype, shape, {}, {}};
+  std::normal_distribution<float> normal;
+  for (std::int64_t i = 0; i < operand.numel(); ++i) {
+    if (dtype == DType::f32) {
+      operand.f32.push_back(normal(rng));
+    } else {
+      operand.f16.push_back(flashattn::detail::f16_from_f32(normal(rng)));
+    }
+  }
+  return operand;
+}
+
+struct Outputs {
+  std::vector<float> out, lse;  // out widened to f32
+};
+
+Outputs compute(AttentionImpl impl, const Operand& q, const Operand& k, const Operand& v,
+                const AttentionOptions& options) {
+  Operand out{q.dtype, q.shape, {}, {}};
+  out.f32.resize(q.dtype == DType::f32 ? q.numel() : 0);
+  out.f16.resize(q.dtype == DType::f16 ? q.numel() : 0);
+  Outputs outputs;
+  outputs.lse.resize(static_cast<std::size_t>(q.shape[0] * q.shape[2] * q.shape[1]));
+  const flashattn::TensorView out_view{const_cast<void*>(out.data()), out.dtype, out.shape,
+                                       flashattn::contiguous_strides(out.shape)};
+  flashattn::attention_forward(impl, q.view(), k.view(), v.view(), out_view, outputs.lse.data(),
+                               options);
+  for (std::int64_t i = 0; i < out.numel(); ++i) outputs.out.push_back(out.at(i));
+  return outputs;
+}
+
+// Largest |value - reference| with where it happened; NaN counts as infinitely wrong and equal
+// infinities (-inf lse of fully masked rows) as exact.
+struct MaxError {
+  double error = 0.0;
+  std::size_t index = 0;
+  double value = 0.0, reference = 0.0;
+};
+
+MaxError max_error(const std::vector<float>& values, const std::vector<float>& reference) {
+  MaxError worst;
+  if (values.size() != reference.size()) {
+    worst.error = INFINITY;
+    return worst;
+  }
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    double error = values[i] == reference[i] ? 0.0 : std::fabs(double{values[i]} - reference[i]);
+    if (std::isnan(error)) error = INFINITY;
+    if (error > worst.error) worst = {error, i, values[i], reference[i]};
+  }
+  return worst;
+}
+
+double max_abs(const std::vector<float>& values) {
+  double largest = 0.0;
+  for (const float value : values) {
+    if (std::isfinite(value)) largest = std::max(largest, std::fabs(double{value}));
+  }
+  return largest;
+}
+
+// The tolerance rule of DESIGN.md §4: the tool's error against the fp64 reference may be at most
+// 4x the standard path's error on the same inputs, plus a floor for when that error is ~0: one
+// ulp of the input dtype at max|v| for out (each output is a convex combination of v rows), four
+// fp32 ulps of max|lse| for lse (always fp32).
+void expect_close_to_reference(const Outputs& tool, const Outputs& reference,
+                               const Outputs& standard, const Operand& v, const std::string& what) {
+  const double epsilon = v.dtype == DType::f32 ? 0x1p-23 : 0x1p-10;
+  std::vector<float> v_values(static_cast<std::size_t>(v.numel()));
+  for (std::int64_t i = 0; i < v.numel(); ++i) v_values[i] = v.at(i);
+
+  const MaxError out_error = max_error(tool.out, reference.out);
+  const double out_tolerance =
+      4.0 * max_error(standard.out, reference.out).error + epsilon * max_abs(v_values);
+  EXPECT_LE(out_error.error, out_tolerance)
+      << what << ": out[" << out_error.index << "] = " << out_error.value << ", reference "
+      << out_error.reference;
+
+  if (tool.lse.empty()) return;
+  const MaxError lse_error = max_error(tool.lse, reference.lse);
+  const double lse_tolerance = 4.0 * max_error(standard.lse, reference.lse).error +
+                               4.0 * 0x1p-23 * std::max(1.0, max_abs(reference.lse));
+  EXPECT_LE(lse_error.error, lse_tolerance)
+      << what << ": lse[" << lse_error.index << "] = " << lse_error.value << ", reference "
+      << lse_error.reference;
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    work_ = make_temp_dir("flashattn_cli_");
+    capture_ = make_temp_dir("flashattn_cli_capture_");
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(work_, ignored);
+    fs::remove_all(capture_, ignored);
+  }
+
+  static fs::path make_temp_dir(const std::string& prefix) {
+    std::string pattern = (fs::temp_directory_path() / (prefix + "XXXXXX")).string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    return pattern;
+  }
+
+  std::string path(const std::string& name) const { return (work_ / name).string(); }
+
+  // Names in the work directory, hidden ones included, sorted.
+  std::vector<std::string> entries() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(work_)) {
+      names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  Completed run(const std::vector<std::string>& args) const { return run_cli(args, capture_); }
+
+  // Saves q, k, v as q.npy, k.npy, v.npy.
+  void save_inputs(const Operand& q, const Operand& k, const Operand& v) const {
+    q.save(path("q.npy"));
+    k.save(path("k.npy"));
+    v.save(path("v.npy"));
+  }
+
+  std::vector<std::string> run_args(const std::string& out = "out.npy") const {
+    return {"run", "--q",         path("q.npy"), "--k",    path("k.npy"),
+            "--v", path("v.npy"), "--out",       path(out)};
+  }
+
+  fs::path work_, capture_;
+};
+
+TEST_F(CliTest, RunFlashMatchesReferenceAndPrintsOneJsonLine) {
+  // GQA, seqlen_q != seqlen_kv, no mask: shapes that do not divide any tile size.
+  std::mt19937_64 rng(1);
+  const Operand q = random_operand(DType::f32, {2, 37, 4, 24}, rng);
+  const Operand k = random_operand(DType::f32, {2, 53, 2, 24}, rng);
+  const Operand v = random_operand(DType::f32, {2, 53, 2, 24}, rng);
+  save_inputs(q, k, v);
+
+  std::vector<std::string> args = run_args();
+  args.insert(args.end(), {"--lse", path("lse.npy"), "--threads", "2", "--repeat", "2"});
+  const Completed completed = run(args);
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  EXPECT_EQ(completed.err, "");
+
+  ASSERT_FALSE(completed.out.empty());
+  EXPECT_EQ(completed.out.back(), '\n');
+  EXPECT_EQ(std::count(completed.out.begin(), completed.out.end(), '\n'), 1) << completed.out;
+  const auto json = parse_json_line(completed.out.substr(0, completed.out.size() - 1));
+  EXPECT_EQ(json.at("impl"), "flash");
+  EXPECT_EQ(json.at("dtype"), "f32");
+  EXPECT_EQ(json.at("batch"), "2");
+  EXPECT_EQ(json.at("seqlen_q"), "37");
+  EXPECT_EQ(json.at("seqlen_kv"), "53");
+  EXPECT_EQ(json.at("heads_q"), "4");
+  EXPECT_EQ(json.at("heads_kv"), "2");
+  EXPECT_EQ(json.at("head_dim"), "24");
+  EXPECT_EQ(json.at("causal"), "false");
+  EXPECT_EQ(json.at("window"), "[-1, -1]");
+  EXPECT_EQ(json.at("threads"), "2");
+  EXPECT_EQ(json.at("repeat"), "2");
+  EXPECT_NEAR(std::stod(json.at("scale")), 1.0 / std::sqrt(24.0), 1e-7);
+  const double seconds = std::stod(json.at("seconds"));
+  EXPECT_TRUE(std::isfinite(seconds) && seconds > 0.0) << seconds;
+  EXPECT_DOUBLE_EQ(std::stod(json.at("flops")),
+                   flashattn::attention_flops(2, 4, 37, 53, 24, AttentionOptions{}));
+  EXPECT_GT(std::stod(json.at("gflops")), 0.0);
+
+  const flashattn::npy::Array out = flashattn::npy::read_npy(path("out.npy"));
+  const flashattn::npy::Array lse = flashattn::npy::read_npy(path("lse.npy"));
+  EXPECT_EQ(out.dtype, DType::f32);
+  EXPECT_EQ(out.shape, (std::vector<std::int64_t>{2, 37, 4, 24}));
+  EXPECT_EQ(lse.shape, (std::vector<std::int64_t>{2, 4, 37}));
+  const AttentionOptions options;
+  expect_close_to_reference({out.f32, lse.f32}, compute(AttentionImpl::reference, q, k, v, options),
+                            compute(AttentionImpl::standard, q, k, v, options), v,
+                            "flash, no mask");
+  EXPECT_EQ(entries(), (std::vector<std::string>{"k.npy", "lse.npy", "out.npy", "q.npy", "v.npy"}));
+}
+
+class CliImplTest : public CliTest, public ::testing::WithParamInterface<const char*> {};
+
+TEST_P(CliImplTest, CausalWindowAndScaleMatchReference) {
+  // seqlen_q < seqlen_kv: the bottom-right causal alignment matters; the window cuts the left.
+  std::mt19937_64 rng(2);
+  const Operand q = random_operand(DType::f32, {1, 29, 3, 16}, rng);
+  const Operand k = random_operand(DType::f32, {1, 41, 3, 16}, rng);
+  const Operand v = random_operand(DType::f32, {1, 41, 3, 16}, rng);
+  save_inputs(q, k, v);
+
+  std::vector<std::string> args = run_args();
+  args.insert(args.end(), {"--lse", path("lse.npy"), "--causal", "--window", "8,0", "--scale",
+                           "0.3", "--impl", GetParam(), "--repeat", "1"});
+  const Completed completed = run(args);
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  const auto json = parse_json_line(completed.out.substr(0, completed.out.find('\n')));
+  EXPECT_EQ(json.at("impl"), GetParam());
+  EXPECT_EQ(json.at("causal"), "true");
+  EXPECT_EQ(json.at("window"), "[8, 0]");
+  EXPECT_NEAR(std::stod(json.at("scale")), 0.3, 1e-7);
+
+  AttentionOptions options;
+  options.causal = true;
+  options.window_left = 8;
+  options.window_right = 0;
+  options.softmax_scale = 0.3f;
+  expect_close_to_reference({flashattn::npy::read_npy(path("out.npy")).f32,
+                             flashattn::npy::read_npy(path("lse.npy")).f32},
+                            compute(AttentionImpl::reference, q, k, v, options),
+                            compute(AttentionImpl::standard, q, k, v, options), v,
+                            std::string(GetParam()) + ", causal, window 8,0");
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryImpl, CliImplTest,
+                         ::testing::Values("flash", "standard", "reference"),
+                         [](const auto& info) { return std::string(info.param); });
+
+TEST_F(CliTest, RunFloat16InputsRunAsF16AndWriteFloat32) {
+  std::mt19937_64 rng(3);
+  const Operand q = random_operand(DType::f16, {2, 19, 2, 40}, rng);
+  const Operand k = random_operand(DType::f16, {2, 19, 2, 40}, rng);
+  const Operand v = random_operand(DType::f16, {2, 19, 2, 40}, rng);
+  save_inputs(q, k, v);
+
+  std::vector<std::string> args = run_args();
+  args.insert(args.end(), {"--lse", path("lse.npy"), "--causal", "--repeat", "1"});
+  const Completed completed = run(args);
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  EXPECT_EQ(parse_json_line(completed.out.substr(0, completed.out.find('\n'))).at("dtype"), "f16");
+
+  const flashattn::npy::Array out = flashattn::npy::read_npy(path("out.npy"));
+  EXPECT_EQ(out.dtype, DType::f32);
+  // The library computed in f16: every output value is exactly representable in binary16.
+  for (const float value : out.f32) {
+    EXPECT_EQ(flashattn::detail::f32_from_f16(flashattn::detail::f16_from_f32(value)), value);
+  }
+  AttentionOptions options;
+  options.causal = true;
+  expect_close_to_reference({out.f32, flashattn::npy::read_npy(path("lse.npy")).f32},
+                            compute(AttentionImpl::reference, q, k, v, options),
+                            compute(AttentionImpl::standard, q, k, v, options), v, "flash, f16");
+}
+
+TEST_F(CliTest, RunWithoutLseWritesOnlyOut) {
+  std::mt19937_64 rng(4);
+  const Operand q = random_operand(DType::f32, {1, 5, 1, 8}, rng);
+  save_inputs(q, q, q);
+  const Completed completed = run(run_args());
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  EXPECT_EQ(entries(), (std::vector<std::string>{"k.npy", "out.npy", "q.npy", "v.npy"}));
+}
+
+// Bad inputs: each must exit non-zero with exactly one line "flashattn: error: ..." on stderr,
+// nothing on stdout, and leave the work directory as it was (no output, no temporary file).
+class CliErrorTest : public CliTest {
+ protected:
+  // Valid f32 inputs: q [2, 7, 4, 8], k and v [2, 9, 2, 8].
+  void save_valid_inputs() const {
+    std::mt19937_64 rng(5);
+    save_inputs(random_operand(DType::f32, {2, 7, 4, 8}, rng),
+                random_operand(DType::f32, {2, 9, 2, 8}, rng),
+                random_operand(DType::f32, {2, 9, 2, 8}, rng));
+  }
+
+  // A file `name` holding `header` followed by `data_bytes` zero bytes.
+  void save_raw(const std::string& name, const std::string& header, std::size_t data_bytes) const {
+    std::ofstream file(path(name), std::ios::binary);
+    file << header << std::string(data_bytes, '\0');
+  }
+
+  void expect_clean_failure(const std::vector<std::string>& args,
+                            const std::string& message) const {
+    const std::vector<std::string> before = entries();
+    const Completed completed = run(args);
+    std::string command;
+    for (const std::string& arg : args) command += " " + arg;
+    EXPECT_GT(completed.exit_code, 0) << command;
+    EXPECT_EQ(completed.out, "") << command;
+    EXPECT_EQ(completed.err.rfind("flashattn: error: ", 0), 0u) << command << "\n" << completed.err;
+    EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << command << "\n"
+                                                                               << completed.err;
+    EXPECT_NE(completed.err.find(message), std::string::npos)
+        << command << "\nexpected '" << message << "' in: " << completed.err;
+    EXPECT_EQ(entries(), before) << command;
+  }
+
+  std::vector<std::string> with(std::vector<std::string> args,
+                                const std::vector<std::string>& extra) const {
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
+};
+
+TEST_F(CliErrorTest, MissingInputFile) {
+  save_valid_inputs();
+  fs::remove(path("k.npy"));
+  expect_clean_failure(run_args(), path("k.npy") + ": cannot open: No such file or directory");
+}
+
+TEST_F(CliErrorTest, TruncatedHeader) {
+  save_valid_inputs();
+  const std::string whole = read_text(path("q.npy"));
+  std::ofstream(path("q.npy"), std::ios::binary) << whole.substr(0, 40);
+  expect_clean_failure(run_args(), "truncated header");
+}
+
+TEST_F(CliErrorTest, MalformedHeader) {
+  save_valid_inputs();
+  std::string header = flashattn::npy::make_header("<f4", std::vector<std::int64_t>{2, 7, 4, 8});
+  header[header.find('}')] = ' ';
+  save_raw("q.npy", header, 2 * 7 * 4 * 8 * 4);
+  expect_clean_failure(run_args(), "malformed header");
+}
+
+TEST_F(CliErrorTest, UnsupportedDtypesAndLayouts) {
+  save_valid_inputs();
+  const std::vector<std::int64_t> shape = {2, 7, 4, 8};
+  save_raw("q.npy", flashattn::npy::make_header("<f8", shape), 2 * 7 * 4 * 8 * 8);
+  expect_clean_failure(run_args(),
+                       "unsupported dtype '<f8' (float64): accepted dtypes are float32");
+  save_raw("q.npy", flashattn::npy::make_header("<i4", shape), 2 * 7 * 4 * 8 * 4);
+  expect_clean_failure(run_args(), "unsupported dtype '<i4' (int32)");
+  save_raw("q.npy", flashattn::npy::make_header(">f4", shape), 2 * 7 * 4 * 8 * 4);
+  expect_clean_failure(run_args(), "big-endian");
+  save_raw("q.npy", flashattn::npy::make_header("<f4", shape, true), 2 * 7 * 4 * 8 * 4);
+  expect_clean_failure(run_args(), "fortran_order True is not supported");
+  save_raw("q.npy", flashattn::npy::make_header("<f4", shape), 2 * 7 * 4 * 8 * 4 - 4);
+  expect_clean_failure(run_args(), "truncated data");
+}
+
+TEST_F(CliErrorTest, UnwritableOutputFailsBeforeAnyWork) {
+  save_valid_inputs();
+  expect_clean_failure(run_args("missing_dir/out.npy"),
+                       path("missing_dir/out.npy") + ": cannot write: No such file or directory");
+  expect_clean_failure(with(run_args(), {"--lse", path("missing_dir/lse.npy")}),
+                       path("missing_dir/lse.npy") + ": cannot write");
+  expect_clean_failure(with(run_args(), {"--lse", path("out.npy")}), "--lse");
+  // The outputs are opened before the inputs are read: a bad output path wins over a bad input.
+  fs::remove(path("q.npy"));
+  expect_clean_failure(run_args("missing_dir/out.npy"), path("missing_dir/out.npy"));
+  fs::create_directory(path("a_directory"));
+  expect_clean_failure(run_args("a_directory"), "is a directory");
+}
+
+TEST_F(CliErrorTest, ShapesThatDoNotFit) {
+  std::mt19937_64 rng(6);
+  const Operand q = random_operand(DType::f32, {2, 7, 4, 8}, rng);
+  const Operand kv = random_operand(DType::f32, {2, 9, 2, 8}, rng);
+
+  save_inputs(q, random_operand(DType::f32, {3, 9, 2, 8}, rng), kv);
+  expect_clean_failure(run_args(), "k: expected batch 2 (as q), got 3");
+  save_inputs(q, random_operand(DType::f32, {2, 9, 2, 16}, rng), kv);
+  expect_clean_failure(run_args(), "k: expected head_dim 8 (as q), got 16");
+  save_inputs(q, kv, random_operand(DType::f32, {2, 10, 2, 8}, rng));
+  expect_clean_failure(run_args(), "v: expected shape");
+  save_inputs(q, random_operand(DType::f32, {2, 9, 3, 8}, rng),
+              random_operand(DType::f32, {2, 9, 3, 8}, rng));
+  expect_clean_failure(run_args(), "heads_kv");
+  save_inputs(q, kv, kv);
+  flashattn::npy::write_npy(path("q.npy"), q.f32.data(), std::vector<std::int64_t>{2, 7, 32});
+  expect_clean_failure(run_args(), "q: expected a rank-4 array");
+  save_inputs(random_operand(DType::f16, {2, 7, 4, 8}, rng), kv, kv);
+  expect_clean_failure(run_args(), "dtype");
+}
+
+TEST_F(CliErrorTest, BadOptionValues) {
+  save_valid_inputs();
+  for (const char* window : {"3", "a,b", "1,2,3", "-2,0", "0,-5", ",", "1.5,2"}) {
+    expect_clean_failure(with(run_args(), {"--window", window}), "--window");
+  }
+  for (const char* scale : {"0", "-1", "nan", "inf", "abc", ""}) {
+    expect_clean_failure(with(run_args(), {"--scale", scale}), "--scale");
+  }
+  expect_clean_failure(with(run_args(), {"--impl", "fast"}),
+                       "--impl: expected flash, standard or reference, got 'fast'");
+  expect_clean_failure(with(run_args(), {"--repeat", "0"}), "--repeat");
+  expect_clean_failure(with(run_args(), {"--threads", "-3"}), "--threads");
+  expect_clean_failure({"run", "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("v.npy")},
+                       "--out is required");
+  expect_clean_failure({}, "subcommand");
+  expect_clean_failure({"frobnicate"}, "frobnicate");
+}
+
+TEST_F(CliTest, DemoOnSmallShapesAgrees) {
+  const Completed f32 =
+      run({"demo", "--seqlen", "64", "--heads", "2", "--head-dim", "32", "--repeat", "1"});
+  EXPECT_EQ(f32.exit_code, 0) << f32.out << f32.err;
+  EXPECT_NE(f32.out.find("\nagree: yes"), std::string::npos) << f32.out;
+  EXPECT_NE(
+      f32.out.find("batch 2, heads 2 (kv heads 2), seqlen 64 (kv 64), head_dim 32, causal, f32"),
+      std::string::npos)
+      << f32.out;
+
+  const Completed f16 =
+      run({"demo", "--seqlen", "33", "--seqlen-kv", "47", "--heads", "4", "--kv-heads", "2",
+           "--head-dim", "40", "--no-causal", "--dtype", "f16", "--repeat", "1"});
+  EXPECT_EQ(f16.exit_code, 0) << f16.out << f16.err;
+  EXPECT_NE(f16.out.find("\nagree: yes"), std::string::npos) << f16.out;
+  EXPECT_NE(f16.out.find("no mask, f16"), std::string::npos) << f16.out;
+}
+
+TEST_F(CliTest, DemoRejectsBadArguments) {
+  const Completed gqa = run({"demo", "--seqlen", "8", "--heads", "3", "--kv-heads", "2"});
+  EXPECT_EQ(gqa.exit_code, 1);
+  EXPECT_NE(gqa.err.find("flashattn: error: "), std::string::npos) << gqa.err;
+  EXPECT_NE(gqa.err.find("heads_kv"), std::string::npos) << gqa.err;
+
+  const Completed dtype = run({"demo", "--dtype", "f64"});
+  EXPECT_EQ(dtype.exit_code, 2);
+  EXPECT_EQ(dtype.err.rfind("flashattn: error: --dtype", 0), 0u) << dtype.err;
+}
+
+TEST_F(CliTest, HelpAndVersion) {
+  for (const auto& [args, usage] :
+       {std::pair{std::vector<std::string>{"--help"}, "Usage: "},
+        std::pair{std::vector<std::string>{"demo", "--help"}, "demo [OPTIONS]"},
+        std::pair{std::vector<std::string>{"run", "--help"}, "run [OPTIONS]"}}) {
+    const Completed completed = run(args);
+    EXPECT_EQ(completed.exit_code, 0) << args.front();
+    EXPECT_NE(completed.out.find(usage), std::string::npos) << completed.out;
+    EXPECT_NE(completed.out.find("--"), std::string::npos);
+  }
+  const Completed version = run({"--version"});
+  EXPECT_EQ(version.exit_code, 0);
+  EXPECT_EQ(version.out.rfind("flashattn ", 0), 0u) << version.out;
+  EXPECT_EQ(entries(), std::vector<std::string>{});
+}
+
+}  // namespace

@@ -1,0 +1,28 @@
+#pragma once
+
+// Pieces shared by the `flashattn` subcommands.
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace flashattn::cli {
+
+// Exit codes of the tool.
+constexpr int kExitOk = 0;
+constexpr int kExitError = 1;     // invalid input, unreadable or unwritable file
+constexpr int kExitUsage = 2;     // bad command line
+constexpr int kExitMismatch = 3;  // `demo`: the two paths disagree
+
+// Each subcommand adds itself to `app` and returns the action to run once `app` has parsed the
+// command line and chosen that subcommand.
+using Action = std::function<int()>;
+Action add_demo_command(CLI::App& app);
+Action add_run_command(CLI::App& app);
+
+// Median wall-clock seconds of `repeat` back-to-back calls (the caller does any warm-up).
+double median_seconds(int repeat, const std::function<void()>& call);
+
+// The worker threads a call with `requested` threads uses (0 = all that OpenMP offers).
+int resolved_threads(int requested);
+
+}  // namespace flashattn::cli

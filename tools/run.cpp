@@ -1,0 +1,207 @@
+// `flashattn run`: attention on .npy inputs, .npy outputs, one JSON line of timing on stdout.
+
+#include <array>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli_common.hpp"
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "npy.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+struct RunOptions {
+  std::string q_path, k_path, v_path, out_path, lse_path;
+  bool causal = false;
+  std::string window = "-1,-1";
+  std::string scale;  // empty: 1/sqrt(head_dim)
+  std::string impl = "flash";
+  int threads = 0;
+  int repeat = 3;
+};
+
+template <class Number>
+bool parse_number(std::string_view text, Number& value) {
+  const char* end = text.data() + text.size();
+  const auto [stop, error] = std::from_chars(text.data(), end, value);
+  return error == std::errc() && stop == end;
+}
+
+// "L,R" with integers >= -1, -1 meaning unbounded on that side.
+std::optional<std::array<std::int64_t, 2>> parse_window(const std::string& text) {
+  const std::size_t comma = text.find(',');
+  if (comma == std::string::npos) return std::nullopt;
+  std::array<std::int64_t, 2> window{};
+  const std::string_view all(text);
+  if (!parse_number(all.substr(0, comma), window[0]) ||
+      !parse_number(all.substr(comma + 1), window[1]) || window[0] < -1 || window[1] < -1) {
+    return std::nullopt;
+  }
+  return window;
+}
+
+std::optional<float> parse_scale(const std::string& text) {
+  float scale = 0.0f;
+  if (!parse_number(std::string_view(text), scale) || !std::isfinite(scale) || scale <= 0.0f) {
+    return std::nullopt;
+  }
+  return scale;
+}
+
+std::optional<AttentionImpl> parse_impl(const std::string& text) {
+  for (const AttentionImpl impl :
+       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+    if (text == impl_name(impl)) return impl;
+  }
+  return std::nullopt;
+}
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string text = "(";
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    text += (d > 0 ? ", " : "") + std::to_string(shape[d]);
+  }
+  return text + (shape.size() == 1 ? ",)" : ")");
+}
+
+npy::Array read_operand(const char* name, const char* layout, const std::string& path) {
+  npy::Array array = npy::read_npy(path);
+  if (array.shape.size() != 4) {
+    throw Error(std::string(name) + ": expected a rank-4 array " + layout + ", got shape " +
+                shape_text(array.shape) + " in " + path);
+  }
+  return array;
+}
+
+ConstTensorView view_of(const npy::Array& array) {
+  return contiguous_view(array.data(), array.dtype,
+                         {array.shape[0], array.shape[1], array.shape[2], array.shape[3]});
+}
+
+std::filesystem::path normalized(const std::string& path) {
+  return std::filesystem::absolute(path).lexically_normal();
+}
+
+int run_attention(const RunOptions& options) {
+  const AttentionImpl impl = *parse_impl(options.impl);
+  const std::array<std::int64_t, 2> window = *parse_window(options.window);
+
+  // Open the outputs first, so that an unwritable destination fails before any work is done.
+  npy::Writer out_writer(options.out_path);
+  std::unique_ptr<npy::Writer> lse_writer;
+  if (!options.lse_path.empty()) {
+    if (normalized(options.lse_path) == normalized(options.out_path)) {
+      throw Error("--lse: expected a path different from --out, got " + options.lse_path);
+    }
+    lse_writer = std::make_unique<npy::Writer>(options.lse_path);
+  }
+
+  const npy::Array q = read_operand("q", "[batch, seqlen_q, heads_q, head_dim]", options.q_path);
+  const npy::Array k = read_operand("k", "[batch, seqlen_kv, heads_kv, head_dim]", options.k_path);
+  const npy::Array v = read_operand("v", "[batch, seqlen_kv, heads_kv, head_dim]", options.v_path);
+
+  AttentionOptions attention;
+  if (!options.scale.empty()) attention.softmax_scale = *parse_scale(options.scale);
+  attention.causal = options.causal;
+  attention.window_left = window[0];
+  attention.window_right = window[1];
+  attention.num_threads = options.threads;
+
+  const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
+                     head_dim = q.shape[3], seqlen_kv = k.shape[1], heads_kv = k.shape[2];
+  // The output keeps the input dtype inside the library and is widened to float32 for the file.
+  const std::int64_t out_numel = q.numel();
+  std::vector<float> out_f32(q.dtype == DType::f32 ? out_numel : 0);
+  std::vector<std::uint16_t> out_f16(q.dtype == DType::f16 ? out_numel : 0);
+  void* out_data = q.dtype == DType::f32 ? static_cast<void*>(out_f32.data())
+                                         : static_cast<void*>(out_f16.data());
+  const TensorView out = contiguous_view(out_data, q.dtype, {batch, seqlen_q, heads_q, head_dim});
+  std::vector<float> lse(static_cast<std::size_t>(batch * heads_q * seqlen_q));
+
+  auto compute = [&] {
+    attention_forward(impl, view_of(q), view_of(k), view_of(v), out, lse.data(), attention);
+  };
+  compute();  // warm-up; also where invalid shapes are rejected
+  const double seconds = median_seconds(options.repeat, compute);
+
+  if (q.dtype == DType::f16) {
+    out_f32.resize(out_numel);
+    for (std::int64_t i = 0; i < out_numel; ++i) out_f32[i] = detail::f32_from_f16(out_f16[i]);
+  }
+  const std::array<std::int64_t, 4> out_shape{batch, seqlen_q, heads_q, head_dim};
+  const std::array<std::int64_t, 3> lse_shape{batch, heads_q, seqlen_q};
+  out_writer.write(out_f32.data(), out_shape);
+  if (lse_writer) lse_writer->write(lse.data(), lse_shape);
+
+  const double flops = attention_flops(batch, heads_q, seqlen_q, seqlen_kv, head_dim, attention);
+  const double gflops = seconds > 0.0 ? flops / seconds * 1e-9 : 0.0;
+  const float scale =
+      attention.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
+  std::printf(
+      "{\"impl\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, \"seqlen_q\": %lld, "
+      "\"seqlen_kv\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, "
+      "\"causal\": %s, \"window\": [%lld, %lld], \"scale\": %.9g, \"threads\": %d, "
+      "\"repeat\": %d, \"seconds\": %.9g, \"flops\": %.17g, \"gflops\": %.6g}\n",
+      impl_name(impl), dtype_name(q.dtype), static_cast<long long>(batch),
+      static_cast<long long>(seqlen_q), static_cast<long long>(seqlen_kv),
+      static_cast<long long>(heads_q), static_cast<long long>(heads_kv),
+      static_cast<long long>(head_dim), options.causal ? "true" : "false",
+      static_cast<long long>(window[0]), static_cast<long long>(window[1]),
+      static_cast<double>(scale), resolved_threads(options.threads), options.repeat, seconds, flops,
+      gflops);
+  return kExitOk;
+}
+
+}  // namespace
+
+Action add_run_command(CLI::App& app) {
+  auto options = std::make_shared<RunOptions>();
+  CLI::App* command =
+      app.add_subcommand("run", "Attention on .npy files; prints one JSON line of timing");
+  command->footer(
+      "Inputs: q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_kv, heads_kv, "
+      "head_dim], all float32 or all float16 (float16 runs as f16). Outputs, float32: out "
+      "[batch, seqlen_q, heads_q, head_dim], lse [batch, heads_q, seqlen_q]. Nothing is written "
+      "unless the run succeeds.\nExit codes: 0 success, 1 invalid input or file error, 2 bad "
+      "command line.");
+  command->add_option("--q", options->q_path, "Queries .npy")->required();
+  command->add_option("--k", options->k_path, "Keys .npy")->required();
+  command->add_option("--v", options->v_path, "Values .npy")->required();
+  command->add_option("--out", options->out_path, "Output .npy (float32)")->required();
+  command->add_option("--lse", options->lse_path, "Logsumexp output .npy (float32)");
+  command->add_flag("--causal", options->causal, "Causal mask, aligned to the bottom-right corner");
+  command
+      ->add_option("--window", options->window,
+                   "Sliding window L,R around the diagonal, -1 = unbounded on that side")
+      ->check([](const std::string& text) -> std::string {
+        return parse_window(text) ? "" : "expected L,R with integers >= -1, got '" + text + "'";
+      });
+  command->add_option("--scale", options->scale, "Softmax scale (default 1/sqrt(head_dim))")
+      ->check([](const std::string& text) -> std::string {
+        return parse_scale(text) ? "" : "expected a finite number > 0, got '" + text + "'";
+      });
+  command->add_option("--impl", options->impl, "flash, standard or reference")
+      ->capture_default_str()
+      ->check([](const std::string& text) -> std::string {
+        return parse_impl(text) ? "" : "expected flash, standard or reference, got '" + text + "'";
+      });
+  command->add_option("--threads", options->threads, "Worker threads, 0 = all")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  command->add_option("--repeat", options->repeat, "Timed runs after one warm-up (median)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  return [options] { return run_attention(*options); };
+}
+
+}  // namespace flashattn::cli
