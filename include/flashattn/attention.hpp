@@ -43,7 +43,8 @@ void attention_forward(AttentionImpl impl, const ConstTensorView& q, const Const
                        const ConstTensorView& v, const TensorView& out, float* lse,
                        const AttentionOptions& options = {});
 
-// Bytes of score / probability tiles that one call of `impl` allocates, all threads together:
+// Bytes of score / probability tiles that one call of `impl` allocates at most, all threads
+// together:
 // seqlen_q * seqlen_kv floats per concurrently processed head for the standard path, one
 // Br x Bc tile per thread for FlashAttention, one row of doubles per thread for the reference.
 std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::int64_t seqlen_kv,

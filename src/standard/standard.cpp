@@ -68,58 +68,86 @@ float softmax_row(float* scores, std::int64_t width, KeyRange keys) {
 
 }  // namespace
 
-void standard_forward(const AttentionParams& p) {
-  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim;
+namespace {
+
+struct HeadScratch {
+  std::vector<float> scores, q_copy, k_copy, v_copy, out_copy;
+};
+
+// One (batch, head). `row_threads` > 1 spreads the softmax rows over that many threads (used when
+// there are fewer heads than threads; the sgemms then thread inside OpenBLAS).
+void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, HeadScratch& t,
+                   int row_threads) {
+  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim, h_kv = p.kv_head(h);
   const std::int64_t width = cpu::pad_to_lanes(Skv);  // row stride of the score matrix
-  const std::int64_t tasks = p.batch * p.heads_q;
+  t.scores.resize(static_cast<std::size_t>(Sq * width));
+  const Matrix q = gather_rows(t.q_copy, p.q, p.dtype, p.q_strides, b, h, Sq, D);
+  const Matrix k = gather_rows(t.k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
+  const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
 
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    std::vector<float> scores(static_cast<std::size_t>(Sq * width));
-    std::vector<float> q_copy, k_copy, v_copy, out_copy;
-#pragma omp for schedule(dynamic)
-    for (std::int64_t task = 0; task < tasks; ++task) {
-      const std::int64_t b = task / p.heads_q, h = task % p.heads_q, h_kv = p.kv_head(h);
-      const Matrix q = gather_rows(q_copy, p.q, p.dtype, p.q_strides, b, h, Sq, D);
-      const Matrix k = gather_rows(k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
-      const Matrix v = gather_rows(v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
-
-      // A = scale · Q·Kᵀ                                       [Sq x Skv]
-      if (Skv > 0) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, p.scale, q.data,
-                    q.stride, k.data, k.stride, 0.0f, scores.data(), width);
-      }
-      // P = softmax(A + M), row by row                         [Sq x Skv]
-      for (std::int64_t row = 0; row < Sq; ++row) {
-        const float lse = softmax_row(scores.data() + row * width, width, p.key_range(row));
-        if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
-      }
-      // O = P·V                                                [Sq x D]
-      float* out = nullptr;
-      std::int64_t out_stride = D;
-      const bool write_in_place = p.dtype == DType::f32 && (Sq <= 1 || p.out_strides.seq >= D);
-      if (write_in_place) {
-        out = static_cast<float*>(p.out) + p.out_strides.offset(b, 0, h);
-        out_stride = Sq <= 1 ? D : p.out_strides.seq;
-      } else {
-        out_copy.resize(static_cast<std::size_t>(Sq * D));
-        out = out_copy.data();
-      }
-      if (Skv > 0) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, scores.data(),
-                    width, v.data, v.stride, 0.0f, out, out_stride);
-      } else {
-        for (std::int64_t row = 0; row < Sq; ++row) {
-          for (std::int64_t d = 0; d < D; ++d) out[row * out_stride + d] = 0.0f;
-        }
-      }
-      if (!write_in_place) {
-        for (std::int64_t row = 0; row < Sq; ++row) {
-          store_row_f32(p.out, p.dtype, p.out_strides.offset(b, row, h), out + row * D, D);
-        }
-      }
+  // A = scale · Q·Kᵀ                                           [Sq x Skv]
+  if (Skv > 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, p.scale, q.data, q.stride,
+                k.data, k.stride, 0.0f, t.scores.data(), width);
+  }
+  // P = softmax(A + M), row by row                             [Sq x Skv]
+#pragma omp parallel for num_threads(row_threads) if (row_threads > 1)
+  for (std::int64_t row = 0; row < Sq; ++row) {
+    const float lse = softmax_row(t.scores.data() + row * width, width, p.key_range(row));
+    if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
+  }
+  // O = P·V                                                    [Sq x D]
+  float* out = nullptr;
+  std::int64_t out_stride = D;
+  const bool write_in_place = p.dtype == DType::f32 && (Sq <= 1 || p.out_strides.seq >= D);
+  if (write_in_place) {
+    out = static_cast<float*>(p.out) + p.out_strides.offset(b, 0, h);
+    out_stride = Sq <= 1 ? D : p.out_strides.seq;
+  } else {
+    t.out_copy.resize(static_cast<std::size_t>(Sq * D));
+    out = t.out_copy.data();
+  }
+  if (Skv > 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.scores.data(),
+                width, v.data, v.stride, 0.0f, out, out_stride);
+  } else {
+    for (std::int64_t row = 0; row < Sq; ++row) {
+      std::fill_n(out + row * out_stride, D, 0.0f);
     }
   }
+  if (!write_in_place) {
+    for (std::int64_t row = 0; row < Sq; ++row) {
+      store_row_f32(p.out, p.dtype, p.out_strides.offset(b, row, h), out + row * D, D);
+    }
+  }
+}
+
+}  // namespace
+
+void standard_forward(const AttentionParams& p) {
+  const std::int64_t tasks = p.batch * p.heads_q;
+  if (tasks >= p.num_threads) {
+    // One head per thread at a time; OpenBLAS (OpenMP build) runs each sgemm on the calling
+    // thread inside this region.
+#pragma omp parallel num_threads(p.num_threads)
+    {
+      HeadScratch scratch;
+#pragma omp for schedule(dynamic)
+      for (std::int64_t task = 0; task < tasks; ++task) {
+        standard_head(p, task / p.heads_q, task % p.heads_q, scratch, 1);
+      }
+    }
+    return;
+  }
+  // Fewer heads than threads: heads in turn, each sgemm threaded by OpenBLAS. OpenBLAS sizes its
+  // team from this thread's OpenMP thread count, so set it for the call and put it back.
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(p.num_threads);
+  HeadScratch scratch;
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    standard_head(p, task / p.heads_q, task % p.heads_q, scratch, p.num_threads);
+  }
+  omp_set_num_threads(saved_threads);
 }
 
 }  // namespace flashattn::detail
