@@ -1,30 +1,22 @@
-// The smallest use of flashattn: causal FlashAttention on random q, k, v, checked against the
-// standard path, which materializes the whole score matrix.
-#include <flashattn/flashattn.hpp>
-
+// Causal FlashAttention on random q, k, v, checked against the standard path.
 #include <algorithm>
-#include <array>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
+#include <flashattn/flashattn.hpp>
 #include <random>
 #include <vector>
 
 int main() {
-  using flashattn::contiguous_view;
   const std::array<std::int64_t, 4> shape = {1, 128, 4, 64};  // [batch, seqlen, heads, head_dim]
-  const std::size_t count = 1 * 128 * 4 * 64;
-
+  std::vector<float> q(1 * 128 * 4 * 64), k(q.size()), v(q.size()), flash(q.size()),
+      standard(q.size());
   std::mt19937 rng(42);
   std::normal_distribution<float> normal;
-  const auto random_tensor = [&] {
-    std::vector<float> tensor(count);
-    for (float& x : tensor) x = normal(rng);
-    return tensor;
-  };
-  const std::vector<float> q = random_tensor(), k = random_tensor(), v = random_tensor();
-  std::vector<float> flash(count), standard(count);
+  for (auto* tensor : {&q, &k, &v}) {
+    std::generate(tensor->begin(), tensor->end(), [&] { return normal(rng); });
+  }
 
+  using flashattn::contiguous_view;
   flashattn::AttentionOptions options;
   options.causal = true;
   flashattn::flash_attention_forward(
@@ -36,7 +28,7 @@ int main() {
                                 contiguous_view(standard.data(), shape), /*lse=*/nullptr, options);
 
   float max_difference = 0.0f;
-  for (std::size_t i = 0; i < count; ++i) {
+  for (std::size_t i = 0; i < q.size(); ++i) {
     max_difference = std::max(max_difference, std::abs(flash[i] - standard[i]));
   }
   std::printf("max |flash - standard| = %.3g\n", max_difference);

@@ -50,3 +50,13 @@ if(NOT step_output MATCHES "max \\|flash - standard\\| = ")
     "${step_output}")
 endif()
 message(STATUS "installed flashattn works from ${prefix}: ${step_output}")
+
+# The README shows examples/minimal.cpp as its usage example: keep the two identical, so the
+# example a reader copies is the one this test compiled and ran.
+file(READ "${SOURCE_DIR}/examples/minimal.cpp" example)
+file(READ "${SOURCE_DIR}/README.md" readme)
+string(FIND "${readme}" "```cpp\n${example}```" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "README.md: expected examples/minimal.cpp verbatim in a ```cpp block, "
+    "got a different example: copy examples/minimal.cpp into the README")
+endif()

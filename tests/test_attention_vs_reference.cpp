@@ -59,9 +59,12 @@ std::string describe(const Case& c) {
 std::array<std::int64_t, 4> strides_for(Layout layout, std::array<std::int64_t, 4> shape) {
   const auto [B, S, H, D] = shape;
   switch (layout) {
-    case Layout::bshd: return contiguous_strides(shape);
-    case Layout::bhsd: return {H * S * D, D, S * D, 1};
-    case Layout::padded: return {S * H * (D + 8), H * (D + 8), D + 8, 1};
+    case Layout::bshd:
+      return contiguous_strides(shape);
+    case Layout::bhsd:
+      return {H * S * D, D, S * D, 1};
+    case Layout::padded:
+      return {S * H * (D + 8), H * (D + 8), D + 8, 1};
   }
   return contiguous_strides(shape);
 }
@@ -111,8 +114,8 @@ std::vector<Case> make_grid() {
     }
   }
   // Sliding windows, alone and with the causal mask, on square and uneven shapes.
-  const std::pair<std::int64_t, std::int64_t> windows[] = {{0, 0}, {16, 0}, {32, 8}, {-1, 4},
-                                                           {7, -1}, {200, 200}};
+  const std::pair<std::int64_t, std::int64_t> windows[] = {{0, 0},  {16, 0}, {32, 8},
+                                                           {-1, 4}, {7, -1}, {200, 200}};
   int w = 0;
   for (const auto& [left, right] : windows) {
     for (const auto& [sq, skv] : {std::pair<std::int64_t, std::int64_t>{255, 255}, {113, 203}}) {
@@ -127,8 +130,8 @@ std::vector<Case> make_grid() {
     }
   }
   // GQA and MQA.
-  for (const auto& [hq, hkv] : {std::pair<std::int64_t, std::int64_t>{4, 2}, {6, 1}, {8, 8},
-                                {8, 4}}) {
+  for (const auto& [hq, hkv] :
+       {std::pair<std::int64_t, std::int64_t>{4, 2}, {6, 1}, {8, 8}, {8, 4}}) {
     Case c{2, 127, 130, hq, hkv, 64};
     c.causal = hq != hkv;
     c.threads = 3;
@@ -164,15 +167,17 @@ MaxError max_lse_error(const std::vector<float>& lse, const ReferenceResult& ref
     double error = std::abs(got - want);
     if (std::isinf(want)) error = got == want ? 0.0 : INFINITY;
     if (std::isnan(got)) error = INFINITY;
-    if (error > worst.value || worst.index < 0) worst = {error, static_cast<std::int64_t>(i), got, want};
+    if (error > worst.value || worst.index < 0)
+      worst = {error, static_cast<std::int64_t>(i), got, want};
   }
   return worst;
 }
 
 double max_abs(const Tensor& t) {
   double result = 0.0;
-  t.for_each_index(
-      [&](auto a, auto b, auto c, auto d) { result = std::max<double>(result, std::abs(t.at(a, b, c, d))); });
+  t.for_each_index([&](auto a, auto b, auto c, auto d) {
+    result = std::max<double>(result, std::abs(t.at(a, b, c, d)));
+  });
   return result;
 }
 
@@ -247,13 +252,16 @@ void check_against_reference(const Case& c) {
 
 class AttentionVsReference : public ::testing::TestWithParam<Case> {};
 
-TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) { check_against_reference(GetParam()); }
+TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) {
+  check_against_reference(GetParam());
+}
 
 INSTANTIATE_TEST_SUITE_P(Grid, AttentionVsReference, ::testing::ValuesIn(make_grid()),
                          [](const auto& info) {
                            std::string name = describe(info.param);
-                           std::replace_if(name.begin(), name.end(),
-                                           [](char ch) { return !std::isalnum(ch); }, '_');
+                           std::replace_if(
+                               name.begin(), name.end(), [](char ch) { return !std::isalnum(ch); },
+                               '_');
                            return name;
                          });
 

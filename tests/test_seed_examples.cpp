@@ -120,11 +120,10 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, SeedFourTokenCausal, ::testing::ValuesIn(kAll
 class EdgeSemantics : public ::testing::TestWithParam<AttentionImpl> {
  protected:
   // Runs GetParam() on q [1, Sq, 2, D] and k/v [1, Skv, 2, D] filled by the callers.
-  void run(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-           std::vector<float>& lse, const AttentionOptions& options) {
+  void run(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::vector<float>& lse,
+           const AttentionOptions& options) {
     out.poison();
-    lse.assign(static_cast<std::size_t>(q.view.shape[0] * q.view.shape[2] * q.view.shape[1]),
-               NAN);
+    lse.assign(static_cast<std::size_t>(q.view.shape[0] * q.view.shape[2] * q.view.shape[1]), NAN);
     attention_forward(GetParam(), q.view, k.view, v.view, out.view, lse.data(), options);
   }
 };

@@ -79,9 +79,12 @@ inline std::uint64_t test_seed() {
 // Unit roundoff of a storage dtype (half an ulp at 1).
 inline double unit_roundoff(DType dtype) {
   switch (dtype) {
-    case DType::f32: return 0x1p-24;
-    case DType::f16: return 0x1p-11;
-    case DType::bf16: return 0x1p-8;
+    case DType::f32:
+      return 0x1p-24;
+    case DType::f16:
+      return 0x1p-11;
+    case DType::bf16:
+      return 0x1p-8;
   }
   return 0.0;
 }

@@ -42,60 +42,91 @@ struct BadCase {
 
 std::vector<BadCase> bad_cases() {
   return {
-      {"KeyHeadDimMismatch", [](Problem& p) { p.k = Tensor(DType::f32, {2, 7, 2, 16}); },
+      {"KeyHeadDimMismatch",
+       [](Problem& p) {
+         p.k = Tensor(DType::f32, {2, 7, 2, 16});
+       },
        {"k: expected head_dim 8 (as q), got 16"}},
-      {"ValueShapeMismatch", [](Problem& p) { p.v = Tensor(DType::f32, {2, 6, 2, 8}); },
+      {"ValueShapeMismatch",
+       [](Problem& p) {
+         p.v = Tensor(DType::f32, {2, 6, 2, 8});
+       },
        {"v: expected shape [2, 7, 2, 8] (as k), got [2, 6, 2, 8]"}},
-      {"BatchMismatch", [](Problem& p) {
+      {"BatchMismatch",
+       [](Problem& p) {
          p.k = Tensor(DType::f32, {1, 7, 2, 8});
          p.v = Tensor(DType::f32, {1, 7, 2, 8});
        },
        {"k: expected batch 2 (as q), got 1"}},
-      {"OutShapeMismatch", [](Problem& p) { p.replace_out(Tensor(DType::f32, {2, 5, 4, 7})); },
+      {"OutShapeMismatch",
+       [](Problem& p) {
+         p.replace_out(Tensor(DType::f32, {2, 5, 4, 7}));
+       },
        {"out: expected shape [2, 5, 4, 8] (as q), got [2, 5, 4, 7]"}},
-      {"DtypeMismatch", [](Problem& p) { p.v = Tensor(DType::bf16, {2, 7, 2, 8}); },
+      {"DtypeMismatch",
+       [](Problem& p) {
+         p.v = Tensor(DType::bf16, {2, 7, 2, 8});
+       },
        {"v: expected dtype f32 (as q), got bf16"}},
-      {"OutDtypeMismatch", [](Problem& p) { p.replace_out(Tensor(DType::f16, {2, 5, 4, 8})); },
+      {"OutDtypeMismatch",
+       [](Problem& p) {
+         p.replace_out(Tensor(DType::f16, {2, 5, 4, 8}));
+       },
        {"out: expected dtype f32 (as q), got f16"}},
-      {"HeadDimZero", [](Problem& p) {
+      {"HeadDimZero",
+       [](Problem& p) {
          p.q = Tensor(DType::f32, {2, 5, 4, 0});
          p.k = Tensor(DType::f32, {2, 7, 2, 0});
          p.v = Tensor(DType::f32, {2, 7, 2, 0});
          p.replace_out(Tensor(DType::f32, {2, 5, 4, 0}));
        },
        {"q: expected head_dim >= 1, got 0"}},
-      {"HeadsNotAMultiple", [](Problem& p) {
+      {"HeadsNotAMultiple",
+       [](Problem& p) {
          p.k = Tensor(DType::f32, {2, 7, 3, 8});
          p.v = Tensor(DType::f32, {2, 7, 3, 8});
        },
        {"k: expected heads_kv dividing heads_q = 4, got heads_kv 3"}},
-      {"NullQuery", [](Problem& p) { p.q.view.data = nullptr; },
+      {"NullQuery",
+       [](Problem& p) { p.q.view.data = nullptr; },
        {"q: expected a data pointer, got null"}},
-      {"NullOut", [](Problem& p) { p.out.view.data = nullptr; },
+      {"NullOut",
+       [](Problem& p) { p.out.view.data = nullptr; },
        {"out: expected a data pointer, got null"}},
-      {"ZeroScale", [](Problem& p) { p.options.softmax_scale = 0.0f; },
+      {"ZeroScale",
+       [](Problem& p) { p.options.softmax_scale = 0.0f; },
        {"softmax_scale: expected a finite value > 0, got 0"}},
-      {"NegativeScale", [](Problem& p) { p.options.softmax_scale = -1.0f; },
+      {"NegativeScale",
+       [](Problem& p) { p.options.softmax_scale = -1.0f; },
        {"softmax_scale: expected a finite value > 0, got -1"}},
-      {"NaNScale", [](Problem& p) { p.options.softmax_scale = NAN; },
+      {"NaNScale",
+       [](Problem& p) { p.options.softmax_scale = NAN; },
        {"softmax_scale: expected a finite value > 0, got nan"}},
-      {"InfiniteScale", [](Problem& p) { p.options.softmax_scale = INFINITY; },
+      {"InfiniteScale",
+       [](Problem& p) { p.options.softmax_scale = INFINITY; },
        {"softmax_scale: expected a finite value > 0, got inf"}},
-      {"WindowLeftBelowMinusOne", [](Problem& p) { p.options.window_left = -2; },
+      {"WindowLeftBelowMinusOne",
+       [](Problem& p) { p.options.window_left = -2; },
        {"window_left: expected >= -1 (-1 = unbounded), got -2"}},
-      {"WindowRightBelowMinusOne", [](Problem& p) { p.options.window_right = -5; },
+      {"WindowRightBelowMinusOne",
+       [](Problem& p) { p.options.window_right = -5; },
        {"window_right: expected >= -1 (-1 = unbounded), got -5"}},
-      {"NegativeThreads", [](Problem& p) { p.options.num_threads = -1; },
+      {"NegativeThreads",
+       [](Problem& p) { p.options.num_threads = -1; },
        {"num_threads: expected >= 0 (0 = all), got -1"}},
-      {"NonContiguousLastDim", [](Problem& p) {
+      {"NonContiguousLastDim",
+       [](Problem& p) {
          p.q = Tensor(DType::f32, {2, 5, 4, 8}, {320, 64, 16, 2});
        },
        {"q: expected a contiguous last dim (stride 1), got stride 2"}},
-      {"NegativeStride", [](Problem& p) { p.k.view.strides[1] = -16; },
+      {"NegativeStride",
+       [](Problem& p) { p.k.view.strides[1] = -16; },
        {"k: expected non-negative strides"}},
-      {"OutAliasesQuery", [](Problem& p) { p.out.view.data = p.q.view.data; },
+      {"OutAliasesQuery",
+       [](Problem& p) { p.out.view.data = p.q.view.data; },
        {"out: expected memory disjoint from q, got overlapping buffers"}},
-      {"OutOverlapsValue", [](Problem& p) {
+      {"OutOverlapsValue",
+       [](Problem& p) {
          p.out.view.data = p.v.bytes.data() + 4 * sizeof(float);
          p.out.view.shape = {1, 1, 1, 8};
          p.out.view.strides = {8, 8, 8, 1};
@@ -104,9 +135,13 @@ std::vector<BadCase> bad_cases() {
          p.v.view.shape = {1, 7, 1, 8};
        },
        {"out: expected memory disjoint from v, got overlapping buffers"}},
-      {"OutSelfOverlapping", [](Problem& p) { p.out.view.strides = {32, 0, 8, 1}; },
+      {"OutSelfOverlapping",
+       [](Problem& p) {
+         p.out.view.strides = {32, 0, 8, 1};
+       },
        {"out: expected strides that give every element its own address"}},
-      {"LseOverlapsOut", [](Problem& p) { p.lse.clear(); },
+      {"LseOverlapsOut",
+       [](Problem& p) { p.lse.clear(); },
        {"lse: expected memory disjoint from out"}},
   };
 }
@@ -144,9 +179,9 @@ INSTANTIATE_TEST_SUITE_P(Attention, BadInput, ::testing::ValuesIn(bad_cases()),
 TEST(Validation, ErrorIsAnInvalidArgument) {
   Problem p;
   p.options.softmax_scale = 0.0f;
-  EXPECT_THROW(flash_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, nullptr,
-                                       p.options),
-               std::invalid_argument);
+  EXPECT_THROW(
+      flash_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, nullptr, p.options),
+      std::invalid_argument);
 }
 
 TEST(Validation, MessageNamesTheEntryPoint) {
@@ -164,7 +199,7 @@ TEST(Validation, VisiblePairsCountsTheMaskExactly) {
   AttentionOptions causal;
   causal.causal = true;
   EXPECT_EQ(visible_pairs(4, 4, {}), 16);
-  EXPECT_EQ(visible_pairs(4, 4, causal), 10);    // 1 + 2 + 3 + 4
+  EXPECT_EQ(visible_pairs(4, 4, causal), 10);     // 1 + 2 + 3 + 4
   EXPECT_EQ(visible_pairs(2, 5, causal), 4 + 5);  // bottom-right: rows see 4 and 5 keys
   EXPECT_EQ(visible_pairs(5, 2, causal), 1 + 2);  // the first three rows see nothing
   AttentionOptions window;

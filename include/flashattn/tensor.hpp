@@ -26,9 +26,7 @@ struct BasicTensorView {
   std::int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
 
   // A mutable view reads as a const one wherever an input is expected.
-  operator BasicTensorView<const void*>() const
-    requires std::is_same_v<Pointer, void*>
-  {
+  operator BasicTensorView<const void*>() const requires std::is_same_v<Pointer, void*> {
     return {data, dtype, shape, strides};
   }
 };

@@ -11,9 +11,12 @@ namespace flashattn {
 
 const char* impl_name(AttentionImpl impl) {
   switch (impl) {
-    case AttentionImpl::flash: return "flash";
-    case AttentionImpl::standard: return "standard";
-    case AttentionImpl::reference: return "reference";
+    case AttentionImpl::flash:
+      return "flash";
+    case AttentionImpl::standard:
+      return "standard";
+    case AttentionImpl::reference:
+      return "reference";
   }
   return "unknown";
 }
@@ -33,24 +36,27 @@ void attention_standard(const ConstTensorView& q, const ConstTensorView& k,
 void attention_reference(const ConstTensorView& q, const ConstTensorView& k,
                          const ConstTensorView& v, const TensorView& out, float* lse,
                          const AttentionOptions& options) {
-  detail::reference_forward(
-      detail::make_params("attention_reference", q, k, v, out, lse, options));
+  detail::reference_forward(detail::make_params("attention_reference", q, k, v, out, lse, options));
 }
 
 void attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
                        const ConstTensorView& v, const TensorView& out, float* lse,
                        const AttentionOptions& options) {
   switch (impl) {
-    case AttentionImpl::flash: return flash_attention_forward(q, k, v, out, lse, options);
-    case AttentionImpl::standard: return attention_standard(q, k, v, out, lse, options);
-    case AttentionImpl::reference: return attention_reference(q, k, v, out, lse, options);
+    case AttentionImpl::flash:
+      return flash_attention_forward(q, k, v, out, lse, options);
+    case AttentionImpl::standard:
+      return attention_standard(q, k, v, out, lse, options);
+    case AttentionImpl::reference:
+      return attention_reference(q, k, v, out, lse, options);
   }
   throw Error("attention_forward: impl: expected flash, standard or reference");
 }
 
 std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::int64_t seqlen_kv,
                                 std::int64_t head_dim, const AttentionOptions& options) {
-  const std::int64_t threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  const std::int64_t threads =
+      options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   switch (impl) {
     case AttentionImpl::flash: {
       const detail::FlashTiles tiles = detail::flash_tiles(head_dim);

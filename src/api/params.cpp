@@ -11,9 +11,12 @@ namespace flashattn {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
+    case DType::f32:
+      return "f32";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
   }
   return "unknown";
 }
@@ -75,8 +78,7 @@ void check_view(const char* caller, const char* name, const View& view) {
     }
   }
   if (view.shape[3] > 1 && view.strides[3] != 1) {
-    fail(caller, name, ": expected a contiguous last dim (stride 1), got stride ",
-         view.strides[3]);
+    fail(caller, name, ": expected a contiguous last dim (stride 1), got stride ", view.strides[3]);
   }
   if (view.numel() > 0 && view.data == nullptr) {
     fail(caller, name, ": expected a data pointer, got null for shape ", shape_string(view.shape));
@@ -138,8 +140,7 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
          shape_string(out.shape));
   }
   if (heads_q % heads_kv != 0) {
-    fail(caller, "k: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ",
-         heads_kv);
+    fail(caller, "k: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ", heads_kv);
   }
 
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -173,8 +174,8 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   }
   if (lse != nullptr) {
     const auto begin = reinterpret_cast<std::uintptr_t>(lse);
-    const ByteSpan lse_span{begin, begin + static_cast<std::uintptr_t>(batch * heads_q *
-                                                                       seqlen_q * sizeof(float))};
+    const ByteSpan lse_span{
+        begin, begin + static_cast<std::uintptr_t>(batch * heads_q * seqlen_q * sizeof(float))};
     if (out_span.overlaps(lse_span)) {
       fail(caller, "lse: expected memory disjoint from out, got overlapping buffers");
     }

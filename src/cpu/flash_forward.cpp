@@ -46,9 +46,14 @@ struct Scratch {
   std::vector<float> q, k_packed, v, scores, acc, row_max, row_sum;
 
   Scratch(FlashTiles tiles, std::int64_t D)
-      : dims_padded(cpu::pad_to_lanes(D)), q(tiles.rows * dims_padded),
-        k_packed(D * tiles.keys), v(tiles.keys * dims_padded), scores(tiles.rows * tiles.keys),
-        acc(tiles.rows * dims_padded), row_max(tiles.rows), row_sum(tiles.rows) {}
+      : dims_padded(cpu::pad_to_lanes(D)),
+        q(tiles.rows * dims_padded),
+        k_packed(D * tiles.keys),
+        v(tiles.keys * dims_padded),
+        scores(tiles.rows * tiles.keys),
+        acc(tiles.rows * dims_padded),
+        row_max(tiles.rows),
+        row_sum(tiles.rows) {}
 };
 
 // One task: rows [row_begin, row_end) of head h in batch b.

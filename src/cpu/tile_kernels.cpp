@@ -8,15 +8,14 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/tile_kernels.cpp"
-#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include "cpu/tile_kernels.hpp"
 
 #include <hwy/contrib/math/math-inl.h>
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
 #include <cmath>
 #include <limits>
-
-#include "cpu/tile_kernels.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::detail::cpu {
@@ -51,7 +50,8 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) hn::StoreU(hn::Mul(acc[r][c], scale), tag, scores + r * ld_scores + c * N);
+    for (int c = 0; c < C; ++c)
+      hn::StoreU(hn::Mul(acc[r][c], scale), tag, scores + r * ld_scores + c * N);
 }
 
 template <int R>
@@ -62,8 +62,8 @@ HWY_INLINE void ScoresRows(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t j = 0;
   for (; j + kBlockVectors * N <= keys_padded; j += kBlockVectors * N) {
-    ScoresBlock<R, kBlockVectors>(tag, scores + j, ld_scores, q, ld_q, k_packed + j, ld_k,
-                                  head_dim, scale);
+    ScoresBlock<R, kBlockVectors>(tag, scores + j, ld_scores, q, ld_q, k_packed + j, ld_k, head_dim,
+                                  scale);
   }
   for (; j < keys_padded; j += N) {
     ScoresBlock<R, 1>(tag, scores + j, ld_scores, q, ld_q, k_packed + j, ld_k, head_dim, scale);
@@ -96,7 +96,8 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
   for (std::int64_t i = 0; i < rows; ++i) {
     float* HWY_RESTRICT s = scores + i * ld_scores;
     Vec max_vec = hn::Set(tag, kNegativeInfinity);
-    for (std::int64_t j = 0; j < keys_padded; j += N) max_vec = hn::Max(max_vec, hn::LoadU(tag, s + j));
+    for (std::int64_t j = 0; j < keys_padded; j += N)
+      max_vec = hn::Max(max_vec, hn::LoadU(tag, s + j));
     const float tile_max = hn::GetLane(hn::MaxOfLanes(tag, max_vec));
     const float old_max = row_max[i];
     const float new_max = tile_max > old_max ? tile_max : old_max;
@@ -131,8 +132,8 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]
 template <int R, int C>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                        const float* HWY_RESTRICT p, std::int64_t ld_p,
-                        const float* HWY_RESTRICT v, std::int64_t ld_v, std::int64_t keys) {
+                        const float* HWY_RESTRICT p, std::int64_t ld_p, const float* HWY_RESTRICT v,
+                        std::int64_t ld_v, std::int64_t keys) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
   for (int r = 0; r < R; ++r)
@@ -151,9 +152,8 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
 
 template <int R>
 HWY_INLINE void PvRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                       const float* HWY_RESTRICT p, std::int64_t ld_p,
-                       const float* HWY_RESTRICT v, std::int64_t ld_v, std::int64_t keys,
-                       std::int64_t dims_padded) {
+                       const float* HWY_RESTRICT p, std::int64_t ld_p, const float* HWY_RESTRICT v,
+                       std::int64_t ld_v, std::int64_t keys, std::int64_t dims_padded) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t d = 0;
   for (; d + kBlockVectors * N <= dims_padded; d += kBlockVectors * N) {
@@ -190,15 +190,15 @@ HWY_EXPORT(AccumulatePvTile);
 void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
                  const float* k_packed, std::int64_t ld_k, std::int64_t rows,
                  std::int64_t keys_padded, std::int64_t head_dim, float scale) {
-  HWY_DYNAMIC_DISPATCH(ScoresTile)(scores, ld_scores, q, ld_q, k_packed, ld_k, rows, keys_padded,
-                                   head_dim, scale);
+  HWY_DYNAMIC_DISPATCH(ScoresTile)
+  (scores, ld_scores, q, ld_q, k_packed, ld_k, rows, keys_padded, head_dim, scale);
 }
 
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, float* row_sum,
                          float* acc, std::int64_t ld_acc, std::int64_t rows,
                          std::int64_t keys_padded, std::int64_t dims_padded) {
-  HWY_DYNAMIC_DISPATCH(OnlineSoftmaxTile)(scores, ld_scores, row_max, row_sum, acc, ld_acc, rows,
-                                          keys_padded, dims_padded);
+  HWY_DYNAMIC_DISPATCH(OnlineSoftmaxTile)
+  (scores, ld_scores, row_max, row_sum, acc, ld_acc, rows, keys_padded, dims_padded);
 }
 
 void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::int64_t ld_p,

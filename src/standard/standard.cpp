@@ -3,8 +3,8 @@
 // the mask, a row softmax with max subtraction, then O = P·V (sgemm).
 //
 // Memory: each thread holds one seqlen_q x seqlen_kv fp32 matrix (4 · Sq · Skv bytes, rows
-// padded to 16 floats: 4 MiB at S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for one head when the inputs
-// are f16/bf16 or the layout is not one sgemm can read.
+// padded to 16 floats: 4 MiB at S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for
+// one head when the inputs are f16/bf16 or the layout is not one sgemm can read.
 
 #include <cblas.h>
 #include <omp.h>
@@ -108,8 +108,8 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     out = t.out_copy.data();
   }
   if (Skv > 0) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.scores.data(),
-                width, v.data, v.stride, 0.0f, out, out_stride);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.scores.data(), width,
+                v.data, v.stride, 0.0f, out, out_stride);
   } else {
     for (std::int64_t row = 0; row < Sq; ++row) {
       std::fill_n(out + row * out_stride, D, 0.0f);

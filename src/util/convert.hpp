@@ -39,9 +39,9 @@ inline std::uint16_t f16_from_f32(float value) {
   const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
   const std::uint16_t sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
   const std::uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7e00u;               // NaN
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;              // rounds to infinity
-  if (magnitude < 0x38800000u) {                                    // subnormal half or zero
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds to infinity
+  if (magnitude < 0x38800000u) {                        // subnormal half or zero
     // Scale so that one half-subnormal ulp (2^-24) is 1.0, then round to nearest even.
     const float scaled = std::bit_cast<float>(magnitude) * 0x1p24f;
     const float rounded = scaled + 0x1p23f - 0x1p23f;  // exact RNE for scaled < 2^23
@@ -53,18 +53,27 @@ inline std::uint16_t f16_from_f32(float value) {
 
 inline float load_f32(const void* base, DType dtype, std::int64_t index) {
   switch (dtype) {
-    case DType::f32: return static_cast<const float*>(base)[index];
-    case DType::f16: return f32_from_f16(static_cast<const std::uint16_t*>(base)[index]);
-    case DType::bf16: return f32_from_bf16(static_cast<const std::uint16_t*>(base)[index]);
+    case DType::f32:
+      return static_cast<const float*>(base)[index];
+    case DType::f16:
+      return f32_from_f16(static_cast<const std::uint16_t*>(base)[index]);
+    case DType::bf16:
+      return f32_from_bf16(static_cast<const std::uint16_t*>(base)[index]);
   }
   return 0.0f;
 }
 
 inline void store_f32(void* base, DType dtype, std::int64_t index, float value) {
   switch (dtype) {
-    case DType::f32: static_cast<float*>(base)[index] = value; return;
-    case DType::f16: static_cast<std::uint16_t*>(base)[index] = f16_from_f32(value); return;
-    case DType::bf16: static_cast<std::uint16_t*>(base)[index] = bf16_from_f32(value); return;
+    case DType::f32:
+      static_cast<float*>(base)[index] = value;
+      return;
+    case DType::f16:
+      static_cast<std::uint16_t*>(base)[index] = f16_from_f32(value);
+      return;
+    case DType::bf16:
+      static_cast<std::uint16_t*>(base)[index] = bf16_from_f32(value);
+      return;
   }
 }
 
