@@ -6,13 +6,16 @@
 // step that is C vector loads and R broadcasts for R·C FMAs: 4 x 4 on AVX-512 (16 of 32 zmm
 // registers, 8 loads per 16 FMAs), 4 x 2 on narrower targets (8 of 16 registers).
 
+// Highway's order: foreach_target.h first, then highway.h, then the contrib headers.
+// clang-format off
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/tile_kernels.cpp"
-#include "cpu/tile_kernels.hpp"
-
-#include <hwy/contrib/math/math-inl.h>
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
+#include <hwy/contrib/math/math-inl.h>
+// clang-format on
+
+#include "cpu/tile_kernels.hpp"
 
 #include <cmath>
 #include <limits>
