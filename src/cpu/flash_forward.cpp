@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -31,7 +32,7 @@ FlashTiles flash_tiles(std::int64_t head_dim) {
   // Br = 64 query rows, Bc = 128 keys keeps the five tiles of one task (224 KiB at D = 128)
   // inside a 1-2 MiB L2 with room for the next K/V block; shrink the query block for wide
   // heads so the working set stays about the same. Bc must be a multiple of cpu::kTileLanes.
-  const std::int64_t rows = head_dim > 128 ? 32 : 64;
+  const std::int64_t rows = head_dim > 128 ? 128 : 256;
   return {rows, 128};
 }
 
@@ -43,18 +44,90 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0.
 struct Scratch {
   std::int64_t dims_padded;
-  std::vector<float> q, k_packed, v, scores, acc, row_max, row_sum;
+  std::vector<float> q, k_packed, v_packed, scores, acc, row_max, row_sum;
 
   Scratch(FlashTiles tiles, std::int64_t D)
       : dims_padded(cpu::pad_to_lanes(D)),
         q(tiles.rows * dims_padded),
         k_packed(D * tiles.keys),
-        v(tiles.keys * dims_padded),
+        v_packed(tiles.keys * dims_padded),
         scores(tiles.rows * tiles.keys),
         acc(tiles.rows * dims_padded),
         row_max(tiles.rows),
         row_sum(tiles.rows) {}
 };
+
+// Element readers for the storage dtypes, so that packing compiles to plain loads for f32.
+struct LoadF32 {
+  const float* base;
+  float operator()(std::int64_t index) const { return base[index]; }
+};
+template <float (*kWiden)(std::uint16_t)>
+struct LoadHalf {
+  const std::uint16_t* base;
+  float operator()(std::int64_t index) const { return kWiden(base[index]); }
+};
+
+template <class Visitor>
+decltype(auto) with_loader(DType dtype, const void* base, Visitor&& visit) {
+  switch (dtype) {
+    case DType::f16:
+      return visit(LoadHalf<f32_from_f16>{static_cast<const std::uint16_t*>(base)});
+    case DType::bf16:
+      return visit(LoadHalf<f32_from_bf16>{static_cast<const std::uint16_t*>(base)});
+    case DType::f32:
+      break;
+  }
+  return visit(LoadF32{static_cast<const float*>(base)});
+}
+
+// Kᵀ of keys [key_begin, key_begin + keys) as [D x keys_padded] column panels; padded keys are 0.
+void pack_keys(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
+               std::int64_t key_begin, std::int64_t keys, std::int64_t keys_padded) {
+  const std::int64_t D = p.head_dim;
+  with_loader(p.dtype, p.k, [&](auto load) {
+    for (std::int64_t j = 0; j < keys_padded; ++j) {
+      const std::int64_t panel_begin = j / cpu::kPanelWidth * cpu::kPanelWidth;
+      const std::int64_t width = std::min(cpu::kPanelWidth, keys_padded - panel_begin);
+      float* column = t.k_packed.data() + cpu::packed_index(0, j, D, keys_padded);
+      if (j >= keys) {
+        for (std::int64_t d = 0; d < D; ++d) column[d * width] = 0.0f;
+        continue;
+      }
+      const std::int64_t offset = p.k_strides.offset(b, key_begin + j, h_kv);
+      for (std::int64_t d = 0; d < D; ++d) column[d * width] = load(offset + d);
+    }
+  });
+}
+
+// V of keys [key_begin, key_begin + keys) as [keys x Dp] column panels; padded dims are 0.
+void pack_values(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
+                 std::int64_t key_begin, std::int64_t keys) {
+  const std::int64_t D = p.head_dim, Dp = t.dims_padded;
+  with_loader(p.dtype, p.v, [&](auto load) {
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const std::int64_t offset = p.v_strides.offset(b, key_begin + j, h_kv);
+      for (std::int64_t d0 = 0; d0 < Dp; d0 += cpu::kPanelWidth) {
+        const std::int64_t width = std::min(cpu::kPanelWidth, Dp - d0);
+        const std::int64_t loaded = std::min(width, D - d0);
+        float* row = t.v_packed.data() + cpu::packed_index(j, d0, keys, Dp);
+        for (std::int64_t d = 0; d < loaded; ++d) row[d] = load(offset + d0 + d);
+        for (std::int64_t d = loaded; d < width; ++d) row[d] = 0.0f;
+      }
+    }
+  });
+}
+
+// Whether no element of values[0, n) is an infinity or NaN (exponent bits all ones). Integer
+// arithmetic so that the loop vectorizes.
+bool all_finite(const float* values, std::int64_t n) {
+  constexpr std::uint32_t kExponentMask = 0x7f800000u;
+  std::uint32_t non_finite = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    non_finite |= (std::bit_cast<std::uint32_t>(values[i]) & kExponentMask) == kExponentMask;
+  }
+  return non_finite == 0;
+}
 
 // One task: rows [row_begin, row_end) of head h in batch b.
 void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int64_t b,
@@ -79,26 +152,32 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int
     const std::int64_t key_end = std::min(key_begin + tiles.keys, block_keys.end);
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
-    // Pack Kᵀ [D x keys_padded] and V [keys x Dp], zero-padded.
-    for (std::int64_t j = 0; j < keys; ++j) {
-      const std::int64_t k_offset = p.k_strides.offset(b, key_begin + j, h_kv);
-      for (std::int64_t d = 0; d < D; ++d) {
-        t.k_packed[d * keys_padded + j] = load_f32(p.k, p.dtype, k_offset + d);
-      }
-      load_row_f32(t.v.data() + j * Dp, p.v, p.dtype, p.v_strides.offset(b, key_begin + j, h_kv),
-                   D);
-    }
-    for (std::int64_t d = 0; d < D; ++d) {
-      std::fill(t.k_packed.begin() + d * keys_padded + keys,
-                t.k_packed.begin() + (d + 1) * keys_padded, 0.0f);
-    }
+    pack_keys(p, t, b, h_kv, key_begin, keys, keys_padded);
+    pack_values(p, t, b, h_kv, key_begin, keys);
 
-    cpu::scores_tile(t.scores.data(), tiles.keys, t.q.data(), Dp, t.k_packed.data(), keys_padded,
-                     rows, keys_padded, D, p.scale);
+    // Rows [active_begin, active_end) see some key of this block: the others (above the diagonal
+    // of a causal block, beside a window) skip it entirely.
+    const bool fully_visible = last_row.begin <= key_begin && first_row.end >= key_end;
+    std::int64_t active_begin = 0, active_end = rows;
+    if (!fully_visible) {
+      while (active_begin < rows && p.key_range(row_begin + active_begin).end <= key_begin) {
+        ++active_begin;
+      }
+      while (active_end > active_begin &&
+             p.key_range(row_begin + active_end - 1).begin >= key_end) {
+        --active_end;
+      }
+    }
+    const std::int64_t active = active_end - active_begin;
+    if (active == 0) continue;
+    float* scores = t.scores.data() + active_begin * tiles.keys;
+    float* acc = t.acc.data() + active_begin * Dp;
+
+    cpu::scores_tile(scores, tiles.keys, t.q.data() + active_begin * Dp, Dp, t.k_packed.data(),
+                     active, keys_padded, D, p.scale);
 
     // Mask: padded keys always, and the keys of a partly visible block outside each row's range.
-    const bool fully_visible = last_row.begin <= key_begin && first_row.end >= key_end;
-    for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t i = active_begin; i < active_end; ++i) {
       float* s = t.scores.data() + i * tiles.keys;
       std::fill(s + keys, s + keys_padded, kNegativeInfinity);
       if (fully_visible) continue;
@@ -109,22 +188,24 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int
       }
     }
 
-    cpu::online_softmax_tile(t.scores.data(), tiles.keys, t.row_max.data(), t.row_sum.data(),
-                             t.acc.data(), Dp, rows, keys_padded, Dp);
+    cpu::online_softmax_tile(scores, tiles.keys, t.row_max.data() + active_begin,
+                             t.row_sum.data() + active_begin, acc, Dp, active, keys_padded, Dp);
 
-    if (fully_visible) {
-      cpu::accumulate_pv_tile(t.acc.data(), Dp, t.scores.data(), tiles.keys, t.v.data(), Dp, rows,
-                              keys, Dp);
+    // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then the whole tile can go
+    // through the blocked kernel with the same result as skipping the masked keys.
+    if (fully_visible || all_finite(t.v_packed.data(), keys * Dp)) {
+      cpu::accumulate_pv_tile(acc, Dp, scores, tiles.keys, t.v_packed.data(), keys, 0, keys, active,
+                              Dp);
     } else {
-      // Only each row's visible keys: a masked key's p is 0, but 0 · inf in its value row would
-      // still leak NaN into a row that never saw it.
-      for (std::int64_t i = 0; i < rows; ++i) {
+      // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
+      // that never saw it.
+      for (std::int64_t i = active_begin; i < active_end; ++i) {
         const KeyRange row_keys = p.key_range(row_begin + i);
         const std::int64_t first = std::clamp(row_keys.begin, key_begin, key_end) - key_begin;
         const std::int64_t last = std::clamp(row_keys.end, key_begin, key_end) - key_begin;
         if (first >= last) continue;
-        cpu::accumulate_pv_tile(t.acc.data() + i * Dp, Dp, t.scores.data() + i * tiles.keys + first,
-                                tiles.keys, t.v.data() + first * Dp, Dp, 1, last - first, Dp);
+        cpu::accumulate_pv_tile(t.acc.data() + i * Dp, Dp, t.scores.data() + i * tiles.keys,
+                                tiles.keys, t.v_packed.data(), keys, first, last, 1, Dp);
       }
     }
   }

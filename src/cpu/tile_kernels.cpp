@@ -17,6 +17,7 @@
 
 #include "cpu/tile_kernels.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -57,35 +58,50 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
       hn::StoreU(hn::Mul(acc[r][c], scale), tag, scores + r * ld_scores + c * N);
 }
 
-template <int R>
-HWY_INLINE void ScoresRows(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
-                           const float* HWY_RESTRICT q, std::int64_t ld_q,
-                           const float* HWY_RESTRICT k_packed, std::int64_t ld_k,
-                           std::int64_t keys_padded, std::int64_t head_dim, Vec scale) {
+// All rows against the key columns [0, width) of one packed panel (head_dim rows of `width`
+// floats, contiguous: 32 KiB at D = 128). The panel stays in L1 while every row block passes
+// over it. Measured on one AVX-512 core, 64 x 128 x 128 tile: 113 GFLOP/s when each row block
+// streamed a 128-key Kᵀ with 512-byte row stride (set conflicts halve the usable L1), 121 with
+// panels of that strided layout, 170+ with contiguous panels.
+HWY_INLINE void ScoresPanel(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
+                            const float* HWY_RESTRICT q, std::int64_t ld_q,
+                            const float* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
+                            std::int64_t head_dim, Vec scale) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t j = 0;
-  for (; j + kBlockVectors * N <= keys_padded; j += kBlockVectors * N) {
-    ScoresBlock<R, kBlockVectors>(tag, scores + j, ld_scores, q, ld_q, k_packed + j, ld_k, head_dim,
-                                  scale);
+  for (; j + kBlockVectors * N <= width; j += kBlockVectors * N) {
+    std::int64_t i = 0;
+    for (; i + kBlockRows <= rows; i += kBlockRows) {
+      ScoresBlock<kBlockRows, kBlockVectors>(tag, scores + i * ld_scores + j, ld_scores,
+                                             q + i * ld_q, ld_q, panel + j, width, head_dim, scale);
+    }
+    for (; i < rows; ++i) {
+      ScoresBlock<1, kBlockVectors>(tag, scores + i * ld_scores + j, ld_scores, q + i * ld_q, ld_q,
+                                    panel + j, width, head_dim, scale);
+    }
   }
-  for (; j < keys_padded; j += N) {
-    ScoresBlock<R, 1>(tag, scores + j, ld_scores, q, ld_q, k_packed + j, ld_k, head_dim, scale);
+  for (; j < width; j += N) {
+    std::int64_t i = 0;
+    for (; i + kBlockRows <= rows; i += kBlockRows) {
+      ScoresBlock<kBlockRows, 1>(tag, scores + i * ld_scores + j, ld_scores, q + i * ld_q, ld_q,
+                                 panel + j, width, head_dim, scale);
+    }
+    for (; i < rows; ++i) {
+      ScoresBlock<1, 1>(tag, scores + i * ld_scores + j, ld_scores, q + i * ld_q, ld_q, panel + j,
+                        width, head_dim, scale);
+    }
   }
 }
 
 void ScoresTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, const float* HWY_RESTRICT q,
-                std::int64_t ld_q, const float* HWY_RESTRICT k_packed, std::int64_t ld_k,
-                std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim, float scale) {
+                std::int64_t ld_q, const float* HWY_RESTRICT k_packed, std::int64_t rows,
+                std::int64_t keys_padded, std::int64_t head_dim, float scale) {
   const Tag tag;
   const Vec scale_vec = hn::Set(tag, scale);
-  std::int64_t i = 0;
-  for (; i + kBlockRows <= rows; i += kBlockRows) {
-    ScoresRows<kBlockRows>(tag, scores + i * ld_scores, ld_scores, q + i * ld_q, ld_q, k_packed,
-                           ld_k, keys_padded, head_dim, scale_vec);
-  }
-  for (; i < rows; ++i) {
-    ScoresRows<1>(tag, scores + i * ld_scores, ld_scores, q + i * ld_q, ld_q, k_packed, ld_k,
-                  keys_padded, head_dim, scale_vec);
+  for (std::int64_t j = 0; j < keys_padded; j += kPanelWidth) {
+    const std::int64_t width = std::min(kPanelWidth, keys_padded - j);
+    ScoresPanel(tag, scores + j, ld_scores, q, ld_q, k_packed + j * head_dim, width, rows, head_dim,
+                scale_vec);
   }
 }
 
@@ -153,29 +169,40 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
     for (int c = 0; c < C; ++c) hn::StoreU(sums[r][c], tag, acc + r * ld_acc + c * N);
 }
 
-template <int R>
-HWY_INLINE void PvRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                       const float* HWY_RESTRICT p, std::int64_t ld_p, const float* HWY_RESTRICT v,
-                       std::int64_t ld_v, std::int64_t keys, std::int64_t dims_padded) {
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  std::int64_t d = 0;
-  for (; d + kBlockVectors * N <= dims_padded; d += kBlockVectors * N) {
-    PvBlock<R, kBlockVectors>(tag, acc + d, ld_acc, p, ld_p, v + d, ld_v, keys);
+// All rows against one packed panel of value dims (keys rows of `width` floats, contiguous:
+// 32 KiB for 128 keys), kept in L1 while every row block passes over it; as for the scores.
+template <int C>
+HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
+                          const float* HWY_RESTRICT p, std::int64_t ld_p,
+                          const float* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
+                          std::int64_t keys) {
+  std::int64_t i = 0;
+  for (; i + kBlockRows <= rows; i += kBlockRows) {
+    PvBlock<kBlockRows, C>(tag, acc + i * ld_acc, ld_acc, p + i * ld_p, ld_p, panel, width, keys);
   }
-  for (; d < dims_padded; d += N) PvBlock<R, 1>(tag, acc + d, ld_acc, p, ld_p, v + d, ld_v, keys);
+  for (; i < rows; ++i) {
+    PvBlock<1, C>(tag, acc + i * ld_acc, ld_acc, p + i * ld_p, ld_p, panel, width, keys);
+  }
 }
 
 void AccumulatePvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT p,
-                      std::int64_t ld_p, const float* HWY_RESTRICT v, std::int64_t ld_v,
-                      std::int64_t rows, std::int64_t keys, std::int64_t dims_padded) {
+                      std::int64_t ld_p, const float* HWY_RESTRICT v_packed,
+                      std::int64_t packed_keys, std::int64_t key_begin, std::int64_t key_end,
+                      std::int64_t rows, std::int64_t dims_padded) {
   const Tag tag;
-  std::int64_t i = 0;
-  for (; i + kBlockRows <= rows; i += kBlockRows) {
-    PvRows<kBlockRows>(tag, acc + i * ld_acc, ld_acc, p + i * ld_p, ld_p, v, ld_v, keys,
-                       dims_padded);
-  }
-  for (; i < rows; ++i) {
-    PvRows<1>(tag, acc + i * ld_acc, ld_acc, p + i * ld_p, ld_p, v, ld_v, keys, dims_padded);
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const std::int64_t keys = key_end - key_begin;
+  p += key_begin;
+  for (std::int64_t d0 = 0; d0 < dims_padded; d0 += kPanelWidth) {
+    const std::int64_t width = std::min(kPanelWidth, dims_padded - d0);
+    const float* HWY_RESTRICT panel = v_packed + d0 * packed_keys + key_begin * width;
+    std::int64_t d = 0;
+    for (; d + kBlockVectors * N <= width; d += kBlockVectors * N) {
+      PvColumns<kBlockVectors>(tag, acc + d0 + d, ld_acc, p, ld_p, panel + d, width, rows, keys);
+    }
+    for (; d < width; d += N) {
+      PvColumns<1>(tag, acc + d0 + d, ld_acc, p, ld_p, panel + d, width, rows, keys);
+    }
   }
 }
 
@@ -191,10 +218,10 @@ HWY_EXPORT(OnlineSoftmaxTile);
 HWY_EXPORT(AccumulatePvTile);
 
 void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
-                 const float* k_packed, std::int64_t ld_k, std::int64_t rows,
-                 std::int64_t keys_padded, std::int64_t head_dim, float scale) {
+                 const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
+                 std::int64_t head_dim, float scale) {
   HWY_DYNAMIC_DISPATCH(ScoresTile)
-  (scores, ld_scores, q, ld_q, k_packed, ld_k, rows, keys_padded, head_dim, scale);
+  (scores, ld_scores, q, ld_q, k_packed, rows, keys_padded, head_dim, scale);
 }
 
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, float* row_sum,
@@ -205,9 +232,10 @@ void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, 
 }
 
 void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::int64_t ld_p,
-                        const float* v, std::int64_t ld_v, std::int64_t rows, std::int64_t keys,
-                        std::int64_t dims_padded) {
-  HWY_DYNAMIC_DISPATCH(AccumulatePvTile)(acc, ld_acc, p, ld_p, v, ld_v, rows, keys, dims_padded);
+                        const float* v_packed, std::int64_t packed_keys, std::int64_t key_begin,
+                        std::int64_t key_end, std::int64_t rows, std::int64_t dims_padded) {
+  HWY_DYNAMIC_DISPATCH(AccumulatePvTile)
+  (acc, ld_acc, p, ld_p, v_packed, packed_keys, key_begin, key_end, rows, dims_padded);
 }
 
 std::vector<SimdTarget> supported_simd_targets() {

@@ -3,14 +3,13 @@
 // The FlashAttention inner steps on one (Q block, K/V block) tile, each a separate function so
 // that one can be replaced without touching the driver. Each is compiled once per SIMD target
 // (Highway: SSSE3, SSE4, AVX2, AVX-512 and a portable fallback) and picked at run time for the
-// CPU at hand. Tiles are fp32 and row-major, with padded widths so that every row is a whole
-// number of vectors:
-//   q        [rows x ld_q]        the query block (first head_dim columns used)
-//   k_packed [head_dim x ld_k]    the key block transposed, keys zero-padded to ld_k
-//   v        [keys x ld_v]        the value block, head_dim zero-padded to ld_v
-//   scores   [rows x ld_scores]   scores, then probabilities, in place
-//   acc      [rows x ld_acc]      unnormalized output accumulator
-// `width` arguments (keys_padded, dims_padded) are multiples of kTileLanes.
+// CPU at hand. Tiles are fp32:
+//   q        [rows x ld_q]            the query block, row-major (first head_dim columns used)
+//   k_packed Kᵀ [head_dim x keys_padded] in column panels (packed_index), keys zero-padded
+//   v_packed V [keys x dims_padded] in column panels (packed_index), dims zero-padded
+//   scores   [rows x ld_scores]       scores, then probabilities, in place, row-major
+//   acc      [rows x ld_acc]          unnormalized output accumulator, row-major
+// `keys_padded` and `dims_padded` are multiples of kTileLanes.
 
 #include <cstdint>
 #include <string>
@@ -26,10 +25,25 @@ constexpr std::int64_t pad_to_lanes(std::int64_t n) {
   return (n + kTileLanes - 1) / kTileLanes * kTileLanes;
 }
 
-// scores[:, :keys_padded] = scale · q · k_packed                       [rows x keys_padded]
+// Packed operands are stored as column panels of kPanelWidth floats: panel after panel, each
+// holding all rows of its columns contiguously. A kernel streams one panel (32 KiB for 128 rows)
+// from L1 while every row block of the other operand passes over it; row-major rows 512 bytes
+// apart would instead alias into half of L1's sets.
+inline constexpr std::int64_t kPanelWidth = 64;
+
+// Index of element (row, col) of a [rows x cols_padded] matrix packed in column panels.
+constexpr std::int64_t packed_index(std::int64_t row, std::int64_t col, std::int64_t rows,
+                                    std::int64_t cols_padded) {
+  const std::int64_t panel_begin = col / kPanelWidth * kPanelWidth;
+  const std::int64_t width =
+      cols_padded - panel_begin < kPanelWidth ? cols_padded - panel_begin : kPanelWidth;
+  return panel_begin * rows + row * width + (col - panel_begin);
+}
+
+// scores[:, :keys_padded] = scale · q · Kᵀ                             [rows x keys_padded]
 void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
-                 const float* k_packed, std::int64_t ld_k, std::int64_t rows,
-                 std::int64_t keys_padded, std::int64_t head_dim, float scale);
+                 const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
+                 std::int64_t head_dim, float scale);
 
 // Online softmax over one tile (Milakov & Gimelshein 2018; FlashAttention-2, Alg. 1): per row
 // m_new = max(m, rowmax(s)); p = exp(s - m_new); l = l·exp(m - m_new) + rowsum(p); the
@@ -40,10 +54,11 @@ void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, 
                          float* acc, std::int64_t ld_acc, std::int64_t rows,
                          std::int64_t keys_padded, std::int64_t dims_padded);
 
-// acc[:, :dims_padded] += p[:, :keys] · v                              [rows x dims_padded]
+// acc[:, :dims_padded] += p[:, key_begin:key_end] · V[key_begin:key_end]   [rows x dims_padded]
+// V is the packed [packed_keys x dims_padded] value tile; p points at column 0 of the tile.
 void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::int64_t ld_p,
-                        const float* v, std::int64_t ld_v, std::int64_t rows, std::int64_t keys,
-                        std::int64_t dims_padded);
+                        const float* v_packed, std::int64_t packed_keys, std::int64_t key_begin,
+                        std::int64_t key_end, std::int64_t rows, std::int64_t dims_padded);
 
 // The SIMD targets compiled into the library that this CPU supports, best first, and a way to
 // pin dispatch to one of them (0 restores the default: the best). For tests and benchmarks.
