@@ -10,9 +10,10 @@
 // from every row of the task are never visited.
 //
 // Memory: per thread Q (Br·D), Kᵀ (D·Bc), V (Bc·D), S (Br·Bc), acc (Br·D) floats plus 2·Br for
-// m and l: ~224 KiB at D = 128, whatever the sequence lengths. Every byte of K and V is read
-// once per Q block, so K/V traffic is Skv·D·4·2 · ceil(Sq / Br) bytes per head instead of the
-// standard path's 3 passes over a 4·Sq·Skv-byte score matrix.
+// m and l: 448 KiB at D = 128 with Br = 256, Bc = 128 (tile_sizes.cpp says why those sizes),
+// whatever the sequence lengths. Every byte of K and V is read and packed once per Q block, so
+// K/V traffic is Skv·D·4·2 · ceil(Sq / Br) bytes per head instead of the standard path's 3
+// passes over a 4·Sq·Skv-byte score matrix.
 
 #include <omp.h>
 
@@ -24,16 +25,15 @@
 
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_sizes.hpp"
 #include "util/convert.hpp"
 
 namespace flashattn::detail {
 
 FlashTiles flash_tiles(std::int64_t head_dim) {
-  // Br = 64 query rows, Bc = 128 keys keeps the five tiles of one task (224 KiB at D = 128)
-  // inside a 1-2 MiB L2 with room for the next K/V block; shrink the query block for wide
-  // heads so the working set stays about the same. Bc must be a multiple of cpu::kTileLanes.
-  const std::int64_t rows = head_dim > 128 ? 128 : 256;
-  return {rows, 128};
+  static const cpu::CacheSizes caches = cpu::detect_cache_sizes();
+  const cpu::TileSizes tiles = cpu::choose_tile_sizes(head_dim, caches);
+  return {tiles.rows, tiles.keys};
 }
 
 namespace {

@@ -1,0 +1,73 @@
+#include "cpu/tile_sizes.hpp"
+
+#include <algorithm>
+#include <fstream>
+#include <string>
+
+#include "cpu/tile_kernels.hpp"
+
+namespace flashattn::detail::cpu {
+namespace {
+
+// "48K", "2048K", "1M" -> bytes; 0 when unreadable.
+std::int64_t parse_cache_size(const std::string& text) {
+  std::size_t digits = 0;
+  std::int64_t value = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') {
+    value = value * 10 + (text[digits] - '0');
+    ++digits;
+  }
+  if (digits == 0) return 0;
+  const char unit = digits < text.size() ? text[digits] : ' ';
+  if (unit == 'K') return value * 1024;
+  if (unit == 'M') return value * 1024 * 1024;
+  return value;
+}
+
+std::int64_t round_down(std::int64_t value, std::int64_t multiple) {
+  return value / multiple * multiple;
+}
+
+}  // namespace
+
+CacheSizes detect_cache_sizes() {
+  CacheSizes caches{0, 0};
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index);
+    std::ifstream level_file(dir + "/level"), type_file(dir + "/type"), size_file(dir + "/size");
+    int level = 0;
+    std::string type, size;
+    if (!(level_file >> level) || !(type_file >> type) || !(size_file >> size)) continue;
+    if (level == 1 && type == "Data") caches.l1d_bytes = parse_cache_size(size);
+    if (level == 2 && (type == "Unified" || type == "Data"))
+      caches.l2_bytes = parse_cache_size(size);
+  }
+  if (caches.l1d_bytes <= 0) caches.l1d_bytes = kFallbackCaches.l1d_bytes;
+  if (caches.l2_bytes <= 0) caches.l2_bytes = kFallbackCaches.l2_bytes;
+  return caches;
+}
+
+TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
+  constexpr std::int64_t kFloat = 4;
+  const std::int64_t dims = pad_to_lanes(head_dim);
+
+  // Bc: the packed V panel (Bc keys x kPanelWidth floats) is what the P·V kernel keeps in L1
+  // while all query rows pass over it; give it at most two thirds of L1 (Bc = 128 at 48 KiB,
+  // 64 at 32 KiB... measured: on a 48 KiB-L1 core, Bc = 128 beat 64 by ~10%, since the softmax
+  // and the rescale are paid per block).
+  const std::int64_t keys =
+      std::clamp(round_down(caches.l1d_bytes * 2 / 3 / (kPanelWidth * kFloat), kTileLanes),
+                 std::int64_t{64}, std::int64_t{256});
+
+  // Br: one task's tiles, Q and acc (Br x dims), scores (Br x Bc) and packed K and V
+  // (2 x Bc x dims), fill at most half of L2 so the next K/V rows and the output stream past
+  // them. The larger Br, the more query rows share each packed K/V block: on one AVX-512 core
+  // with a 2 MiB L2, D = 128, non-causal S = 1024, Br = 64 / 128 / 256 gave 75 / 93 / 116
+  // GFLOP/s. Capped at 256: beyond it causal diagonal blocks waste more than packing saves.
+  const std::int64_t budget = caches.l2_bytes / 2 / kFloat - 2 * keys * dims;
+  const std::int64_t rows =
+      std::clamp(round_down(budget / (2 * dims + keys), kTileLanes), kTileLanes, std::int64_t{256});
+  return {rows, keys};
+}
+
+}  // namespace flashattn::detail::cpu

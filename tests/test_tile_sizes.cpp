@@ -1,0 +1,58 @@
+// The tile-size choice is a pure function of head_dim and the cache sizes (tile_sizes.hpp).
+
+#include <gtest/gtest.h>
+
+#include "cpu/tile_kernels.hpp"
+#include "cpu/tile_sizes.hpp"
+
+namespace flashattn::detail::cpu {
+namespace {
+
+constexpr CacheSizes kServerCore{48 * 1024, 2 * 1024 * 1024};  // e.g. Sapphire Rapids
+constexpr CacheSizes kSmallCore{32 * 1024, 256 * 1024};        // e.g. an older client core
+
+TEST(TileSizes, MeasuredChoiceOnALargeL2Core) {
+  const TileSizes tiles = choose_tile_sizes(128, kServerCore);
+  EXPECT_EQ(tiles.rows, 256);
+  EXPECT_EQ(tiles.keys, 128);
+}
+
+TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
+  for (const CacheSizes caches : {kServerCore, kSmallCore, kFallbackCaches}) {
+    for (std::int64_t head_dim : {1, 32, 40, 59, 64, 111, 128, 256}) {
+      const TileSizes tiles = choose_tile_sizes(head_dim, caches);
+      const std::int64_t dims = pad_to_lanes(head_dim);
+      SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << ", L2 " << caches.l2_bytes);
+      EXPECT_EQ(tiles.keys % kTileLanes, 0);
+      EXPECT_EQ(tiles.rows % kTileLanes, 0);
+      EXPECT_GE(tiles.rows, kTileLanes);
+      EXPECT_LE(tiles.rows, 256);
+      EXPECT_GE(tiles.keys, 64);
+      // The V panel the P·V kernel streams from L1.
+      EXPECT_LE(tiles.keys * kPanelWidth * 4, caches.l1d_bytes);
+      if (tiles.rows > kTileLanes) {
+        const std::int64_t floats = tiles.rows * (2 * dims + tiles.keys) + 2 * tiles.keys * dims;
+        EXPECT_LE(floats * 4, caches.l2_bytes / 2);
+      }
+    }
+  }
+}
+
+TEST(TileSizes, SmallerCachesNeverGiveLargerTiles) {
+  for (std::int64_t head_dim : {64, 128, 256}) {
+    const TileSizes large = choose_tile_sizes(head_dim, kServerCore);
+    const TileSizes small = choose_tile_sizes(head_dim, kSmallCore);
+    EXPECT_LE(small.rows, large.rows) << "head_dim " << head_dim;
+    EXPECT_LE(small.keys, large.keys) << "head_dim " << head_dim;
+  }
+}
+
+TEST(TileSizes, DetectedCachesArePlausible) {
+  const CacheSizes caches = detect_cache_sizes();
+  EXPECT_GE(caches.l1d_bytes, 8 * 1024);
+  EXPECT_LE(caches.l1d_bytes, 1024 * 1024);
+  EXPECT_GE(caches.l2_bytes, 64 * 1024);
+}
+
+}  // namespace
+}  // namespace flashattn::detail::cpu
