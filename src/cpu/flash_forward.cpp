@@ -1,6 +1,8 @@
 // FlashAttention forward on the CPU (seed 000, second half; seed 002).
 //
-// Work is cut into tasks of (batch, head, Q block of Br rows); one OpenMP loop hands them out.
+// Work is cut into tasks of (batch, KV head, Q block); a task holds Br rows, Br / g positions of
+// each of the g query heads that share the KV head (GQA), so each K/V block is packed once for
+// the whole group. One OpenMP loop hands the tasks out.
 // A task walks the K/V blocks of Bc keys that its rows can see, and per block:
 //   S = scale · Q_blk · K_blkᵀ                     [Br x Bc]   scores_tile
 //   mask S where the block is only partly visible  [Br x Bc]
@@ -129,84 +131,96 @@ bool all_finite(const float* values, std::int64_t n) {
   return non_finite == 0;
 }
 
-// One task: rows [row_begin, row_end) of head h in batch b.
-void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int64_t b,
-                std::int64_t h, std::int64_t row_begin, std::int64_t row_end) {
-  const std::int64_t D = p.head_dim, Dp = t.dims_padded, rows = row_end - row_begin;
-  const std::int64_t h_kv = p.kv_head(h);
+// The rows of one task: `positions` query positions from `position_begin`, for each of the
+// `heads` query heads that read KV head `h_kv` (the GQA group). Tile row i is query head
+// first_head + i / positions at position position_begin + i % positions, so every packed K/V
+// block serves the whole group.
+struct TaskRows {
+  std::int64_t b, h_kv, first_head, heads, position_begin, positions;
 
-  // Prologue: load the Q block, reset the running statistics.
+  std::int64_t count() const { return heads * positions; }
+  std::int64_t head(std::int64_t row) const { return first_head + row / positions; }
+  std::int64_t position(std::int64_t row) const { return position_begin + row % positions; }
+};
+
+void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, const TaskRows& task) {
+  const std::int64_t D = p.head_dim, Dp = t.dims_padded, rows = task.count(), b = task.b;
+  const std::int64_t ld_scores = tiles.keys;
+
+  // Prologue: load the Q rows, reset the running statistics.
   for (std::int64_t i = 0; i < rows; ++i) {
-    load_row_f32(t.q.data() + i * Dp, p.q, p.dtype, p.q_strides.offset(b, row_begin + i, h), D);
+    load_row_f32(t.q.data() + i * Dp, p.q, p.dtype,
+                 p.q_strides.offset(b, task.position(i), task.head(i)), D);
   }
   std::fill_n(t.acc.begin(), rows * Dp, 0.0f);
   std::fill_n(t.row_max.begin(), rows, kNegativeInfinity);
   std::fill_n(t.row_sum.begin(), rows, 0.0f);
 
-  // Every key some row of the block can see; the row ranges are monotone in the row.
-  const KeyRange first_row = p.key_range(row_begin), last_row = p.key_range(row_end - 1);
-  const KeyRange block_keys = p.key_range(row_begin, row_end);
+  // Every key some position of the task can see; the ranges are monotone in the position.
+  const std::int64_t last_position = task.position_begin + task.positions - 1;
+  const KeyRange first_row = p.key_range(task.position_begin),
+                 last_row = p.key_range(last_position);
+  const KeyRange task_keys = p.key_range(task.position_begin, last_position + 1);
 
-  for (std::int64_t key_begin = block_keys.begin; key_begin < block_keys.end;
+  for (std::int64_t key_begin = task_keys.begin; key_begin < task_keys.end;
        key_begin += tiles.keys) {
-    const std::int64_t key_end = std::min(key_begin + tiles.keys, block_keys.end);
+    const std::int64_t key_end = std::min(key_begin + tiles.keys, task_keys.end);
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
-    pack_keys(p, t, b, h_kv, key_begin, keys, keys_padded);
-    pack_values(p, t, b, h_kv, key_begin, keys);
-
-    // Rows [active_begin, active_end) see some key of this block: the others (above the diagonal
-    // of a causal block, beside a window) skip it entirely.
+    pack_keys(p, t, b, task.h_kv, key_begin, keys, keys_padded);
+    pack_values(p, t, b, task.h_kv, key_begin, keys);
     const bool fully_visible = last_row.begin <= key_begin && first_row.end >= key_end;
-    std::int64_t active_begin = 0, active_end = rows;
-    if (!fully_visible) {
-      while (active_begin < rows && p.key_range(row_begin + active_begin).end <= key_begin) {
-        ++active_begin;
+    // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then masked rows can go
+    // through the blocked P·V kernel with the same result as skipping the masked keys.
+    const bool blocked_pv = fully_visible || all_finite(t.v_packed.data(), keys * Dp);
+
+    // Tile rows [row_lo, row_hi): S = scale·Q·Kᵀ, mask, online softmax, acc += P·V.
+    auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi) {
+      float* scores = t.scores.data() + row_lo * ld_scores;
+      float* acc = t.acc.data() + row_lo * Dp;
+      cpu::scores_tile(scores, ld_scores, t.q.data() + row_lo * Dp, Dp, t.k_packed.data(),
+                       row_hi - row_lo, keys_padded, D, p.scale);
+      for (std::int64_t i = row_lo; i < row_hi; ++i) {
+        float* s = t.scores.data() + i * ld_scores;
+        std::fill(s + keys, s + keys_padded, kNegativeInfinity);
+        if (fully_visible) continue;
+        const KeyRange row_keys = p.key_range(task.position(i));
+        for (std::int64_t j = 0; j < keys; ++j) {
+          const std::int64_t key = key_begin + j;
+          if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
+        }
       }
-      while (active_end > active_begin &&
-             p.key_range(row_begin + active_end - 1).begin >= key_end) {
-        --active_end;
+      cpu::online_softmax_tile(scores, ld_scores, t.row_max.data() + row_lo,
+                               t.row_sum.data() + row_lo, acc, Dp, row_hi - row_lo, keys_padded,
+                               Dp);
+      if (blocked_pv) {
+        cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, 0, keys,
+                                row_hi - row_lo, Dp);
+        return;
       }
-    }
-    const std::int64_t active = active_end - active_begin;
-    if (active == 0) continue;
-    float* scores = t.scores.data() + active_begin * tiles.keys;
-    float* acc = t.acc.data() + active_begin * Dp;
-
-    cpu::scores_tile(scores, tiles.keys, t.q.data() + active_begin * Dp, Dp, t.k_packed.data(),
-                     active, keys_padded, D, p.scale);
-
-    // Mask: padded keys always, and the keys of a partly visible block outside each row's range.
-    for (std::int64_t i = active_begin; i < active_end; ++i) {
-      float* s = t.scores.data() + i * tiles.keys;
-      std::fill(s + keys, s + keys_padded, kNegativeInfinity);
-      if (fully_visible) continue;
-      const KeyRange row_keys = p.key_range(row_begin + i);
-      for (std::int64_t j = 0; j < keys; ++j) {
-        const std::int64_t key = key_begin + j;
-        if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
-      }
-    }
-
-    cpu::online_softmax_tile(scores, tiles.keys, t.row_max.data() + active_begin,
-                             t.row_sum.data() + active_begin, acc, Dp, active, keys_padded, Dp);
-
-    // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then the whole tile can go
-    // through the blocked kernel with the same result as skipping the masked keys.
-    if (fully_visible || all_finite(t.v_packed.data(), keys * Dp)) {
-      cpu::accumulate_pv_tile(acc, Dp, scores, tiles.keys, t.v_packed.data(), keys, 0, keys, active,
-                              Dp);
-    } else {
       // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
       // that never saw it.
-      for (std::int64_t i = active_begin; i < active_end; ++i) {
-        const KeyRange row_keys = p.key_range(row_begin + i);
+      for (std::int64_t i = row_lo; i < row_hi; ++i) {
+        const KeyRange row_keys = p.key_range(task.position(i));
         const std::int64_t first = std::clamp(row_keys.begin, key_begin, key_end) - key_begin;
         const std::int64_t last = std::clamp(row_keys.end, key_begin, key_end) - key_begin;
         if (first >= last) continue;
-        cpu::accumulate_pv_tile(t.acc.data() + i * Dp, Dp, t.scores.data() + i * tiles.keys,
-                                tiles.keys, t.v_packed.data(), keys, first, last, 1, Dp);
+        cpu::accumulate_pv_tile(t.acc.data() + i * Dp, Dp, t.scores.data() + i * ld_scores,
+                                ld_scores, t.v_packed.data(), keys, first, last, 1, Dp);
       }
+    };
+
+    if (fully_visible) {
+      process_rows(0, rows);
+      continue;
+    }
+    // A partly visible block, head by head: only the positions that see some key of the block
+    // (below the diagonal of a causal block, inside a window) compute it.
+    for (std::int64_t head = 0; head < task.heads; ++head) {
+      std::int64_t row_lo = head * task.positions, row_hi = row_lo + task.positions;
+      while (row_lo < row_hi && p.key_range(task.position(row_lo)).end <= key_begin) ++row_lo;
+      while (row_hi > row_lo && p.key_range(task.position(row_hi - 1)).begin >= key_end) --row_hi;
+      if (row_lo < row_hi) process_rows(row_lo, row_hi);
     }
   }
 
@@ -217,10 +231,11 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int
     const bool no_key_seen = sum == 0.0f;
     const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
     for (std::int64_t d = 0; d < D; ++d) acc_row[d] *= inverse_sum;
-    store_row_f32(p.out, p.dtype, p.out_strides.offset(b, row_begin + i, h), acc_row, D);
+    store_row_f32(p.out, p.dtype, p.out_strides.offset(b, task.position(i), task.head(i)), acc_row,
+                  D);
     if (p.lse) {
       const float max = t.row_max[i] == kNegativeInfinity ? 0.0f : t.row_max[i];
-      p.lse[p.lse_index(b, h, row_begin + i)] =
+      p.lse[p.lse_index(b, task.head(i), task.position(i))] =
           no_key_seen ? kNegativeInfinity : max + std::log(sum);
     }
   }
@@ -230,21 +245,27 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, std::int
 
 void flash_forward(const AttentionParams& p) {
   const FlashTiles tiles = flash_tiles(p.head_dim);
-  const std::int64_t q_blocks = (p.seqlen_q + tiles.rows - 1) / tiles.rows;
-  const std::int64_t tasks = p.batch * p.heads_q * q_blocks;
+  // A task holds Br rows: Br / group positions of each query head of a GQA group.
+  const std::int64_t group = p.group_size();
+  const std::int64_t positions = std::max<std::int64_t>(1, tiles.rows / group);
+  const FlashTiles scratch_tiles{group * positions, tiles.keys};
+  const std::int64_t q_blocks = (p.seqlen_q + positions - 1) / positions;
+  const std::int64_t tasks = p.batch * p.heads_kv * q_blocks;
 
 #pragma omp parallel num_threads(p.num_threads)
   {
-    Scratch scratch(tiles, p.head_dim);
+    Scratch scratch(scratch_tiles, p.head_dim);
     // Dynamic schedule, last Q block first: under a causal mask the last blocks see the most
     // keys, so the long tasks start early and the short ones fill the gaps at the end.
 #pragma omp for schedule(dynamic)
-    for (std::int64_t task = 0; task < tasks; ++task) {
-      const std::int64_t q_block = q_blocks - 1 - task % q_blocks;
-      const std::int64_t head = task / q_blocks;
-      const std::int64_t b = head / p.heads_q, h = head % p.heads_q;
-      const std::int64_t row_begin = q_block * tiles.rows;
-      flash_task(p, tiles, scratch, b, h, row_begin, std::min(row_begin + tiles.rows, p.seqlen_q));
+    for (std::int64_t index = 0; index < tasks; ++index) {
+      const std::int64_t q_block = q_blocks - 1 - index % q_blocks;
+      const std::int64_t kv_head = index / q_blocks;
+      const std::int64_t b = kv_head / p.heads_kv, h_kv = kv_head % p.heads_kv;
+      const std::int64_t position_begin = q_block * positions;
+      const TaskRows task{b,     h_kv,           h_kv * group,
+                          group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
+      flash_task(p, scratch_tiles, scratch, task);
     }
   }
 }
