@@ -25,6 +25,7 @@
 #include <string>
 
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -296,6 +297,56 @@ TEST(AttentionVsReferencePerTarget, EveryCompiledTargetMatches) {
     check_against_reference(wide);
   }
   detail::cpu::force_simd_target(0);
+}
+
+// bf16 inputs run through vdpbf16ps products where the CPU has AVX512-BF16 and through the
+// widening fp32 kernels elsewhere: check the path the grid did not take, too.
+TEST(AttentionVsReferenceBf16, BothProductPathsMatch) {
+  const bool default_enabled = detail::cpu::bf16_products_enabled();
+  for (bool enabled : {false, true}) {
+    detail::cpu::set_bf16_products_enabled(enabled);
+    if (enabled && !detail::cpu::bf16_products_supported()) continue;
+    SCOPED_TRACE(enabled ? "vdpbf16ps products" : "widening fp32 products");
+    Case ragged{2, 131, 203, 4, 2, 59};
+    ragged.causal = true;
+    ragged.dtype = DType::bf16;
+    ragged.threads = 3;
+    check_against_reference(ragged);
+    Case windowed{1, 129, 64, 2, 2, 128};
+    windowed.window_left = 17;
+    windowed.window_right = 5;
+    windowed.dtype = DType::bf16;
+    windowed.layout = Layout::bhsd;
+    check_against_reference(windowed);
+  }
+  detail::cpu::set_bf16_products_enabled(default_enabled);
+}
+
+// An infinite value poisons only the rows that see its key, on both bf16 product paths (the
+// masked blocks of the others must not compute 0 · inf).
+TEST(AttentionVsReferenceBf16, InfiniteValueReachesOnlyRowsThatSeeIt) {
+  const bool default_enabled = detail::cpu::bf16_products_enabled();
+  std::mt19937_64 rng(test_seed());
+  const std::int64_t S = 300, D = 32, bad_key = 140;
+  Tensor q(DType::bf16, {1, S, 1, D}), k(DType::bf16, {1, S, 1, D}), v(DType::bf16, {1, S, 1, D});
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  v.set(0, bad_key, 0, 3, INFINITY);
+  AttentionOptions options;
+  options.causal = true;
+  for (bool enabled : {false, true}) {
+    detail::cpu::set_bf16_products_enabled(enabled);
+    Tensor out(DType::bf16, {1, S, 1, D});
+    out.poison();
+    flash_attention_forward(q.view, k.view, v.view, out.view, nullptr, options);
+    for (std::int64_t row = 0; row < S; ++row) {
+      EXPECT_EQ(std::isfinite(out.at(0, row, 0, 3)), row < bad_key)
+          << "row " << row << (enabled ? " (vdpbf16ps)" : " (widening)");
+      EXPECT_TRUE(std::isfinite(out.at(0, row, 0, 4))) << "row " << row;
+    }
+  }
+  detail::cpu::set_bf16_products_enabled(default_enabled);
 }
 
 // Each task owns its output rows, so the thread count must not change a single bit.

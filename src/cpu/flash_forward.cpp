@@ -22,11 +22,13 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "util/convert.hpp"
 
@@ -47,16 +49,25 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 struct Scratch {
   std::int64_t dims_padded;
   std::vector<float> q, k_packed, v_packed, scores, acc, row_max, row_sum;
+  // bf16 operands of the vdpbf16ps products (bf16 inputs on AVX512-BF16 CPUs only).
+  std::vector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
 
-  Scratch(FlashTiles tiles, std::int64_t D)
+  Scratch(FlashTiles tiles, std::int64_t D, bool bf16_products)
       : dims_padded(cpu::pad_to_lanes(D)),
-        q(tiles.rows * dims_padded),
-        k_packed(D * tiles.keys),
+        q(bf16_products ? 0 : tiles.rows * dims_padded),
+        k_packed(bf16_products ? 0 : D * tiles.keys),
         v_packed(tiles.keys * dims_padded),
         scores(tiles.rows * tiles.keys),
         acc(tiles.rows * dims_padded),
         row_max(tiles.rows),
-        row_sum(tiles.rows) {}
+        row_sum(tiles.rows) {
+    if (bf16_products) {
+      q_bf16.assign(tiles.rows * dims_padded, 0);
+      k_bf16.assign(tiles.keys * dims_padded, 0);
+      v_bf16.assign(tiles.keys * dims_padded, 0);
+      p_bf16.assign(tiles.rows * tiles.keys, 0);
+    }
+  }
 };
 
 // Element readers for the storage dtypes, so that packing compiles to plain loads for f32.
@@ -120,6 +131,52 @@ void pack_values(const AttentionParams& p, Scratch& t, std::int64_t b, std::int6
   });
 }
 
+// bf16 inputs for the vdpbf16ps kernels: bit patterns copied, no rounding. Kᵀ goes into
+// panels of 64 keys, each d-pair of a key as one 32-bit word (cpu::bf16_key_index).
+void pack_keys_bf16(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
+                    std::int64_t key_begin, std::int64_t keys, std::int64_t keys_padded) {
+  const std::int64_t D = p.head_dim, pairs = t.dims_padded / 2;
+  const auto* k = static_cast<const std::uint16_t*>(p.k);
+  auto* words = reinterpret_cast<std::uint32_t*>(t.k_bf16.data());
+  for (std::int64_t panel = 0; panel < keys_padded; panel += cpu::kPanelWidth) {
+    const std::int64_t width = std::min(cpu::kPanelWidth, keys_padded - panel);
+    std::uint32_t* panel_words = words + panel * pairs;
+    for (std::int64_t j = panel; j < panel + width; ++j) {
+      std::uint16_t row[2] = {0, 0};
+      const std::uint16_t* src =
+          j < keys ? k + p.k_strides.offset(b, key_begin + j, h_kv) : nullptr;
+      for (std::int64_t m = 0; m < pairs; ++m) {
+        row[0] = src && 2 * m < D ? src[2 * m] : 0;
+        row[1] = src && 2 * m + 1 < D ? src[2 * m + 1] : 0;
+        std::memcpy(panel_words + m * width + (j - panel), row, sizeof(row));
+      }
+    }
+  }
+}
+
+// V into panels of 64 dims, the same dim of two consecutive keys as one 32-bit word
+// (cpu::bf16_value_index); an odd last key is paired with zeros.
+void pack_values_bf16(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
+                      std::int64_t key_begin, std::int64_t keys, std::int64_t keys_even) {
+  const std::int64_t D = p.head_dim, Dp = t.dims_padded;
+  const auto* v = static_cast<const std::uint16_t*>(p.v);
+  for (std::int64_t pair = 0; pair < keys_even / 2; ++pair) {
+    const std::int64_t j = 2 * pair;
+    const std::uint16_t* first = v + p.v_strides.offset(b, key_begin + j, h_kv);
+    const std::uint16_t* second =
+        j + 1 < keys ? v + p.v_strides.offset(b, key_begin + j + 1, h_kv) : nullptr;
+    for (std::int64_t panel = 0; panel < Dp; panel += cpu::kPanelWidth) {
+      const std::int64_t width = std::min(cpu::kPanelWidth, Dp - panel);
+      std::uint16_t* dst = t.v_bf16.data() + panel * keys_even + pair * width * 2;
+      for (std::int64_t d = 0; d < width; ++d) {
+        const bool inside = panel + d < D;
+        dst[2 * d] = inside ? first[panel + d] : 0;
+        dst[2 * d + 1] = inside && second ? second[panel + d] : 0;
+      }
+    }
+  }
+}
+
 // Whether no element of values[0, n) is an infinity or NaN (exponent bits all ones). Integer
 // arithmetic so that the loop vectorizes.
 bool all_finite(const float* values, std::int64_t n) {
@@ -128,6 +185,13 @@ bool all_finite(const float* values, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) {
     non_finite |= (std::bit_cast<std::uint32_t>(values[i]) & kExponentMask) == kExponentMask;
   }
+  return non_finite == 0;
+}
+
+bool all_finite_bf16(const std::uint16_t* values, std::int64_t n) {
+  constexpr std::uint16_t kExponentMask = 0x7f80u;
+  std::uint32_t non_finite = 0;
+  for (std::int64_t i = 0; i < n; ++i) non_finite |= (values[i] & kExponentMask) == kExponentMask;
   return non_finite == 0;
 }
 
@@ -143,14 +207,19 @@ struct TaskRows {
   std::int64_t position(std::int64_t row) const { return position_begin + row % positions; }
 };
 
-void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, const TaskRows& task) {
+void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
+                const TaskRows& task) {
   const std::int64_t D = p.head_dim, Dp = t.dims_padded, rows = task.count(), b = task.b;
   const std::int64_t ld_scores = tiles.keys;
 
   // Prologue: load the Q rows, reset the running statistics.
   for (std::int64_t i = 0; i < rows; ++i) {
-    load_row_f32(t.q.data() + i * Dp, p.q, p.dtype,
-                 p.q_strides.offset(b, task.position(i), task.head(i)), D);
+    const std::int64_t offset = p.q_strides.offset(b, task.position(i), task.head(i));
+    if (bf16_products) {
+      std::copy_n(static_cast<const std::uint16_t*>(p.q) + offset, D, t.q_bf16.data() + i * Dp);
+    } else {
+      load_row_f32(t.q.data() + i * Dp, p.q, p.dtype, offset, D);
+    }
   }
   std::fill_n(t.acc.begin(), rows * Dp, 0.0f);
   std::fill_n(t.row_max.begin(), rows, kNegativeInfinity);
@@ -167,19 +236,36 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, const Ta
     const std::int64_t key_end = std::min(key_begin + tiles.keys, task_keys.end);
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
-    pack_keys(p, t, b, task.h_kv, key_begin, keys, keys_padded);
-    pack_values(p, t, b, task.h_kv, key_begin, keys);
+    const std::int64_t keys_even = keys + keys % 2;
     const bool fully_visible = last_row.begin <= key_begin && first_row.end >= key_end;
+    bool blocked_pv = true;
+    if (bf16_products) {
+      pack_keys_bf16(p, t, b, task.h_kv, key_begin, keys, keys_padded);
+      pack_values_bf16(p, t, b, task.h_kv, key_begin, keys, keys_even);
+    } else {
+      pack_keys(p, t, b, task.h_kv, key_begin, keys, keys_padded);
+      pack_values(p, t, b, task.h_kv, key_begin, keys);
+    }
     // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then masked rows can go
-    // through the blocked P·V kernel with the same result as skipping the masked keys.
-    const bool blocked_pv = fully_visible || all_finite(t.v_packed.data(), keys * Dp);
+    // through the blocked P·V kernel with the same result as skipping the masked keys. Otherwise
+    // the fp32 kernel takes each row's visible keys on their own.
+    if (!fully_visible) {
+      blocked_pv = bf16_products ? all_finite_bf16(t.v_bf16.data(), keys_even * Dp)
+                                 : all_finite(t.v_packed.data(), keys * Dp);
+      if (!blocked_pv && bf16_products) pack_values(p, t, b, task.h_kv, key_begin, keys);
+    }
 
     // Tile rows [row_lo, row_hi): S = scale·Q·Kᵀ, mask, online softmax, acc += P·V.
     auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi) {
       float* scores = t.scores.data() + row_lo * ld_scores;
       float* acc = t.acc.data() + row_lo * Dp;
-      cpu::scores_tile(scores, ld_scores, t.q.data() + row_lo * Dp, Dp, t.k_packed.data(),
-                       row_hi - row_lo, keys_padded, D, p.scale);
+      if (bf16_products) {
+        cpu::scores_tile_bf16(scores, ld_scores, t.q_bf16.data() + row_lo * Dp, Dp, t.k_bf16.data(),
+                              row_hi - row_lo, keys_padded, Dp, p.scale);
+      } else {
+        cpu::scores_tile(scores, ld_scores, t.q.data() + row_lo * Dp, Dp, t.k_packed.data(),
+                         row_hi - row_lo, keys_padded, D, p.scale);
+      }
       for (std::int64_t i = row_lo; i < row_hi; ++i) {
         float* s = t.scores.data() + i * ld_scores;
         std::fill(s + keys, s + keys_padded, kNegativeInfinity);
@@ -193,6 +279,15 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t, const Ta
       cpu::online_softmax_tile(scores, ld_scores, t.row_max.data() + row_lo,
                                t.row_sum.data() + row_lo, acc, Dp, row_hi - row_lo, keys_padded,
                                Dp);
+      if (blocked_pv && bf16_products) {
+        // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
+        std::uint16_t* p_bf16 = t.p_bf16.data() + row_lo * ld_scores;
+        cpu::round_probabilities_bf16(p_bf16, ld_scores, scores, ld_scores, row_hi - row_lo,
+                                      keys_padded);
+        cpu::accumulate_pv_tile_bf16(acc, Dp, p_bf16, ld_scores, t.v_bf16.data(), keys_even,
+                                     row_hi - row_lo, Dp);
+        return;
+      }
       if (blocked_pv) {
         cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, 0, keys,
                                 row_hi - row_lo, Dp);
@@ -252,9 +347,11 @@ void flash_forward(const AttentionParams& p) {
   const std::int64_t q_blocks = (p.seqlen_q + positions - 1) / positions;
   const std::int64_t tasks = p.batch * p.heads_kv * q_blocks;
 
+  const bool bf16_products = p.dtype == DType::bf16 && cpu::bf16_products_enabled();
+
 #pragma omp parallel num_threads(p.num_threads)
   {
-    Scratch scratch(scratch_tiles, p.head_dim);
+    Scratch scratch(scratch_tiles, p.head_dim, bf16_products);
     // Dynamic schedule, last Q block first: under a causal mask the last blocks see the most
     // keys, so the long tasks start early and the short ones fill the gaps at the end.
 #pragma omp for schedule(dynamic)
@@ -265,7 +362,7 @@ void flash_forward(const AttentionParams& p) {
       const std::int64_t position_begin = q_block * positions;
       const TaskRows task{b,     h_kv,           h_kv * group,
                           group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
-      flash_task(p, scratch_tiles, scratch, task);
+      flash_task(p, scratch_tiles, bf16_products, scratch, task);
     }
   }
 }

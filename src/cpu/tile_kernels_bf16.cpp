@@ -1,0 +1,145 @@
+// vdpbf16ps tile products (see tile_kernels_bf16.hpp). Same register blocking as the fp32
+// kernels: 4 rows x 4 vectors of fp32 accumulators while the reduction dimension streams in
+// pairs; per pair step, 4 panel loads and 4 pair broadcasts feed 16 vdpbf16ps (512 MACs).
+
+#include "cpu/tile_kernels_bf16.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#define FLASHATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace flashattn::detail::cpu {
+namespace {
+
+constexpr int kRows = 4;
+constexpr std::int64_t kPanel = 64;  // keys (scores) or dims (P·V) per packed panel
+constexpr std::int64_t kLanes = 16;
+
+// A bf16 pair as one 32-bit pattern, for broadcasting.
+inline std::int32_t load_pair(const std::uint16_t* pair) {
+  std::int32_t bits;
+  std::memcpy(&bits, pair, sizeof(bits));
+  return bits;
+}
+
+// acc[R x C·16] (fp32, stored at out) = sum over pairs of a[R x 2·pairs] · b[pairs x C·16 x 2]
+template <int R, int C, bool kAccumulate>
+FLASHATTN_BF16_TARGET inline void DotBlock(float* out, std::int64_t ld_out, const std::uint16_t* a,
+                                           std::int64_t ld_a, const std::uint16_t* b,
+                                           std::int64_t ld_b_pairs, std::int64_t pairs,
+                                           float scale) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      acc[r][c] =
+          kAccumulate ? _mm512_loadu_ps(out + r * ld_out + c * kLanes) : _mm512_setzero_ps();
+  for (std::int64_t m = 0; m < pairs; ++m) {
+    __m512bh columns[C];
+    for (int c = 0; c < C; ++c) {
+      columns[c] = (__m512bh)_mm512_loadu_si512(b + (m * ld_b_pairs + c * kLanes) * 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh row_pair = (__m512bh)_mm512_set1_epi32(load_pair(a + r * ld_a + 2 * m));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], row_pair, columns[c]);
+    }
+  }
+  const __m512 scale_vec = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const __m512 value = kAccumulate ? acc[r][c] : _mm512_mul_ps(acc[r][c], scale_vec);
+      _mm512_storeu_ps(out + r * ld_out + c * kLanes, value);
+    }
+}
+
+// All rows against one panel of `width` columns (a multiple of 16), panel kept in L1.
+template <bool kAccumulate>
+FLASHATTN_BF16_TARGET void DotPanel(float* out, std::int64_t ld_out, const std::uint16_t* a,
+                                    std::int64_t ld_a, const std::uint16_t* panel,
+                                    std::int64_t width, std::int64_t rows, std::int64_t pairs,
+                                    float scale) {
+  std::int64_t j = 0;
+  for (; j + 4 * kLanes <= width; j += 4 * kLanes) {
+    std::int64_t i = 0;
+    for (; i + kRows <= rows; i += kRows) {
+      DotBlock<kRows, 4, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a,
+                                      panel + 2 * j, width, pairs, scale);
+    }
+    for (; i < rows; ++i) {
+      DotBlock<1, 4, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
+                                  width, pairs, scale);
+    }
+  }
+  for (; j < width; j += kLanes) {
+    std::int64_t i = 0;
+    for (; i + kRows <= rows; i += kRows) {
+      DotBlock<kRows, 1, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a,
+                                      panel + 2 * j, width, pairs, scale);
+    }
+    for (; i < rows; ++i) {
+      DotBlock<1, 1, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
+                                  width, pairs, scale);
+    }
+  }
+}
+
+}  // namespace
+
+bool bf16_products_supported() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl");
+  return supported;
+}
+
+namespace {
+std::atomic<bool> bf16_products_switch{true};
+}
+
+bool bf16_products_enabled() {
+  return bf16_products_switch.load(std::memory_order_relaxed) && bf16_products_supported();
+}
+
+void set_bf16_products_enabled(bool enabled) {
+  bf16_products_switch.store(enabled, std::memory_order_relaxed);
+}
+
+FLASHATTN_BF16_TARGET void scores_tile_bf16(float* scores, std::int64_t ld_scores,
+                                            const std::uint16_t* q, std::int64_t ld_q,
+                                            const std::uint16_t* k_packed, std::int64_t rows,
+                                            std::int64_t keys_padded, std::int64_t dims_padded,
+                                            float scale) {
+  for (std::int64_t j = 0; j < keys_padded; j += kPanel) {
+    const std::int64_t width = std::min(kPanel, keys_padded - j);
+    DotPanel<false>(scores + j, ld_scores, q, ld_q, k_packed + j * dims_padded, width, rows,
+                    dims_padded / 2, scale);
+  }
+}
+
+FLASHATTN_BF16_TARGET void round_probabilities_bf16(std::uint16_t* p_bf16, std::int64_t ld_p_bf16,
+                                                    const float* p, std::int64_t ld_p,
+                                                    std::int64_t rows, std::int64_t keys_padded) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t j = 0; j < keys_padded; j += kLanes) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(p + i * ld_p + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_bf16 + i * ld_p_bf16 + j), (__m256i)rounded);
+    }
+  }
+}
+
+FLASHATTN_BF16_TARGET void accumulate_pv_tile_bf16(float* acc, std::int64_t ld_acc,
+                                                   const std::uint16_t* p, std::int64_t ld_p,
+                                                   const std::uint16_t* v_packed,
+                                                   std::int64_t keys_even, std::int64_t rows,
+                                                   std::int64_t dims_padded) {
+  for (std::int64_t d = 0; d < dims_padded; d += kPanel) {
+    const std::int64_t width = std::min(kPanel, dims_padded - d);
+    DotPanel<true>(acc + d, ld_acc, p, ld_p, v_packed + d * keys_even, width, rows, keys_even / 2,
+                   1.0f);
+  }
+}
+
+}  // namespace flashattn::detail::cpu
