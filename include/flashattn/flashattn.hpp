@@ -2,6 +2,7 @@
 
 // Everything a user of the library needs.
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/mha.hpp"
 #include "flashattn/options.hpp"

@@ -18,6 +18,14 @@ void standard_forward(const AttentionParams& params);
 
 void flash_forward(const AttentionParams& params);
 
+// Backward passes: write params.dq, dk, dv. reference_backward_f64 writes contiguous fp64
+// dq [batch, seqlen_q, heads_q, head_dim], dk and dv [batch, seqlen_kv, heads_kv, head_dim].
+void reference_backward_f64(const BackwardParams& params, double* dq_f64, double* dk_f64,
+                            double* dv_f64);
+void reference_backward(const BackwardParams& params);
+void standard_backward(const BackwardParams& params);
+void flash_backward(const BackwardParams& params);
+
 // Tile sizes of the FlashAttention path: Br query rows by Bc keys.
 struct FlashTiles {
   std::int64_t rows = 0;  // Br

@@ -206,6 +206,85 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   return params;
 }
 
+BackwardParams make_backward_params(const char* caller, const ConstTensorView& dout,
+                                    const ConstTensorView& q, const ConstTensorView& k,
+                                    const ConstTensorView& v, const ConstTensorView& out,
+                                    const float* lse, const TensorView& dq, const TensorView& dk,
+                                    const TensorView& dv, const AttentionOptions& options) {
+  // The forward's checks cover q, k, v, out and the options; out is only read here.
+  const TensorView out_view{const_cast<void*>(out.data), out.dtype, out.shape, out.strides};
+  BackwardParams params;
+  params.forward = make_params(caller, q, k, v, out_view, const_cast<float*>(lse), options);
+  const AttentionParams& f = params.forward;
+  if (lse == nullptr && f.batch * f.heads_q * f.seqlen_q > 0) {
+    fail(caller, "lse: expected the forward's logsumexp [", f.batch, ", ", f.heads_q, ", ",
+         f.seqlen_q, "], got null");
+  }
+
+  const std::pair<const char*, const TensorView*> gradients[] = {
+      {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
+  const std::pair<const char*, std::array<std::int64_t, 4>> expected_shapes[] = {
+      {"dout", q.shape}, {"dq", q.shape}, {"dk", k.shape}, {"dv", v.shape}};
+  check_view(caller, "dout", dout);
+  for (const auto& [name, view] : gradients) check_view(caller, name, *view);
+  const DType dtypes[] = {dout.dtype, dq.dtype, dk.dtype, dv.dtype};
+  const std::array<std::int64_t, 4> shapes[] = {dout.shape, dq.shape, dk.shape, dv.shape};
+  for (int i = 0; i < 4; ++i) {
+    const auto& [name, shape] = expected_shapes[i];
+    if (dtypes[i] != q.dtype) {
+      fail(caller, name, ": expected dtype ", dtype_name(q.dtype), " (as q), got ",
+           dtype_name(dtypes[i]));
+    }
+    if (shapes[i] != shape) {
+      fail(caller, name, ": expected shape ", shape_string(shape), " (as ",
+           i < 2 ? "q" : (i == 2 ? "k" : "v"), "), got ", shape_string(shapes[i]));
+    }
+  }
+
+  // Gradients are written: each must address every element once and overlap nothing else.
+  std::vector<std::pair<const char*, ByteSpan>> read_spans = {
+      {"q", byte_span(caller, "q", q)},
+      {"k", byte_span(caller, "k", k)},
+      {"v", byte_span(caller, "v", v)},
+      {"out", byte_span(caller, "out", out)},
+      {"dout", byte_span(caller, "dout", dout)}};
+  if (lse != nullptr) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(lse);
+    read_spans.push_back({"lse",
+                          {begin, begin + static_cast<std::uintptr_t>(
+                                              f.batch * f.heads_q * f.seqlen_q * sizeof(float))}});
+  }
+  std::vector<std::pair<const char*, ByteSpan>> written_spans;
+  for (const auto& [name, view] : gradients) {
+    if (self_overlapping(*view)) {
+      fail(caller, name, ": expected strides that give every element its own address, got strides ",
+           shape_string(view->strides), " for shape ", shape_string(view->shape));
+    }
+    const ByteSpan span = byte_span(caller, name, *view);
+    for (const auto& [other, other_span] : read_spans) {
+      if (span.overlaps(other_span)) {
+        fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+    for (const auto& [other, other_span] : written_spans) {
+      if (span.overlaps(other_span)) {
+        fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+    written_spans.push_back({name, span});
+  }
+
+  params.dout = dout.data;
+  params.dq = dq.data;
+  params.dk = dk.data;
+  params.dv = dv.data;
+  params.dout_strides = strides_of(dout.strides);
+  params.dq_strides = strides_of(dq.strides);
+  params.dk_strides = strides_of(dk.strides);
+  params.dv_strides = strides_of(dv.strides);
+  return params;
+}
+
 }  // namespace detail
 
 std::int64_t visible_pairs(std::int64_t seqlen_q, std::int64_t seqlen_kv,

@@ -66,9 +66,26 @@ struct AttentionParams {
   }
 };
 
+// The backward's operands beside the forward's (whose `out` is read, not written, and whose
+// `lse` is required).
+struct BackwardParams {
+  AttentionParams forward;
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  Strides dout_strides, dq_strides, dk_strides, dv_strides;
+};
+
 // Validates the call and resolves defaults (scale, threads). `caller` prefixes every message.
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
                             const AttentionOptions& options);
+
+BackwardParams make_backward_params(const char* caller, const ConstTensorView& dout,
+                                    const ConstTensorView& q, const ConstTensorView& k,
+                                    const ConstTensorView& v, const ConstTensorView& out,
+                                    const float* lse, const TensorView& dq, const TensorView& dk,
+                                    const TensorView& dv, const AttentionOptions& options);
 
 }  // namespace flashattn::detail

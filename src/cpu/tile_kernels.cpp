@@ -206,6 +206,39 @@ void AccumulatePvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float*
   }
 }
 
+void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
+                              const float* HWY_RESTRICT lse, std::int64_t rows,
+                              std::int64_t keys_padded) {
+  constexpr float kInfinity = std::numeric_limits<float>::infinity();
+  const Tag tag;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  for (std::int64_t i = 0; i < rows; ++i) {
+    float* HWY_RESTRICT s = scores + i * ld_scores;
+    // lse = -inf: subtracting +inf sends every (masked, -inf or finite) score to exp(-inf) = 0.
+    const Vec shift = hn::Set(tag, lse[i] == -kInfinity ? kInfinity : lse[i]);
+    for (std::int64_t j = 0; j < keys_padded; j += N) {
+      const Vec x = hn::Sub(hn::LoadU(tag, s + j), shift);
+      hn::StoreU(hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(tag, x)), tag, s + j);
+    }
+  }
+}
+
+void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float* HWY_RESTRICT p,
+                         std::int64_t ld_p, const float* HWY_RESTRICT row_delta, float scale,
+                         std::int64_t rows, std::int64_t keys_padded) {
+  const Tag tag;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const Vec scale_vec = hn::Set(tag, scale);
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const Vec delta = hn::Set(tag, row_delta[i]);
+    for (std::int64_t j = 0; j < keys_padded; j += N) {
+      const Vec probability = hn::Mul(hn::LoadU(tag, p + i * ld_p + j), scale_vec);
+      const Vec centered = hn::Sub(hn::LoadU(tag, dp + i * ld_dp + j), delta);
+      hn::StoreU(hn::Mul(probability, centered), tag, dp + i * ld_dp + j);
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashattn::detail::cpu
 HWY_AFTER_NAMESPACE();
@@ -216,6 +249,8 @@ namespace flashattn::detail::cpu {
 HWY_EXPORT(ScoresTile);
 HWY_EXPORT(OnlineSoftmaxTile);
 HWY_EXPORT(AccumulatePvTile);
+HWY_EXPORT(ProbabilitiesFromLseTile);
+HWY_EXPORT(SoftmaxGradientTile);
 
 void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
                  const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
@@ -236,6 +271,18 @@ void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::in
                         std::int64_t key_end, std::int64_t rows, std::int64_t dims_padded) {
   HWY_DYNAMIC_DISPATCH(AccumulatePvTile)
   (acc, ld_acc, p, ld_p, v_packed, packed_keys, key_begin, key_end, rows, dims_padded);
+}
+
+void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, const float* lse,
+                                 std::int64_t rows, std::int64_t keys_padded) {
+  HWY_DYNAMIC_DISPATCH(ProbabilitiesFromLseTile)(scores, ld_scores, lse, rows, keys_padded);
+}
+
+void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::int64_t ld_p,
+                           const float* row_delta, float scale, std::int64_t rows,
+                           std::int64_t keys_padded) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxGradientTile)
+  (dp, ld_dp, p, ld_p, row_delta, scale, rows, keys_padded);
 }
 
 std::vector<SimdTarget> supported_simd_targets() {

@@ -60,6 +60,16 @@ void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::in
                         const float* v_packed, std::int64_t packed_keys, std::int64_t key_begin,
                         std::int64_t key_end, std::int64_t rows, std::int64_t dims_padded);
 
+// Backward: scores -> probabilities from the forward's logsumexp, p = exp(s - lse_row) in place.
+// Masked scores (-inf) give 0; so does every score of a row whose lse is -inf (no visible key).
+void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, const float* lse,
+                                 std::int64_t rows, std::int64_t keys_padded);
+
+// Backward: dP -> dS = scale · P ∘ (dP - delta_row) in place, delta_row = rowsum(dO ∘ O).
+void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::int64_t ld_p,
+                           const float* row_delta, float scale, std::int64_t rows,
+                           std::int64_t keys_padded);
+
 // The SIMD targets compiled into the library that this CPU supports, best first, and a way to
 // pin dispatch to one of them (0 restores the default: the best). For tests and benchmarks.
 struct SimdTarget {

@@ -16,35 +16,13 @@
 
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "standard/matrix.hpp"
 #include "util/convert.hpp"
 
 namespace flashattn::detail {
 namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
-
-// An fp32 matrix of `rows` rows of `cols` contiguous elements, `stride` elements apart: either
-// the caller's memory (f32 inputs) or a converted copy in `storage`.
-struct Matrix {
-  const float* data;
-  std::int64_t stride;
-};
-
-Matrix gather_rows(std::vector<float>& storage, const void* base, DType dtype,
-                   const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t rows,
-                   std::int64_t cols) {
-  // sgemm reads f32 rows in place when they do not overlap (its leading dimension must be
-  // >= cols); a single row may have any stride.
-  if (dtype == DType::f32 && (rows <= 1 || strides.seq >= cols)) {
-    return {static_cast<const float*>(base) + strides.offset(b, 0, h),
-            rows <= 1 ? cols : strides.seq};
-  }
-  storage.resize(static_cast<std::size_t>(rows * cols));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    load_row_f32(storage.data() + r * cols, base, dtype, strides.offset(b, r, h), cols);
-  }
-  return {storage.data(), cols};
-}
 
 // In place: row of scores -> row of probabilities, zeros outside the visible keys. The row is
 // `width` floats (seqlen_kv padded to whole vectors); max, exp and sum run through the SIMD

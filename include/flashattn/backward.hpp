@@ -1,0 +1,52 @@
+#pragma once
+
+#include "flashattn/attention.hpp"
+
+namespace flashattn {
+
+// Gradients of attention (training). Shapes as for the forward (attention.hpp):
+//   dout, out        [batch, seqlen_q, heads_q, head_dim]   out and lse as the forward wrote them
+//   lse              fp32 contiguous [batch, heads_q, seqlen_q], required
+//   dq               like q;  dk, dv like k and v (GQA: a KV head's gradient sums over the query
+//                    heads that read it)
+// All tensors share q's dtype; gradients are accumulated in fp32 and written once (not added
+// to what dq, dk, dv held). Same options as the forward. A fully masked row contributes
+// nothing: its dq row is 0. Invalid arguments raise flashattn::Error before anything is written.
+// Results are bitwise identical for any thread count.
+
+// FlashAttention-2 backward: P is recomputed block by block from lse; no memory proportional to
+// seqlen_q · seqlen_kv.
+void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
+                              const ConstTensorView& k, const ConstTensorView& v,
+                              const ConstTensorView& out, const float* lse, const TensorView& dq,
+                              const TensorView& dk, const TensorView& dv,
+                              const AttentionOptions& options = {});
+
+// The standard backward: per (batch, head) the full P, dP and dS matrices, products by OpenBLAS.
+void attention_backward_standard(const ConstTensorView& dout, const ConstTensorView& q,
+                                 const ConstTensorView& k, const ConstTensorView& v,
+                                 const ConstTensorView& out, const float* lse, const TensorView& dq,
+                                 const TensorView& dk, const TensorView& dv,
+                                 const AttentionOptions& options = {});
+
+// The oracle: plain loops in fp64 that recompute P from q and k (out and lse are validated but
+// not used), rounded once into dq, dk, dv.
+void attention_backward_reference(const ConstTensorView& dout, const ConstTensorView& q,
+                                  const ConstTensorView& k, const ConstTensorView& v,
+                                  const ConstTensorView& out, const float* lse,
+                                  const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                  const AttentionOptions& options = {});
+
+void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,
+                        const ConstTensorView& k, const ConstTensorView& v,
+                        const ConstTensorView& out, const float* lse, const TensorView& dq,
+                        const TensorView& dk, const TensorView& dv,
+                        const AttentionOptions& options = {});
+
+// FLOPs of one backward call by the usual convention: 2.5 x the forward's (five products of the
+// forward's size: S, dP, dV, dQ, dK).
+double attention_backward_flops(std::int64_t batch, std::int64_t heads_q, std::int64_t seqlen_q,
+                                std::int64_t seqlen_kv, std::int64_t head_dim,
+                                const AttentionOptions& options);
+
+}  // namespace flashattn

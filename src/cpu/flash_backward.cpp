@@ -1,0 +1,256 @@
+// FlashAttention-2 backward on the CPU (Dao 2023, Alg. 2), deterministic.
+//
+// A task is (batch, KV head, chunk of K/V blocks). It walks its K/V blocks of Bc keys (outer
+// loop, so dK and dV accumulate in cache), and for each the Q blocks of Br rows, of every query
+// head of the GQA group, that see it (inner loop):
+//   S  = scale · Q·Kᵀ                  [Br x Bc]  scores_tile
+//   P  = exp(S − lse), masked → 0      [Br x Bc]  probabilities_from_lse_tile
+//   dV += Pᵀ·dO                        [Bc x D]   accumulate_pv_tile on Pᵀ
+//   dP = dO·Vᵀ                         [Br x Bc]  scores_tile
+//   dS = scale · P ∘ (dP − D_i)        [Br x Bc]  softmax_gradient_tile, D_i = rowsum(dO ∘ O)
+//   dQ += dS·K                         [Br x D]   accumulate_pv_tile, into the chunk's dQ buffer
+//   dK += dSᵀ·Q                        [Bc x D]   accumulate_pv_tile on dSᵀ
+// Each task owns its dK and dV rows outright. dQ rows receive from every chunk, so each chunk
+// adds into its own fp32 buffer and the buffers are summed in chunk order at the end. The chunk
+// count depends only on the shape, never on the thread count: results are bitwise identical for
+// any number of threads.
+//
+// Memory: per thread the tiles (Q, dO, K, V in the layouts the kernels stream, S/P, dP/dS, their
+// transposes, dK and dV accumulators: ~0.7 MiB at D = 128), plus the fp32 dQ buffers,
+// chunks x batch x heads_q x seqlen_q x D floats: proportional to seqlen_q, never to
+// seqlen_q x seqlen_kv.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
+#include "standard/matrix.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::detail {
+namespace {
+
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+// Br x Bc of the backward. Five products share each tile pair (two in the forward), so a
+// smaller Br than the forward's keeps the Q-side tiles, which are packed once per K/V block,
+// and the two score-sized tiles together in L2.
+constexpr std::int64_t kBackwardRows = 64;
+
+// Enough tasks to keep every thread busy when batch x heads_kv is small; a function of the
+// shape only (see the determinism note above).
+constexpr std::int64_t kMinimumTasks = 8;
+
+struct BackwardTiles {
+  std::int64_t rows, keys, dims_padded;
+};
+
+struct Scratch {
+  std::vector<float> q, q_packed, dout, dout_packed;  // Q and dO: row-major and column panels
+  std::vector<float> k_packed_t, k_rows, k_packed, v_packed_t;  // Kᵀ panels, K, K panels, Vᵀ
+  std::vector<float> probabilities, dscores, transposed;        // [Br x Bc], [Br x Bc], [Bc x Br]
+  std::vector<float> dk, dv, lse, delta;
+
+  Scratch(const BackwardTiles& tiles, std::int64_t D)
+      : q(tiles.rows * tiles.dims_padded),
+        q_packed(tiles.rows * tiles.dims_padded),
+        dout(tiles.rows * tiles.dims_padded),
+        dout_packed(tiles.rows * tiles.dims_padded),
+        k_packed_t(D * tiles.keys),
+        k_rows(tiles.keys * tiles.dims_padded),
+        k_packed(tiles.keys * tiles.dims_padded),
+        v_packed_t(D * tiles.keys),
+        probabilities(tiles.rows * tiles.keys),
+        dscores(tiles.rows * tiles.keys),
+        transposed(tiles.keys * tiles.rows),
+        dk(tiles.keys * tiles.dims_padded),
+        dv(tiles.keys * tiles.dims_padded),
+        lse(tiles.rows),
+        delta(tiles.rows) {}
+};
+
+// Rows [row_begin, row_begin + rows) of head h of `base`, widened to fp32, as a row-major tile
+// [rows x dims_padded] and as column panels (cpu::packed_index); padding is 0.
+void load_rows(float* row_major, float* panels, const void* base, DType dtype,
+               const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t row_begin,
+               std::int64_t rows, std::int64_t D, std::int64_t dims_padded) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    float* row = row_major + i * dims_padded;
+    load_row_f32(row, base, dtype, strides.offset(b, row_begin + i, h), D);
+    std::fill(row + D, row + dims_padded, 0.0f);
+    for (std::int64_t panel = 0; panel < dims_padded; panel += cpu::kPanelWidth) {
+      const std::int64_t width = std::min(cpu::kPanelWidth, dims_padded - panel);
+      std::copy_n(row + panel, width, panels + cpu::packed_index(i, panel, rows, dims_padded));
+    }
+  }
+}
+
+// Keys [key_begin, key_begin + keys) of KV head h_kv as the transposed panels the scores kernel
+// streams ([D x keys_padded], padded keys 0).
+void load_transposed(float* panels, const void* base, DType dtype, const Strides& strides,
+                     std::int64_t b, std::int64_t h_kv, std::int64_t key_begin, std::int64_t keys,
+                     std::int64_t keys_padded, std::int64_t D, float* row) {
+  for (std::int64_t j = 0; j < keys_padded; ++j) {
+    if (j < keys) {
+      load_row_f32(row, base, dtype, strides.offset(b, key_begin + j, h_kv), D);
+    } else {
+      std::fill_n(row, D, 0.0f);
+    }
+    const std::int64_t panel = j / cpu::kPanelWidth * cpu::kPanelWidth;
+    const std::int64_t width = std::min(cpu::kPanelWidth, keys_padded - panel);
+    float* column = panels + cpu::packed_index(0, j, D, keys_padded);
+    for (std::int64_t d = 0; d < D; ++d) column[d * width] = row[d];
+  }
+}
+
+// dst[cols x rows] = src[rows x cols]ᵀ (row strides ld_src, ld_dst).
+void transpose(float* dst, std::int64_t ld_dst, const float* src, std::int64_t ld_src,
+               std::int64_t rows, std::int64_t cols) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
+  }
+}
+
+struct Task {
+  std::int64_t b, h_kv, block_begin, block_end;  // K/V blocks [block_begin, block_end)
+  float* dq;  // this chunk's fp32 dQ buffer for (b, h_kv): [group x seqlen_q x dims_padded]
+};
+
+void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
+                   const Task& task) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
+  const std::int64_t ld_s = tiles.keys, ld_t = tiles.rows;
+
+  for (std::int64_t block = task.block_begin; block < task.block_end; ++block) {
+    const std::int64_t key_begin = block * tiles.keys;
+    const std::int64_t key_end = std::min(key_begin + tiles.keys, p.seqlen_kv);
+    const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
+
+    // K and V of the block in the layouts the three products that read them stream.
+    load_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys,
+                    keys_padded, D, t.dk.data());
+    load_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
+                    keys_padded, D, t.dk.data());
+    load_rows(t.k_rows.data(), t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
+              keys, D, Dp);
+    std::fill_n(t.dk.begin(), keys * Dp, 0.0f);
+    std::fill_n(t.dv.begin(), keys * Dp, 0.0f);
+
+    // Query rows that see some key of the block: the row ranges are monotone in the row.
+    std::int64_t first_row = 0, last_row = p.seqlen_q;
+    while (first_row < last_row && p.key_range(first_row).end <= key_begin) ++first_row;
+    while (last_row > first_row && p.key_range(last_row - 1).begin >= key_end) --last_row;
+
+    for (std::int64_t g = 0; g < p.group_size(); ++g) {
+      const std::int64_t h = h_kv * p.group_size() + g;
+      for (std::int64_t row_begin = first_row; row_begin < last_row; row_begin += tiles.rows) {
+        const std::int64_t rows = std::min(tiles.rows, last_row - row_begin);
+        load_rows(t.q.data(), t.q_packed.data(), p.q, p.dtype, p.q_strides, b, h, row_begin, rows,
+                  D, Dp);
+        load_rows(t.dout.data(), t.dout_packed.data(), bp.dout, p.dtype, bp.dout_strides, b, h,
+                  row_begin, rows, D, Dp);
+        std::copy_n(p.lse + p.lse_index(b, h, row_begin), rows, t.lse.begin());
+        row_deltas(t.delta.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.dtype, b, h,
+                   row_begin, rows, D);
+
+        // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
+        cpu::scores_tile(t.probabilities.data(), ld_s, t.q.data(), Dp, t.k_packed_t.data(), rows,
+                         keys_padded, D, p.scale);
+        for (std::int64_t i = 0; i < rows; ++i) {
+          float* s = t.probabilities.data() + i * ld_s;
+          const KeyRange row_keys = p.key_range(row_begin + i);
+          const std::int64_t visible_begin =
+              std::clamp(row_keys.begin - key_begin, std::int64_t{0}, keys);
+          const std::int64_t visible_end =
+              std::clamp(row_keys.end - key_begin, visible_begin, keys);
+          std::fill(s, s + visible_begin, kNegativeInfinity);
+          std::fill(s + visible_end, s + keys_padded, kNegativeInfinity);
+        }
+        cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, t.lse.data(), rows,
+                                         keys_padded);
+
+        // dV += Pᵀ·dO                                                     [keys x Dp]
+        transpose(t.transposed.data(), ld_t, t.probabilities.data(), ld_s, rows, keys);
+        cpu::accumulate_pv_tile(t.dv.data(), Dp, t.transposed.data(), ld_t, t.dout_packed.data(),
+                                rows, 0, rows, keys, Dp);
+
+        // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
+        cpu::scores_tile(t.dscores.data(), ld_s, t.dout.data(), Dp, t.v_packed_t.data(), rows,
+                         keys_padded, D, 1.0f);
+        cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
+                                   t.delta.data(), p.scale, rows, keys_padded);
+
+        // dQ += dS·K                                                       [rows x Dp]
+        float* dq = task.dq + (g * p.seqlen_q + row_begin) * Dp;
+        cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
+                                rows, Dp);
+        // dK += dSᵀ·Q                                                      [keys x Dp]
+        transpose(t.transposed.data(), ld_t, t.dscores.data(), ld_s, rows, keys);
+        cpu::accumulate_pv_tile(t.dk.data(), Dp, t.transposed.data(), ld_t, t.q_packed.data(), rows,
+                                0, rows, keys, Dp);
+      }
+    }
+
+    for (std::int64_t j = 0; j < keys; ++j) {
+      store_row_f32(bp.dk, p.dtype, bp.dk_strides.offset(b, key_begin + j, h_kv),
+                    t.dk.data() + j * Dp, D);
+      store_row_f32(bp.dv, p.dtype, bp.dv_strides.offset(b, key_begin + j, h_kv),
+                    t.dv.data() + j * Dp, D);
+    }
+  }
+}
+
+}  // namespace
+
+void flash_backward(const BackwardParams& bp) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim;
+  const BackwardTiles tiles{kBackwardRows, flash_tiles(D).keys, cpu::pad_to_lanes(D)};
+  const std::int64_t kv_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
+  const std::int64_t groups = p.batch * p.heads_kv;
+  const std::int64_t chunks =
+      std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1), std::int64_t{1},
+                 std::max<std::int64_t>(kv_blocks, 1));
+  // dQ buffers: [chunk][batch][heads_kv][group][seqlen_q][Dp]
+  const std::int64_t group_floats = p.group_size() * p.seqlen_q * tiles.dims_padded;
+  std::vector<float> dq_buffers(static_cast<std::size_t>(chunks * groups * group_floats), 0.0f);
+
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    Scratch scratch(tiles, D);
+    // Largest key blocks last under a causal mask are seen by the fewest rows: chunks in order.
+#pragma omp for schedule(dynamic)
+    for (std::int64_t index = 0; index < groups * chunks; ++index) {
+      const std::int64_t group = index / chunks, chunk = index % chunks;
+      const Task task{group / p.heads_kv, group % p.heads_kv, chunk * kv_blocks / chunks,
+                      (chunk + 1) * kv_blocks / chunks,
+                      dq_buffers.data() + (chunk * groups + group) * group_floats};
+      backward_task(bp, tiles, scratch, task);
+    }
+
+    // dQ = Σ over chunks in chunk order, written once.
+    std::vector<float> row(static_cast<std::size_t>(tiles.dims_padded));
+#pragma omp for schedule(static)
+    for (std::int64_t index = 0; index < groups * p.group_size() * p.seqlen_q; ++index) {
+      const std::int64_t group = index / (p.group_size() * p.seqlen_q);
+      const std::int64_t within = index % (p.group_size() * p.seqlen_q);
+      const std::int64_t g = within / p.seqlen_q, position = within % p.seqlen_q;
+      const float* first = dq_buffers.data() + group * group_floats + within * tiles.dims_padded;
+      std::copy_n(first, D, row.begin());
+      for (std::int64_t chunk = 1; chunk < chunks; ++chunk) {
+        const float* partial = first + chunk * groups * group_floats;
+        for (std::int64_t d = 0; d < D; ++d) row[d] += partial[d];
+      }
+      const std::int64_t b = group / p.heads_kv, h = (group % p.heads_kv) * p.group_size() + g;
+      store_row_f32(bp.dq, p.dtype, bp.dq_strides.offset(b, position, h), row.data(), D);
+    }
+  }
+}
+
+}  // namespace flashattn::detail

@@ -1,0 +1,114 @@
+// The backward oracle: the gradients of the seed's attention in plain loops with fp64
+// accumulation, P recomputed from q and k (the forward's out and lse are not trusted here).
+// Per query row i of head h with visible keys j:
+//   P_ij = softmax_j(scale · q_i·k_j)      dP_ij = dO_i·v_j      D_i = Σ_j P_ij dP_ij
+//   dS_ij = P_ij (dP_ij − D_i)             dq_i = scale Σ_j dS_ij k_j
+//   dk_j += scale dS_ij q_i                dv_j += P_ij dO_i   (summed over the GQA group)
+
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::detail {
+
+void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk_f64,
+                            double* dv_f64) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim, Skv = p.seqlen_kv;
+  const double scale = p.scale;
+  const std::int64_t tasks = p.batch * p.heads_kv;
+  auto read = [&](const void* base, const Strides& strides, std::int64_t b, std::int64_t s,
+                  std::int64_t h, std::int64_t d) {
+    return static_cast<double>(load_f32(base, p.dtype, strides.offset(b, s, h) + d));
+  };
+
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    std::vector<double> probabilities(static_cast<std::size_t>(Skv));
+    std::vector<double> dprobabilities(static_cast<std::size_t>(Skv));
+#pragma omp for schedule(dynamic)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
+      double* dk = dk_f64 + (b * Skv * p.heads_kv + h_kv) * D;  // row stride heads_kv · D
+      double* dv = dv_f64 + (b * Skv * p.heads_kv + h_kv) * D;
+      const std::int64_t kv_row = p.heads_kv * D;
+      for (std::int64_t j = 0; j < Skv; ++j) {
+        for (std::int64_t d = 0; d < D; ++d) dk[j * kv_row + d] = dv[j * kv_row + d] = 0.0;
+      }
+      for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
+        for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+          double* dq = dq_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
+          for (std::int64_t d = 0; d < D; ++d) dq[d] = 0.0;
+          const KeyRange keys = p.key_range(row);
+          if (keys.empty()) continue;
+
+          double max_score = -std::numeric_limits<double>::infinity();
+          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+            double dot = 0.0;
+            for (std::int64_t d = 0; d < D; ++d) {
+              dot += read(p.q, p.q_strides, b, row, h, d) * read(p.k, p.k_strides, b, j, h_kv, d);
+            }
+            probabilities[j] = dot * scale;
+            if (probabilities[j] > max_score) max_score = probabilities[j];
+          }
+          const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
+          double sum = 0.0;
+          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+            probabilities[j] = std::exp(probabilities[j] - shift);
+            sum += probabilities[j];
+          }
+          double row_delta = 0.0;  // D_i
+          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+            probabilities[j] /= sum;
+            double dot = 0.0;
+            for (std::int64_t d = 0; d < D; ++d) {
+              dot += read(bp.dout, bp.dout_strides, b, row, h, d) *
+                     read(p.v, p.v_strides, b, j, h_kv, d);
+            }
+            dprobabilities[j] = dot;
+            row_delta += probabilities[j] * dot;
+          }
+          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+            const double dscore = probabilities[j] * (dprobabilities[j] - row_delta);
+            for (std::int64_t d = 0; d < D; ++d) {
+              dq[d] += scale * dscore * read(p.k, p.k_strides, b, j, h_kv, d);
+              dk[j * kv_row + d] += scale * dscore * read(p.q, p.q_strides, b, row, h, d);
+              dv[j * kv_row + d] += probabilities[j] * read(bp.dout, bp.dout_strides, b, row, h, d);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void reference_backward(const BackwardParams& bp) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim;
+  std::vector<double> dq(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * D));
+  std::vector<double> dk(static_cast<std::size_t>(p.batch * p.seqlen_kv * p.heads_kv * D));
+  std::vector<double> dv(dk.size());
+  reference_backward_f64(bp, dq.data(), dk.data(), dv.data());
+
+  auto store = [&](void* base, const Strides& strides, const std::vector<double>& values,
+                   std::int64_t seqlen, std::int64_t heads) {
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t s = 0; s < seqlen; ++s)
+        for (std::int64_t h = 0; h < heads; ++h) {
+          const double* src = values.data() + ((b * seqlen + s) * heads + h) * D;
+          for (std::int64_t d = 0; d < D; ++d) {
+            store_f32(base, p.dtype, strides.offset(b, s, h) + d, static_cast<float>(src[d]));
+          }
+        }
+  };
+  store(bp.dq, bp.dq_strides, dq, p.seqlen_q, p.heads_q);
+  store(bp.dk, bp.dk_strides, dk, p.seqlen_kv, p.heads_kv);
+  store(bp.dv, bp.dv_strides, dv, p.seqlen_kv, p.heads_kv);
+}
+
+}  // namespace flashattn::detail

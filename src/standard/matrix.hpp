@@ -1,0 +1,61 @@
+#pragma once
+
+// fp32 matrices for the standard paths' sgemm calls.
+
+#include <cstdint>
+#include <vector>
+
+#include "api/params.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::detail {
+
+// An fp32 matrix of rows of contiguous elements, `stride` elements apart: either the caller's
+// memory (f32 inputs) or a converted copy.
+struct Matrix {
+  const float* data;
+  std::int64_t stride;
+};
+
+// Rows [0, rows) of head h in batch b, `cols` elements each, as sgemm can read them.
+inline Matrix gather_rows(std::vector<float>& storage, const void* base, DType dtype,
+                          const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t rows,
+                          std::int64_t cols) {
+  // sgemm reads f32 rows in place when they do not overlap (its leading dimension must be
+  // >= cols); a single row may have any stride.
+  if (dtype == DType::f32 && (rows <= 1 || strides.seq >= cols)) {
+    return {static_cast<const float*>(base) + strides.offset(b, 0, h),
+            rows <= 1 ? cols : strides.seq};
+  }
+  storage.resize(static_cast<std::size_t>(rows * cols));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    load_row_f32(storage.data() + r * cols, base, dtype, strides.offset(b, r, h), cols);
+  }
+  return {storage.data(), cols};
+}
+
+// Writes rows x cols contiguous fp32 values to head h of batch b in the operand's dtype.
+inline void scatter_rows(void* base, DType dtype, const Strides& strides, std::int64_t b,
+                         std::int64_t h, const float* values, std::int64_t rows,
+                         std::int64_t cols) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    store_row_f32(base, dtype, strides.offset(b, r, h), values + r * cols, cols);
+  }
+}
+
+// rowsum(dO ∘ O) of each of `rows` query rows of head h: the D_i of the softmax gradient.
+inline void row_deltas(float* delta, const void* dout, const Strides& dout_strides, const void* out,
+                       const Strides& out_strides, DType dtype, std::int64_t b, std::int64_t h,
+                       std::int64_t row_begin, std::int64_t rows, std::int64_t head_dim) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t dout_offset = dout_strides.offset(b, row_begin + r, h);
+    const std::int64_t out_offset = out_strides.offset(b, row_begin + r, h);
+    float sum = 0.0f;
+    for (std::int64_t d = 0; d < head_dim; ++d) {
+      sum += load_f32(dout, dtype, dout_offset + d) * load_f32(out, dtype, out_offset + d);
+    }
+    delta[r] = sum;
+  }
+}
+
+}  // namespace flashattn::detail

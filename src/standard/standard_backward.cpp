@@ -1,0 +1,105 @@
+// The standard backward, as a user would write it on top of BLAS: per (batch, query head) the
+// full matrices
+//   P  = exp(scale · Q·Kᵀ − lse)        [Sq x Skv]   (sgemm, then the mask)
+//   dV += Pᵀ·dO                          [Skv x D]    (sgemm)
+//   dP = dO·Vᵀ                           [Sq x Skv]   (sgemm)
+//   dS = scale · P ∘ (dP − rowsum(dO∘O)) [Sq x Skv]
+//   dQ = dS·K,  dK += dSᵀ·Q              (sgemm)
+// A task is one (batch, KV head): the query heads of its GQA group add into its dK and dV in a
+// fixed order, so the result does not depend on the thread count.
+//
+// Memory: per thread two Sq x Skv fp32 matrices (P and dP/dS: 2 GiB at S = 16384), fp32 dK and
+// dV accumulators for one KV head, and fp32 copies of operands sgemm cannot read in place.
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
+#include "standard/matrix.hpp"
+
+namespace flashattn::detail {
+namespace {
+
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+struct BackwardScratch {
+  std::vector<float> probabilities, dscores, dk, dv, dq, delta, lse;
+  std::vector<float> q_copy, k_copy, v_copy, dout_copy;
+};
+
+void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int64_t h_kv,
+                             BackwardScratch& t) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim;
+  const std::int64_t width = cpu::pad_to_lanes(Skv);
+  t.probabilities.assign(static_cast<std::size_t>(Sq * width), 0.0f);
+  t.dscores.assign(static_cast<std::size_t>(Sq * width), 0.0f);
+  t.dk.assign(static_cast<std::size_t>(Skv * D), 0.0f);
+  t.dv.assign(static_cast<std::size_t>(Skv * D), 0.0f);
+  t.dq.resize(static_cast<std::size_t>(Sq * D));
+  t.delta.resize(static_cast<std::size_t>(Sq));
+  t.lse.resize(static_cast<std::size_t>(Sq));
+  const Matrix k = gather_rows(t.k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
+  const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
+
+  for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
+    const Matrix q = gather_rows(t.q_copy, p.q, p.dtype, p.q_strides, b, h, Sq, D);
+    const Matrix dout = gather_rows(t.dout_copy, bp.dout, p.dtype, bp.dout_strides, b, h, Sq, D);
+    row_deltas(t.delta.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.dtype, b, h, 0, Sq,
+               D);
+    std::copy_n(p.lse + p.lse_index(b, h, 0), Sq, t.lse.begin());
+
+    if (Skv > 0) {
+      // P = exp(scale · Q·Kᵀ − lse), masked keys 0                  [Sq x Skv]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, p.scale, q.data, q.stride,
+                  k.data, k.stride, 0.0f, t.probabilities.data(), width);
+      for (std::int64_t row = 0; row < Sq; ++row) {
+        float* s = t.probabilities.data() + row * width;
+        const KeyRange keys = p.key_range(row);
+        std::fill(s, s + keys.begin, kNegativeInfinity);
+        std::fill(s + keys.end, s + width, kNegativeInfinity);
+      }
+      cpu::probabilities_from_lse_tile(t.probabilities.data(), width, t.lse.data(), Sq, width);
+      // dV += Pᵀ·dO                                                [Skv x D]
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, t.probabilities.data(),
+                  width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
+      // dP = dO·Vᵀ, then dS = scale · P ∘ (dP − D_i)                 [Sq x Skv]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, 1.0f, dout.data, dout.stride,
+                  v.data, v.stride, 0.0f, t.dscores.data(), width);
+      cpu::softmax_gradient_tile(t.dscores.data(), width, t.probabilities.data(), width,
+                                 t.delta.data(), p.scale, Sq, width);
+      // dQ = dS·K, dK += dSᵀ·Q                                       [Sq x D], [Skv x D]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.dscores.data(),
+                  width, k.data, k.stride, 0.0f, t.dq.data(), D);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, t.dscores.data(),
+                  width, q.data, q.stride, 1.0f, t.dk.data(), D);
+    } else {
+      std::fill(t.dq.begin(), t.dq.end(), 0.0f);
+    }
+    scatter_rows(bp.dq, p.dtype, bp.dq_strides, b, h, t.dq.data(), Sq, D);
+  }
+  scatter_rows(bp.dk, p.dtype, bp.dk_strides, b, h_kv, t.dk.data(), Skv, D);
+  scatter_rows(bp.dv, p.dtype, bp.dv_strides, b, h_kv, t.dv.data(), Skv, D);
+}
+
+}  // namespace
+
+void standard_backward(const BackwardParams& bp) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t tasks = p.batch * p.heads_kv;
+#pragma omp parallel num_threads(p.num_threads)
+  {
+    BackwardScratch scratch;
+#pragma omp for schedule(dynamic)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      standard_backward_group(bp, task / p.heads_kv, task % p.heads_kv, scratch);
+    }
+  }
+}
+
+}  // namespace flashattn::detail

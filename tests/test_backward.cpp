@@ -1,0 +1,342 @@
+// The backward passes: the fp64 reference against central finite differences, then the flash
+// and standard backward against the reference on shapes that break tiling.
+//
+// Tolerance of the fast paths, derived like the forward's (test_attention_vs_reference.cpp):
+//  * the standard backward must stay inside a first-order fp32 error bound: its scores carry
+//    u32·scale·D·max|q|·max|k| (length-D dot products), its sums over keys and over query rows
+//    another u32·(Skv + Sq) relative; every gradient is a sum of products bounded by
+//    G = max|grad_ref| + max|dO|·max|v|. Bound: u32·(4·scale·D·max|q|·max|k| + 2·(Skv + Sq) + 16)·G
+//    plus one rounding of the output dtype at G;
+//  * the flash backward must be within 4x the standard backward's measured max error, plus two
+//    roundings of the output dtype and 4 typical score roundings (u32·scale·sqrt(D)·max|q|·max|k|)
+//    at G — the same floor as the forward's.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+
+#include "test_support.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+struct BackwardCase {
+  std::int64_t batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim;
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  DType dtype = DType::f32;
+  int threads = 2;
+  bool head_major = false;  // the seed's [B, H, S, D] memory seen as [B, S, H, D]
+};
+
+std::string describe(const BackwardCase& c) {
+  std::ostringstream text;
+  text << "B" << c.batch << "_Sq" << c.seqlen_q << "_Skv" << c.seqlen_kv << "_Hq" << c.heads_q
+       << "_Hkv" << c.heads_kv << "_D" << c.head_dim << (c.causal ? "_causal" : "");
+  if (c.window_left >= 0 || c.window_right >= 0) {
+    text << "_win" << c.window_left << "_" << c.window_right;
+  }
+  text << "_" << dtype_name(c.dtype) << "_t" << c.threads << (c.head_major ? "_bhsd" : "");
+  return text.str();
+}
+
+std::array<std::int64_t, 4> strides_for(bool head_major, std::array<std::int64_t, 4> shape) {
+  const auto [B, S, H, D] = shape;
+  return head_major ? std::array<std::int64_t, 4>{H * S * D, D, S * D, 1}
+                    : contiguous_strides(shape);
+}
+
+// Inputs, the forward's out and lse (by the flash path), and dO.
+struct Problem {
+  BackwardCase c;
+  AttentionOptions options;
+  Tensor q, k, v, out, dout;
+  std::vector<float> lse;
+
+  explicit Problem(const BackwardCase& c_, std::uint64_t seed)
+      : c(c_),
+        q(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim},
+          strides_for(c.head_major, {c.batch, c.seqlen_q, c.heads_q, c.head_dim})),
+        k(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim},
+          strides_for(c.head_major, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim})),
+        v(c.dtype, k.view.shape, k.view.strides),
+        out(c.dtype, q.view.shape, q.view.strides),
+        dout(c.dtype, q.view.shape, q.view.strides),
+        lse(static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q)) {
+    std::mt19937_64 rng(seed);
+    q.fill_normal(rng);
+    k.fill_normal(rng);
+    v.fill_normal(rng);
+    dout.fill_normal(rng);
+    options.causal = c.causal;
+    options.window_left = c.window_left;
+    options.window_right = c.window_right;
+    options.num_threads = c.threads;
+    flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+  }
+
+  struct Gradients {
+    Tensor dq, dk, dv;
+  };
+  Gradients run(AttentionImpl impl, int threads) const {
+    Gradients g{Tensor(c.dtype, q.view.shape, q.view.strides),
+                Tensor(c.dtype, k.view.shape, k.view.strides),
+                Tensor(c.dtype, k.view.shape, k.view.strides)};
+    g.dq.poison();
+    g.dk.poison();
+    g.dv.poison();
+    AttentionOptions run_options = options;
+    run_options.num_threads = threads;
+    attention_backward(impl, dout.view, q.view, k.view, v.view, out.view, lse.data(), g.dq.view,
+                       g.dk.view, g.dv.view, run_options);
+    return g;
+  }
+};
+
+struct ReferenceGradients {
+  std::vector<double> dq, dk, dv;  // contiguous
+};
+
+ReferenceGradients reference_gradients(const Problem& p) {
+  Tensor dq(p.c.dtype, p.q.view.shape), dk(p.c.dtype, p.k.view.shape),
+      dv(p.c.dtype, p.k.view.shape);
+  const detail::BackwardParams params =
+      detail::make_backward_params("reference", p.dout.view, p.q.view, p.k.view, p.v.view,
+                                   p.out.view, p.lse.data(), dq.view, dk.view, dv.view, p.options);
+  ReferenceGradients ref;
+  ref.dq.resize(static_cast<std::size_t>(p.q.view.numel()));
+  ref.dk.resize(static_cast<std::size_t>(p.k.view.numel()));
+  ref.dv.resize(ref.dk.size());
+  detail::reference_backward_f64(params, ref.dq.data(), ref.dk.data(), ref.dv.data());
+  return ref;
+}
+
+struct MaxError {
+  double value = 0.0, got = 0.0, want = 0.0;
+  std::int64_t index = -1;
+};
+
+MaxError max_error(const Tensor& got, const std::vector<double>& want) {
+  MaxError worst;
+  std::int64_t flat = 0;
+  got.for_each_index([&](auto a, auto b, auto c, auto d) {
+    const double value = got.at(a, b, c, d);
+    const double error = std::isnan(value) ? INFINITY : std::abs(value - want[flat]);
+    if (error > worst.value || worst.index < 0) worst = {error, value, want[flat], flat};
+    ++flat;
+  });
+  return worst;
+}
+
+double max_abs(const Tensor& t) {
+  double result = 0.0;
+  t.for_each_index([&](auto a, auto b, auto c, auto d) {
+    result = std::max<double>(result, std::abs(t.at(a, b, c, d)));
+  });
+  return result;
+}
+
+double max_abs(const std::vector<double>& values) {
+  double result = 0.0;
+  for (double x : values) result = std::max(result, std::abs(x));
+  return result;
+}
+
+class BackwardVsReference : public ::testing::TestWithParam<BackwardCase> {};
+
+TEST_P(BackwardVsReference, FlashAndStandardMatchFp64Reference) {
+  const BackwardCase& c = GetParam();
+  const std::uint64_t seed = test_seed() ^ std::hash<std::string>{}(describe(c));
+  const Problem p(c, seed);
+  const ReferenceGradients ref = reference_gradients(p);
+  const auto standard = p.run(AttentionImpl::standard, c.threads);
+  const auto flash = p.run(AttentionImpl::flash, c.threads);
+
+  const double u32 = unit_roundoff(DType::f32), u_out = unit_roundoff(c.dtype);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+  const double qk = max_abs(p.q) * max_abs(p.k);
+  const double dv_scale = max_abs(p.dout) * max_abs(p.v);
+  const double first_order =
+      4.0 * scale * c.head_dim * qk + 2.0 * (c.seqlen_kv + c.seqlen_q) + 16.0;
+  const double score_rounding = u32 * scale * std::sqrt(static_cast<double>(c.head_dim)) * qk;
+
+  const std::pair<const char*, std::tuple<const Tensor*, const Tensor*, const std::vector<double>*>>
+      gradients[] = {{"dq", {&standard.dq, &flash.dq, &ref.dq}},
+                     {"dk", {&standard.dk, &flash.dk, &ref.dk}},
+                     {"dv", {&standard.dv, &flash.dv, &ref.dv}}};
+  for (const auto& [name, tensors] : gradients) {
+    const auto& [standard_grad, flash_grad, ref_grad] = tensors;
+    const double magnitude = max_abs(*ref_grad) + dv_scale;
+    const double standard_bound = u32 * first_order * magnitude + u_out * magnitude;
+    const MaxError standard_error = max_error(*standard_grad, *ref_grad);
+    const MaxError flash_error = max_error(*flash_grad, *ref_grad);
+    const double flash_bound =
+        4.0 * standard_error.value + (2.0 * u_out + 4.0 * score_rounding) * magnitude;
+    const std::string context = describe(c) + " seed " + std::to_string(seed) + " " + name;
+    EXPECT_LE(standard_error.value, standard_bound)
+        << context << ": standard [" << standard_error.index << "] = " << standard_error.got
+        << ", reference " << standard_error.want;
+    EXPECT_LE(flash_error.value, flash_bound)
+        << context << ": flash [" << flash_error.index << "] = " << flash_error.got
+        << ", reference " << flash_error.want << " (standard max error " << standard_error.value
+        << ")";
+  }
+}
+
+std::vector<BackwardCase> backward_grid() {
+  std::vector<BackwardCase> grid = {
+      {1, 1, 1, 1, 1, 32},
+      {2, 7, 7, 2, 2, 32, true},
+      {1, 64, 64, 2, 2, 64, false},
+      {1, 113, 203, 4, 2, 40, true},
+      {1, 203, 113, 4, 2, 40, true},
+      {1, 1, 239, 2, 1, 64, true},
+      {1, 239, 1, 2, 1, 64, false},
+      {2, 129, 129, 2, 1, 59, true},
+      {1, 255, 255, 2, 2, 64, false, 16, 0},
+      {1, 200, 150, 2, 2, 48, true, 40, 8},
+      {1, 300, 300, 2, 2, 128, true},
+      {1, 97, 131, 6, 1, 111, false},
+      {1, 65, 70, 2, 2, 256, true},
+      {1, 129, 257, 2, 2, 80, false},
+  };
+  grid[2].threads = 1;
+  grid[4].threads = 3;
+  grid[7].threads = 3;
+  grid[9].head_major = true;
+  grid[12].head_major = true;
+  BackwardCase f16{1, 131, 97, 4, 2, 64, true};
+  f16.dtype = DType::f16;
+  BackwardCase bf16{1, 97, 131, 2, 1, 96, false, 20, 20};
+  bf16.dtype = DType::bf16;
+  grid.push_back(f16);
+  grid.push_back(bf16);
+  return grid;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, BackwardVsReference, ::testing::ValuesIn(backward_grid()),
+                         [](const auto& info) { return describe(info.param); });
+
+// The reference itself: central finite differences of L = Σ dO ∘ O through the fp64 forward
+// reference, for a sample of elements of q, k and v. The perturbation is read back from the
+// float it was stored in, so the quotient uses the step actually taken; with h = 2^-10 the
+// truncation error is O(h²) ~ 1e-6 of the gradient's scale.
+TEST(BackwardReference, MatchesFiniteDifferences) {
+  for (bool causal : {false, true}) {
+    for (const auto& [heads_q, heads_kv] : {std::pair<std::int64_t, std::int64_t>{2, 2}, {4, 1}}) {
+      BackwardCase c{1, 5, 6, heads_q, heads_kv, 8, causal};
+      Problem p(c, test_seed() + static_cast<std::uint64_t>(causal) + heads_kv);
+      const ReferenceGradients ref = reference_gradients(p);
+      auto loss = [&] {
+        const ReferenceResult forward = reference(p.q, p.k, p.v, p.options);
+        double sum = 0.0;
+        std::int64_t flat = 0;
+        p.dout.for_each_index([&](auto a, auto b, auto cc, auto d) {
+          sum += p.dout.at(a, b, cc, d) * forward.out[flat++];
+        });
+        return sum;
+      };
+      const std::pair<const char*, std::pair<Tensor*, const std::vector<double>*>> inputs[] = {
+          {"q", {&p.q, &ref.dq}}, {"k", {&p.k, &ref.dk}}, {"v", {&p.v, &ref.dv}}};
+      for (const auto& [name, pair] : inputs) {
+        auto& [tensor, gradient] = pair;
+        std::int64_t flat = 0;
+        tensor->for_each_index([&](auto a, auto b, auto cc, auto d) {
+          if (flat++ % 3 != 0) return;  // a third of the elements keeps this fast
+          const float original = tensor->at(a, b, cc, d);
+          const double h = 0x1p-10;
+          tensor->set(a, b, cc, d, static_cast<float>(original + h));
+          const double plus_x = tensor->at(a, b, cc, d), plus = loss();
+          tensor->set(a, b, cc, d, static_cast<float>(original - h));
+          const double minus_x = tensor->at(a, b, cc, d), minus = loss();
+          tensor->set(a, b, cc, d, original);
+          const double numeric = (plus - minus) / (plus_x - minus_x);
+          EXPECT_NEAR((*gradient)[flat - 1], numeric, 1e-5 * (1.0 + std::abs(numeric)))
+              << name << "[" << flat - 1 << "] causal " << causal << " Hq " << heads_q << " Hkv "
+              << heads_kv;
+        });
+      }
+    }
+  }
+}
+
+// Rows that see no key (causal with Sq > Skv) contribute nothing and get dq = 0, never NaN.
+TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
+  const BackwardCase c{1, 9, 4, 2, 2, 16, true};
+  const Problem p(c, test_seed());
+  for (AttentionImpl impl :
+       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+    const auto g = p.run(impl, 2);
+    for (std::int64_t row = 0; row < 9; ++row)
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t d = 0; d < 16; ++d) {
+          const float value = g.dq.at(0, row, h, d);
+          if (row < 5) {
+            EXPECT_EQ(value, 0.0f) << impl_name(impl) << " row " << row;
+          }
+          EXPECT_TRUE(std::isfinite(value)) << impl_name(impl) << " row " << row;
+        }
+    for (const Tensor* t : {&g.dk, &g.dv}) {
+      t->for_each_index([&](auto a, auto b, auto cc, auto d) {
+        EXPECT_TRUE(std::isfinite(t->at(a, b, cc, d))) << impl_name(impl);
+      });
+    }
+  }
+}
+
+// The chunks' dQ partial sums are added in a fixed order and every dK, dV row has one owner.
+TEST(Backward, FlashIsBitwiseIdenticalForAnyThreadCount) {
+  const BackwardCase c{1, 301, 517, 4, 2, 72, true};
+  const Problem p(c, test_seed());
+  const auto first = p.run(AttentionImpl::flash, 1);
+  for (int threads : {2, 3, 7}) {
+    const auto other = p.run(AttentionImpl::flash, threads);
+    EXPECT_EQ(other.dq.bytes, first.dq.bytes) << threads << " threads";
+    EXPECT_EQ(other.dk.bytes, first.dk.bytes) << threads << " threads";
+    EXPECT_EQ(other.dv.bytes, first.dv.bytes) << threads << " threads";
+  }
+}
+
+TEST(Backward, BadInputNamesTheArgument) {
+  const BackwardCase c{1, 5, 6, 2, 2, 8};
+  const Problem p(c, 1);
+  Tensor dq(DType::f32, {1, 5, 2, 8}), dk(DType::f32, {1, 6, 2, 8}), dv(DType::f32, {1, 6, 2, 8});
+  Tensor wrong_dout(DType::f32, {1, 4, 2, 8});
+  auto message = [&](auto&& call) {
+    try {
+      call();
+    } catch (const Error& error) {
+      return std::string(error.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] {
+              flash_attention_backward(wrong_dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
+                                       p.lse.data(), dq.view, dk.view, dv.view);
+            }).find("dout: expected shape [1, 5, 2, 8] (as q), got [1, 4, 2, 8]"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              flash_attention_backward(p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
+                                       nullptr, dq.view, dk.view, dv.view);
+            }).find("lse: expected the forward's logsumexp [1, 2, 5], got null"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              flash_attention_backward(p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
+                                       p.lse.data(), dq.view, dq.view, dv.view);
+            }).find("expected shape [1, 6, 2, 8] (as k)"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              TensorView aliased = dk.view;
+              aliased.data = dv.view.data;
+              flash_attention_backward(p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
+                                       p.lse.data(), dq.view, aliased, dv.view);
+            }).find("dv: expected memory disjoint from dk"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace flashattn::testing
