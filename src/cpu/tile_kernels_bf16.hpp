@@ -19,8 +19,9 @@ namespace flashattn::detail::cpu {
 
 bool bf16_products_supported();
 
-// Whether bf16 inputs use these kernels: when supported, unless switched off (tests force the
-// widening fp32 path this way; not thread-safe against concurrent attention calls).
+// Whether bf16 inputs use these kernels: when supported and switched on, by the environment
+// variable FLASHATTN_BF16_DOT=1 or by tests (not thread-safe against concurrent attention
+// calls). Otherwise bf16 inputs are widened to fp32 when packed.
 bool bf16_products_enabled();
 void set_bf16_products_enabled(bool enabled);
 

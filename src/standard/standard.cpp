@@ -18,6 +18,7 @@
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
 #include "util/convert.hpp"
+#include "util/omp_threads.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -104,6 +105,7 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
 
 void standard_forward(const AttentionParams& p) {
   const std::int64_t tasks = p.batch * p.heads_q;
+  const ScopedOmpThreads blas_threads(p.num_threads);
   if (tasks >= p.num_threads) {
     // One head per thread at a time; OpenBLAS (OpenMP build) runs each sgemm on the calling
     // thread inside this region.
@@ -117,15 +119,11 @@ void standard_forward(const AttentionParams& p) {
     }
     return;
   }
-  // Fewer heads than threads: heads in turn, each sgemm threaded by OpenBLAS. OpenBLAS sizes its
-  // team from this thread's OpenMP thread count, so set it for the call and put it back.
-  const int saved_threads = omp_get_max_threads();
-  omp_set_num_threads(p.num_threads);
+  // Fewer heads than threads: heads in turn, each sgemm threaded by OpenBLAS.
   HeadScratch scratch;
   for (std::int64_t task = 0; task < tasks; ++task) {
     standard_head(p, task / p.heads_q, task % p.heads_q, scratch, p.num_threads);
   }
-  omp_set_num_threads(saved_threads);
 }
 
 }  // namespace flashattn::detail

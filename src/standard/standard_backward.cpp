@@ -21,6 +21,7 @@
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
+#include "util/omp_threads.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -92,6 +93,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
 void standard_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t tasks = p.batch * p.heads_kv;
+  const ScopedOmpThreads blas_threads(p.num_threads);
 #pragma omp parallel num_threads(p.num_threads)
   {
     BackwardScratch scratch;
