@@ -288,6 +288,19 @@ TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
   }
 }
 
+// No keys at all: every row is fully masked, dq is 0 and dk, dv are empty.
+TEST(Backward, EmptyKeySequence) {
+  const BackwardCase c{1, 5, 0, 2, 2, 16, false};
+  const Problem p(c, test_seed());
+  for (AttentionImpl impl :
+       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+    const auto g = p.run(impl, 2);
+    g.dq.for_each_index([&](auto a, auto b, auto cc, auto d) {
+      EXPECT_EQ(g.dq.at(a, b, cc, d), 0.0f) << impl_name(impl);
+    });
+  }
+}
+
 // The chunks' dQ partial sums are added in a fixed order and every dK, dV row has one owner.
 TEST(Backward, FlashIsBitwiseIdenticalForAnyThreadCount) {
   const BackwardCase c{1, 301, 517, 4, 2, 72, true};

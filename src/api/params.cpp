@@ -88,6 +88,7 @@ void check_view(const char* caller, const char* name, const View& view) {
 // True when two distinct indices of `view` can address the same element. Sorting the dims by
 // stride, each stride must be at least the extent of everything inside it.
 bool self_overlapping(const TensorView& view) {
+  if (view.numel() == 0) return false;  // no element, nothing to overlap
   std::vector<int> order = {0, 1, 2, 3};
   std::sort(order.begin(), order.end(),
             [&](int a, int b) { return view.strides[a] < view.strides[b]; });
