@@ -16,7 +16,7 @@
 // any number of threads.
 //
 // Memory: per thread the tiles (Q, dO, K, V in the layouts the kernels stream, S/P, dP/dS, their
-// transposes, dK and dV accumulators: ~0.7 MiB at D = 128), plus the fp32 dQ buffers,
+// dK and dV accumulators: ~0.7 MiB at D = 128), plus the fp32 dQ buffers,
 // chunks x batch x heads_q x seqlen_q x D floats: proportional to seqlen_q, never to
 // seqlen_q x seqlen_kv.
 
@@ -53,7 +53,7 @@ struct BackwardTiles {
 struct Scratch {
   std::vector<float> q, q_packed, dout, dout_packed;  // Q and dO: row-major and column panels
   std::vector<float> k_packed_t, k_rows, k_packed, v_packed_t;  // Kᵀ panels, K, K panels, Vᵀ
-  std::vector<float> probabilities, dscores, transposed;        // [Br x Bc], [Br x Bc], [Bc x Br]
+  std::vector<float> probabilities, dscores;                    // [Br x Bc] each
   std::vector<float> dk, dv, lse, delta;
 
   Scratch(const BackwardTiles& tiles, std::int64_t D)
@@ -67,27 +67,43 @@ struct Scratch {
         v_packed_t(D * tiles.keys),
         probabilities(tiles.rows * tiles.keys),
         dscores(tiles.rows * tiles.keys),
-        transposed(tiles.keys * tiles.rows),
         dk(tiles.keys * tiles.dims_padded),
         dv(tiles.keys * tiles.dims_padded),
         lse(tiles.rows),
         delta(tiles.rows) {}
 };
 
-// Rows [row_begin, row_begin + rows) of head h of `base`, widened to fp32, as a row-major tile
-// [rows x dims_padded] and as column panels (cpu::packed_index); padding is 0.
-void load_rows(float* row_major, float* panels, const void* base, DType dtype,
-               const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t row_begin,
-               std::int64_t rows, std::int64_t D, std::int64_t dims_padded) {
+// A row-major fp32 view of some rows: the caller's memory for f32 inputs, else a converted copy.
+struct RowMajor {
+  const float* data;
+  std::int64_t ld;
+};
+
+// Rows [row_begin, row_begin + rows) of head h of `base` as column panels (cpu::packed_index,
+// padding 0), and row-major for the scores kernel, which reads only the first D columns.
+RowMajor load_rows(float* row_major, float* panels, const void* base, DType dtype,
+                   const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t row_begin,
+                   std::int64_t rows, std::int64_t D, std::int64_t dims_padded) {
+  const bool in_place = dtype == DType::f32;
   for (std::int64_t i = 0; i < rows; ++i) {
-    float* row = row_major + i * dims_padded;
-    load_row_f32(row, base, dtype, strides.offset(b, row_begin + i, h), D);
-    std::fill(row + D, row + dims_padded, 0.0f);
+    const std::int64_t offset = strides.offset(b, row_begin + i, h);
+    const float* row = static_cast<const float*>(base) + offset;
+    if (!in_place) {
+      load_row_f32(row_major + i * dims_padded, base, dtype, offset, D);
+      row = row_major + i * dims_padded;
+    }
     for (std::int64_t panel = 0; panel < dims_padded; panel += cpu::kPanelWidth) {
       const std::int64_t width = std::min(cpu::kPanelWidth, dims_padded - panel);
-      std::copy_n(row + panel, width, panels + cpu::packed_index(i, panel, rows, dims_padded));
+      const std::int64_t loaded = std::clamp(D - panel, std::int64_t{0}, width);
+      float* dst = panels + cpu::packed_index(i, panel, rows, dims_padded);
+      std::copy_n(row + panel, loaded, dst);
+      std::fill(dst + loaded, dst + width, 0.0f);
     }
   }
+  if (in_place) {
+    return {static_cast<const float*>(base) + strides.offset(b, row_begin, h), strides.seq};
+  }
+  return {row_major, dims_padded};
 }
 
 // Keys [key_begin, key_begin + keys) of KV head h_kv as the transposed panels the scores kernel
@@ -108,14 +124,6 @@ void load_transposed(float* panels, const void* base, DType dtype, const Strides
   }
 }
 
-// dst[cols x rows] = src[rows x cols]ᵀ (row strides ld_src, ld_dst).
-void transpose(float* dst, std::int64_t ld_dst, const float* src, std::int64_t ld_src,
-               std::int64_t rows, std::int64_t cols) {
-  for (std::int64_t i = 0; i < rows; ++i) {
-    for (std::int64_t j = 0; j < cols; ++j) dst[j * ld_dst + i] = src[i * ld_src + j];
-  }
-}
-
 struct Task {
   std::int64_t b, h_kv, block_begin, block_end;  // K/V blocks [block_begin, block_end)
   float* dq;  // this chunk's fp32 dQ buffer for (b, h_kv): [group x seqlen_q x dims_padded]
@@ -125,7 +133,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
                    const Task& task) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
-  const std::int64_t ld_s = tiles.keys, ld_t = tiles.rows;
+  const std::int64_t ld_s = tiles.keys;
 
   for (std::int64_t block = task.block_begin; block < task.block_end; ++block) {
     const std::int64_t key_begin = block * tiles.keys;
@@ -151,16 +159,16 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
       const std::int64_t h = h_kv * p.group_size() + g;
       for (std::int64_t row_begin = first_row; row_begin < last_row; row_begin += tiles.rows) {
         const std::int64_t rows = std::min(tiles.rows, last_row - row_begin);
-        load_rows(t.q.data(), t.q_packed.data(), p.q, p.dtype, p.q_strides, b, h, row_begin, rows,
-                  D, Dp);
-        load_rows(t.dout.data(), t.dout_packed.data(), bp.dout, p.dtype, bp.dout_strides, b, h,
-                  row_begin, rows, D, Dp);
+        const RowMajor q = load_rows(t.q.data(), t.q_packed.data(), p.q, p.dtype, p.q_strides, b, h,
+                                     row_begin, rows, D, Dp);
+        const RowMajor dout = load_rows(t.dout.data(), t.dout_packed.data(), bp.dout, p.dtype,
+                                        bp.dout_strides, b, h, row_begin, rows, D, Dp);
         std::copy_n(p.lse + p.lse_index(b, h, row_begin), rows, t.lse.begin());
         row_deltas(t.delta.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.dtype, b, h,
                    row_begin, rows, D);
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
-        cpu::scores_tile(t.probabilities.data(), ld_s, t.q.data(), Dp, t.k_packed_t.data(), rows,
+        cpu::scores_tile(t.probabilities.data(), ld_s, q.data, q.ld, t.k_packed_t.data(), rows,
                          keys_padded, D, p.scale);
         for (std::int64_t i = 0; i < rows; ++i) {
           float* s = t.probabilities.data() + i * ld_s;
@@ -176,12 +184,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
                                          keys_padded);
 
         // dV += Pᵀ·dO                                                     [keys x Dp]
-        transpose(t.transposed.data(), ld_t, t.probabilities.data(), ld_s, rows, keys);
-        cpu::accumulate_pv_tile(t.dv.data(), Dp, t.transposed.data(), ld_t, t.dout_packed.data(),
-                                rows, 0, rows, keys, Dp);
+        cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s,
+                                           t.dout_packed.data(), rows, keys, Dp);
 
         // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
-        cpu::scores_tile(t.dscores.data(), ld_s, t.dout.data(), Dp, t.v_packed_t.data(), rows,
+        cpu::scores_tile(t.dscores.data(), ld_s, dout.data, dout.ld, t.v_packed_t.data(), rows,
                          keys_padded, D, 1.0f);
         cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                                    t.delta.data(), p.scale, rows, keys_padded);
@@ -191,9 +198,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
                                 rows, Dp);
         // dK += dSᵀ·Q                                                      [keys x Dp]
-        transpose(t.transposed.data(), ld_t, t.dscores.data(), ld_s, rows, keys);
-        cpu::accumulate_pv_tile(t.dk.data(), Dp, t.transposed.data(), ld_t, t.q_packed.data(), rows,
-                                0, rows, keys, Dp);
+        cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s,
+                                           t.q_packed.data(), rows, keys, Dp);
       }
     }
 

@@ -150,10 +150,17 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
   }
 }
 
+// Where the weights of a P·V product live: element (row r, key j) at p[r · row + j · key].
+// Row-major P has (ld, 1); the backward's Pᵀ and dSᵀ products read P and dS as (1, ld), with
+// no transposed copy.
+struct WeightStrides {
+  std::int64_t row, key;
+};
+
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]
 template <int R, int C>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                        const float* HWY_RESTRICT p, std::int64_t ld_p, const float* HWY_RESTRICT v,
+                        const float* HWY_RESTRICT p, WeightStrides ps, const float* HWY_RESTRICT v,
                         std::int64_t ld_v, std::int64_t keys) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
@@ -162,8 +169,9 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
   for (std::int64_t j = 0; j < keys; ++j) {
     Vec values[C];
     for (int c = 0; c < C; ++c) values[c] = hn::LoadU(tag, v + j * ld_v + c * N);
+    const float* HWY_RESTRICT weights = p + j * ps.key;
     for (int r = 0; r < R; ++r) {
-      const Vec weight = hn::Set(tag, p[r * ld_p + j]);
+      const Vec weight = hn::Set(tag, weights[r * ps.row]);
       for (int c = 0; c < C; ++c) sums[r][c] = hn::MulAdd(weight, values[c], sums[r][c]);
     }
   }
@@ -175,15 +183,37 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
 // 32 KiB for 128 keys), kept in L1 while every row block passes over it; as for the scores.
 template <int C>
 HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                          const float* HWY_RESTRICT p, std::int64_t ld_p,
+                          const float* HWY_RESTRICT p, WeightStrides ps,
                           const float* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
                           std::int64_t keys) {
   std::int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
-    PvBlock<kBlockRows, C>(tag, acc + i * ld_acc, ld_acc, p + i * ld_p, ld_p, panel, width, keys);
+    PvBlock<kBlockRows, C>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width, keys);
   }
   for (; i < rows; ++i) {
-    PvBlock<1, C>(tag, acc + i * ld_acc, ld_acc, p + i * ld_p, ld_p, panel, width, keys);
+    PvBlock<1, C>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width, keys);
+  }
+}
+
+// acc[rows x dims_padded] += p[rows x keys in key_begin..key_end] · V[key_begin..key_end]
+void PvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT p,
+            WeightStrides ps, const float* HWY_RESTRICT v_packed, std::int64_t packed_keys,
+            std::int64_t key_begin, std::int64_t key_end, std::int64_t rows,
+            std::int64_t dims_padded) {
+  const Tag tag;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const std::int64_t keys = key_end - key_begin;
+  p += key_begin * ps.key;
+  for (std::int64_t d0 = 0; d0 < dims_padded; d0 += kPanelWidth) {
+    const std::int64_t width = std::min(kPanelWidth, dims_padded - d0);
+    const float* HWY_RESTRICT panel = v_packed + d0 * packed_keys + key_begin * width;
+    std::int64_t d = 0;
+    for (; d + kBlockVectors * N <= width; d += kBlockVectors * N) {
+      PvColumns<kBlockVectors>(tag, acc + d0 + d, ld_acc, p, ps, panel + d, width, rows, keys);
+    }
+    for (; d < width; d += N) {
+      PvColumns<1>(tag, acc + d0 + d, ld_acc, p, ps, panel + d, width, rows, keys);
+    }
   }
 }
 
@@ -191,21 +221,14 @@ void AccumulatePvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float*
                       std::int64_t ld_p, const float* HWY_RESTRICT v_packed,
                       std::int64_t packed_keys, std::int64_t key_begin, std::int64_t key_end,
                       std::int64_t rows, std::int64_t dims_padded) {
-  const Tag tag;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  const std::int64_t keys = key_end - key_begin;
-  p += key_begin;
-  for (std::int64_t d0 = 0; d0 < dims_padded; d0 += kPanelWidth) {
-    const std::int64_t width = std::min(kPanelWidth, dims_padded - d0);
-    const float* HWY_RESTRICT panel = v_packed + d0 * packed_keys + key_begin * width;
-    std::int64_t d = 0;
-    for (; d + kBlockVectors * N <= width; d += kBlockVectors * N) {
-      PvColumns<kBlockVectors>(tag, acc + d0 + d, ld_acc, p, ld_p, panel + d, width, rows, keys);
-    }
-    for (; d < width; d += N) {
-      PvColumns<1>(tag, acc + d0 + d, ld_acc, p, ld_p, panel + d, width, rows, keys);
-    }
-  }
+  PvTile(acc, ld_acc, p, {ld_p, 1}, v_packed, packed_keys, key_begin, key_end, rows, dims_padded);
+}
+
+void AccumulateTransposedPvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc,
+                                const float* HWY_RESTRICT p, std::int64_t ld_p,
+                                const float* HWY_RESTRICT v_packed, std::int64_t packed_rows,
+                                std::int64_t columns, std::int64_t dims_padded) {
+  PvTile(acc, ld_acc, p, {1, ld_p}, v_packed, packed_rows, 0, packed_rows, columns, dims_padded);
 }
 
 void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
@@ -251,6 +274,7 @@ namespace flashattn::detail::cpu {
 HWY_EXPORT(ScoresTile);
 HWY_EXPORT(OnlineSoftmaxTile);
 HWY_EXPORT(AccumulatePvTile);
+HWY_EXPORT(AccumulateTransposedPvTile);
 HWY_EXPORT(ProbabilitiesFromLseTile);
 HWY_EXPORT(SoftmaxGradientTile);
 
@@ -273,6 +297,14 @@ void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::in
                         std::int64_t key_end, std::int64_t rows, std::int64_t dims_padded) {
   HWY_DYNAMIC_DISPATCH(AccumulatePvTile)
   (acc, ld_acc, p, ld_p, v_packed, packed_keys, key_begin, key_end, rows, dims_padded);
+}
+
+void accumulate_transposed_pv_tile(float* acc, std::int64_t ld_acc, const float* p,
+                                   std::int64_t ld_p, const float* v_packed,
+                                   std::int64_t packed_rows, std::int64_t columns,
+                                   std::int64_t dims_padded) {
+  HWY_DYNAMIC_DISPATCH(AccumulateTransposedPvTile)
+  (acc, ld_acc, p, ld_p, v_packed, packed_rows, columns, dims_padded);
 }
 
 void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, const float* lse,

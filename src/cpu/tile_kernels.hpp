@@ -60,6 +60,14 @@ void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::in
                         const float* v_packed, std::int64_t packed_keys, std::int64_t key_begin,
                         std::int64_t key_end, std::int64_t rows, std::int64_t dims_padded);
 
+// Backward: acc[:columns, :dims_padded] += pᵀ · V, where p is [packed_rows x columns] row-major
+// (ld_p) and V the packed [packed_rows x dims_padded] tile: dV += Pᵀ·dO and dK += dSᵀ·Q without
+// a transposed copy of P or dS.
+void accumulate_transposed_pv_tile(float* acc, std::int64_t ld_acc, const float* p,
+                                   std::int64_t ld_p, const float* v_packed,
+                                   std::int64_t packed_rows, std::int64_t columns,
+                                   std::int64_t dims_padded);
+
 // Backward: scores -> probabilities from the forward's logsumexp, p = exp(s - lse_row) in place.
 // Masked scores (-inf) give 0; so does every score of a row whose lse is -inf (no visible key).
 void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, const float* lse,
