@@ -31,6 +31,7 @@
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
 #include "util/convert.hpp"
+#include "util/parallel.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -227,35 +228,29 @@ void flash_backward(const BackwardParams& bp) {
   const std::int64_t group_floats = p.group_size() * p.seqlen_q * tiles.dims_padded;
   std::vector<float> dq_buffers(static_cast<std::size_t>(chunks * groups * group_floats), 0.0f);
 
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    Scratch scratch(tiles, D);
-    // Largest key blocks last under a causal mask are seen by the fewest rows: chunks in order.
-#pragma omp for schedule(dynamic)
-    for (std::int64_t index = 0; index < groups * chunks; ++index) {
-      const std::int64_t group = index / chunks, chunk = index % chunks;
-      const Task task{group / p.heads_kv, group % p.heads_kv, chunk * kv_blocks / chunks,
-                      (chunk + 1) * kv_blocks / chunks,
-                      dq_buffers.data() + (chunk * groups + group) * group_floats};
-      backward_task(bp, tiles, scratch, task);
-    }
+  parallel_tasks(
+      p.num_threads, groups * chunks, [&] { return Scratch(tiles, D); },
+      [&](Scratch& scratch, std::int64_t index) {
+        const std::int64_t group = index / chunks, chunk = index % chunks;
+        const Task task{group / p.heads_kv, group % p.heads_kv, chunk * kv_blocks / chunks,
+                        (chunk + 1) * kv_blocks / chunks,
+                        dq_buffers.data() + (chunk * groups + group) * group_floats};
+        backward_task(bp, tiles, scratch, task);
+      });
 
-    // dQ = Σ over chunks in chunk order, written once.
-    std::vector<float> row(static_cast<std::size_t>(tiles.dims_padded));
-#pragma omp for schedule(static)
-    for (std::int64_t index = 0; index < groups * p.group_size() * p.seqlen_q; ++index) {
-      const std::int64_t group = index / (p.group_size() * p.seqlen_q);
-      const std::int64_t within = index % (p.group_size() * p.seqlen_q);
-      const std::int64_t g = within / p.seqlen_q, position = within % p.seqlen_q;
-      const float* first = dq_buffers.data() + group * group_floats + within * tiles.dims_padded;
-      std::copy_n(first, D, row.begin());
-      for (std::int64_t chunk = 1; chunk < chunks; ++chunk) {
-        const float* partial = first + chunk * groups * group_floats;
-        for (std::int64_t d = 0; d < D; ++d) row[d] += partial[d];
-      }
-      const std::int64_t b = group / p.heads_kv, h = (group % p.heads_kv) * p.group_size() + g;
-      store_row_f32(bp.dq, p.dtype, bp.dq_strides.offset(b, position, h), row.data(), D);
+  // dQ = Σ over chunks in chunk order, summed into chunk 0's buffer and written once.
+#pragma omp parallel for num_threads(p.num_threads) schedule(static)
+  for (std::int64_t index = 0; index < groups * p.group_size() * p.seqlen_q; ++index) {
+    const std::int64_t group = index / (p.group_size() * p.seqlen_q);
+    const std::int64_t within = index % (p.group_size() * p.seqlen_q);
+    const std::int64_t g = within / p.seqlen_q, position = within % p.seqlen_q;
+    float* row = dq_buffers.data() + group * group_floats + within * tiles.dims_padded;
+    for (std::int64_t chunk = 1; chunk < chunks; ++chunk) {
+      const float* partial = row + chunk * groups * group_floats;
+      for (std::int64_t d = 0; d < D; ++d) row[d] += partial[d];
     }
+    const std::int64_t b = group / p.heads_kv, h = (group % p.heads_kv) * p.group_size() + g;
+    store_row_f32(bp.dq, p.dtype, bp.dq_strides.offset(b, position, h), row, D);
   }
 }
 

@@ -31,6 +31,7 @@
 #include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "util/convert.hpp"
+#include "util/parallel.hpp"
 
 namespace flashattn::detail {
 
@@ -319,11 +320,13 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, 
     }
   }
 
-  // Epilogue: out = acc / l, lse = m + log(l); rows that saw no key get 0 and -inf.
+  // Epilogue: out = acc / l, lse = m + log(l); rows whose key range is empty get 0 and -inf.
+  // A row that sees keys whose scores are all -inf (an infinite input) has l = 0 and gets
+  // 0/0 = NaN, as the reference does.
   for (std::int64_t i = 0; i < rows; ++i) {
     float* acc_row = t.acc.data() + i * Dp;
     const float sum = t.row_sum[i];
-    const bool no_key_seen = sum == 0.0f;
+    const bool no_key_seen = p.key_range(task.position(i)).empty();
     const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
     for (std::int64_t d = 0; d < D; ++d) acc_row[d] *= inverse_sum;
     store_row_f32(p.out, p.dtype, p.out_strides.offset(b, task.position(i), task.head(i)), acc_row,
@@ -349,22 +352,20 @@ void flash_forward(const AttentionParams& p) {
 
   const bool bf16_products = p.dtype == DType::bf16 && cpu::bf16_products_enabled();
 
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    Scratch scratch(scratch_tiles, p.head_dim, bf16_products);
-    // Dynamic schedule, last Q block first: under a causal mask the last blocks see the most
-    // keys, so the long tasks start early and the short ones fill the gaps at the end.
-#pragma omp for schedule(dynamic)
-    for (std::int64_t index = 0; index < tasks; ++index) {
-      const std::int64_t q_block = q_blocks - 1 - index % q_blocks;
-      const std::int64_t kv_head = index / q_blocks;
-      const std::int64_t b = kv_head / p.heads_kv, h_kv = kv_head % p.heads_kv;
-      const std::int64_t position_begin = q_block * positions;
-      const TaskRows task{b,     h_kv,           h_kv * group,
-                          group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
-      flash_task(p, scratch_tiles, bf16_products, scratch, task);
-    }
-  }
+  // Dynamic schedule, last Q block first: under a causal mask the last blocks see the most
+  // keys, so the long tasks start early and the short ones fill the gaps at the end.
+  parallel_tasks(
+      p.num_threads, tasks, [&] { return Scratch(scratch_tiles, p.head_dim, bf16_products); },
+      [&](Scratch& scratch, std::int64_t index) {
+        const std::int64_t q_block = q_blocks - 1 - index % q_blocks;
+        const std::int64_t kv_head = index / q_blocks;
+        const std::int64_t b = kv_head / p.heads_kv, h_kv = kv_head % p.heads_kv;
+        const std::int64_t position_begin = q_block * positions;
+        const TaskRows task{
+            b,     h_kv,           h_kv * group,
+            group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
+        flash_task(p, scratch_tiles, bf16_products, scratch, task);
+      });
 }
 
 }  // namespace flashattn::detail

@@ -2,6 +2,7 @@
 
 // fp32 matrices for the standard paths' sgemm calls.
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -32,6 +33,15 @@ inline Matrix gather_rows(std::vector<float>& storage, const void* base, DType d
     load_row_f32(storage.data() + r * cols, base, dtype, strides.offset(b, r, h), cols);
   }
   return {storage.data(), cols};
+}
+
+// Whether every element of the first `cols` columns of `rows` rows is finite.
+inline bool all_finite(const Matrix& m, std::int64_t rows, std::int64_t cols) {
+  bool finite = true;
+  for (std::int64_t r = 0; r < rows && finite; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) finite &= std::isfinite(m.data[r * m.stride + c]);
+  }
+  return finite;
 }
 
 // Writes rows x cols contiguous fp32 values to head h of batch b in the operand's dtype.

@@ -19,6 +19,7 @@
 #include "standard/matrix.hpp"
 #include "util/convert.hpp"
 #include "util/omp_threads.hpp"
+#include "util/parallel.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -32,14 +33,14 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 float softmax_row(float* scores, std::int64_t width, KeyRange keys) {
   std::fill(scores, scores + keys.begin, kNegativeInfinity);
   std::fill(scores + keys.end, scores + width, kNegativeInfinity);
-  float max_score = kNegativeInfinity, sum = 0.0f;
-  if (!keys.empty()) {
-    cpu::online_softmax_tile(scores, width, &max_score, &sum, nullptr, 0, 1, width, 0);
-  }
-  if (sum == 0.0f) {
+  if (keys.empty()) {
     std::fill(scores, scores + width, 0.0f);
     return kNegativeInfinity;
   }
+  // Visible scores all -inf (an infinite input) leave sum = 0: the row becomes 0/0 = NaN and
+  // its lse -inf, as in the reference.
+  float max_score = kNegativeInfinity, sum = 0.0f;
+  cpu::online_softmax_tile(scores, width, &max_score, &sum, nullptr, 0, 1, width, 0);
   const float inverse_sum = 1.0f / sum;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= inverse_sum;
   return (max_score == kNegativeInfinity ? 0.0f : max_score) + std::log(sum);
@@ -86,9 +87,20 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     t.out_copy.resize(static_cast<std::size_t>(Sq * D));
     out = t.out_copy.data();
   }
-  if (Skv > 0) {
+  if (Skv > 0 && all_finite(v, Skv, D)) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.scores.data(), width,
                 v.data, v.stride, 0.0f, out, out_stride);
+  } else if (Skv > 0) {
+    // A masked key has p = 0, but 0 · inf = NaN: with a non-finite value row, each row takes
+    // only its visible keys.
+    for (std::int64_t row = 0; row < Sq; ++row) {
+      const KeyRange keys = p.key_range(row);
+      std::fill_n(out + row * out_stride, D, 0.0f);
+      if (keys.empty()) continue;
+      cblas_sgemv(CblasRowMajor, CblasTrans, keys.end - keys.begin, D, 1.0f,
+                  v.data + keys.begin * v.stride, v.stride,
+                  t.scores.data() + row * width + keys.begin, 1, 0.0f, out + row * out_stride, 1);
+    }
   } else {
     for (std::int64_t row = 0; row < Sq; ++row) {
       std::fill_n(out + row * out_stride, D, 0.0f);
@@ -109,14 +121,11 @@ void standard_forward(const AttentionParams& p) {
   if (tasks >= p.num_threads) {
     // One head per thread at a time; OpenBLAS (OpenMP build) runs each sgemm on the calling
     // thread inside this region.
-#pragma omp parallel num_threads(p.num_threads)
-    {
-      HeadScratch scratch;
-#pragma omp for schedule(dynamic)
-      for (std::int64_t task = 0; task < tasks; ++task) {
-        standard_head(p, task / p.heads_q, task % p.heads_q, scratch, 1);
-      }
-    }
+    parallel_tasks(
+        p.num_threads, tasks, [] { return HeadScratch(); },
+        [&](HeadScratch& scratch, std::int64_t task) {
+          standard_head(p, task / p.heads_q, task % p.heads_q, scratch, 1);
+        });
     return;
   }
   // Fewer heads than threads: heads in turn, each sgemm threaded by OpenBLAS.

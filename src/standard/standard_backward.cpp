@@ -22,6 +22,7 @@
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
 #include "util/omp_threads.hpp"
+#include "util/parallel.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -94,14 +95,11 @@ void standard_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t tasks = p.batch * p.heads_kv;
   const ScopedOmpThreads blas_threads(p.num_threads);
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    BackwardScratch scratch;
-#pragma omp for schedule(dynamic)
-    for (std::int64_t task = 0; task < tasks; ++task) {
-      standard_backward_group(bp, task / p.heads_kv, task % p.heads_kv, scratch);
-    }
-  }
+  parallel_tasks(
+      p.num_threads, tasks, [] { return BackwardScratch(); },
+      [&](BackwardScratch& scratch, std::int64_t task) {
+        standard_backward_group(bp, task / p.heads_kv, task % p.heads_kv, scratch);
+      });
 }
 
 }  // namespace flashattn::detail

@@ -1,0 +1,47 @@
+#pragma once
+
+// One OpenMP loop over independent tasks, with per-thread scratch, that lets exceptions out.
+
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <optional>
+
+namespace flashattn::detail {
+
+// Runs body(scratch, task) for every task in [0, tasks) on `threads` OpenMP threads with a
+// dynamic schedule; each thread builds its scratch once with make_scratch(). An exception thrown
+// in a thread, std::bad_alloc while building scratch for one, would call std::terminate if it
+// left the parallel region: it is caught there, the remaining tasks are skipped, and the first
+// one is rethrown on the calling thread after the region.
+template <class MakeScratch, class Body>
+void parallel_tasks(int threads, std::int64_t tasks, MakeScratch&& make_scratch, Body&& body) {
+  std::exception_ptr failure;
+  std::atomic<bool> failed{false};
+  auto record = [&] {
+#pragma omp critical(flashattn_parallel_tasks_failure)
+    if (!failure) failure = std::current_exception();
+    failed.store(true, std::memory_order_relaxed);
+  };
+#pragma omp parallel num_threads(threads)
+  {
+    std::optional<decltype(make_scratch())> scratch;
+    try {
+      scratch.emplace(make_scratch());
+    } catch (...) {
+      record();
+    }
+#pragma omp for schedule(dynamic)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      if (failed.load(std::memory_order_relaxed)) continue;
+      try {
+        body(*scratch, task);
+      } catch (...) {
+        record();
+      }
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace flashattn::detail
