@@ -9,13 +9,22 @@ find_package(hwy REQUIRED)
 find_path(FLASHATTN_CBLAS_INCLUDE_DIR cblas.h
   HINTS /usr/include/x86_64-linux-gnu/openblas-openmp /usr/include/openblas
   NO_CACHE)
-find_library(FLASHATTN_OPENBLAS_LIBRARY openblas
-  HINTS /usr/lib/x86_64-linux-gnu/openblas-openmp
-  NO_CACHE)
-if(NOT FLASHATTN_CBLAS_INCLUDE_DIR OR NOT FLASHATTN_OPENBLAS_LIBRARY)
-  message(FATAL_ERROR "OpenBLAS not found: install libopenblas-openmp-dev (Debian) or libopenblas-dev")
+if(NOT FLASHATTN_CBLAS_INCLUDE_DIR)
+  message(FATAL_ERROR "cblas.h not found: install libopenblas-openmp-dev (Debian) or libopenblas-dev")
 endif()
 add_library(flashattn_openblas INTERFACE)
 target_include_directories(flashattn_openblas INTERFACE "${FLASHATTN_CBLAS_INCLUDE_DIR}")
-target_link_libraries(flashattn_openblas INTERFACE "${FLASHATTN_OPENBLAS_LIBRARY}")
-message(STATUS "flashattn: OpenBLAS ${FLASHATTN_OPENBLAS_LIBRARY}")
+if(FLASHATTN_PLAIN_BLAS)
+  # The library carries its own instrumented sgemm (src/reference/plain_blas.cpp); only the
+  # header comes from OpenBLAS.
+  message(STATUS "flashattn: plain-loop sgemm instead of OpenBLAS (FLASHATTN_PLAIN_BLAS)")
+else()
+  find_library(FLASHATTN_OPENBLAS_LIBRARY openblas
+    HINTS /usr/lib/x86_64-linux-gnu/openblas-openmp
+    NO_CACHE)
+  if(NOT FLASHATTN_OPENBLAS_LIBRARY)
+    message(FATAL_ERROR "OpenBLAS not found: install libopenblas-openmp-dev (Debian) or libopenblas-dev")
+  endif()
+  target_link_libraries(flashattn_openblas INTERFACE "${FLASHATTN_OPENBLAS_LIBRARY}")
+  message(STATUS "flashattn: OpenBLAS ${FLASHATTN_OPENBLAS_LIBRARY}")
+endif()

@@ -12,6 +12,10 @@ packages=(
   libcli11-dev            # CLI parsing
   libgtest-dev            # tests
   python3 python3-numpy   # .npy interoperability test
+  clang libclang-rt-dev   # sanitizer and libFuzzer runtimes for clang (tsan, fuzz presets)
+  libomp-dev              # LLVM OpenMP and its ThreadSanitizer tool, Archer (tsan preset)
+  libbenchmark-dev        # Google Benchmark: the flashattn_benchmark target
+  gnuplot-nox             # `flashattn bench` plots
 )
 missing=()
 for package in "${packages[@]}"; do

@@ -2,7 +2,9 @@
 # configures examples/ against that prefix only (find_package(flashattn)), builds `minimal` and
 # runs it. Run as
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DCXX_COMPILER=...
-#         -DCONFIG=... -P install_consumer.cmake
+#         -DCONFIG=... [-DCXX_FLAGS=...] -P install_consumer.cmake
+# CXX_FLAGS are the build's own CMAKE_CXX_FLAGS: a sanitizer build's library needs its runtime
+# linked into the consumer too.
 # Any failing step stops the script with a FATAL_ERROR, which ctest reports as a failure.
 
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER CONFIG)
@@ -31,6 +33,7 @@ run_step("install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${prefi
 # satisfy find_package(flashattn).
 run_step("configure examples" "${CMAKE_COMMAND}" -S "${SOURCE_DIR}/examples" -B "${consumer}"
   -G "${GENERATOR}" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${CONFIG}"
+  "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"
   "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
   -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
 file(STRINGS "${consumer}/CMakeCache.txt" found_dir REGEX "^flashattn_DIR:")

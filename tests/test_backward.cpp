@@ -227,7 +227,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, BackwardVsReference, ::testing::ValuesIn(backward
 // truncation error is O(h²) ~ 1e-6 of the gradient's scale.
 TEST(BackwardReference, MatchesFiniteDifferences) {
   for (bool causal : {false, true}) {
-    for (const auto& [heads_q, heads_kv] : {std::pair<std::int64_t, std::int64_t>{2, 2}, {4, 1}}) {
+    for (const auto& heads : {std::pair<std::int64_t, std::int64_t>{2, 2}, {4, 1}}) {
+      const std::int64_t heads_q = heads.first, heads_kv = heads.second;
       BackwardCase c{1, 5, 6, heads_q, heads_kv, 8, causal};
       Problem p(c, test_seed() + static_cast<std::uint64_t>(causal) + heads_kv);
       const ReferenceGradients ref = reference_gradients(p);
@@ -242,8 +243,11 @@ TEST(BackwardReference, MatchesFiniteDifferences) {
       };
       const std::pair<const char*, std::pair<Tensor*, const std::vector<double>*>> inputs[] = {
           {"q", {&p.q, &ref.dq}}, {"k", {&p.k, &ref.dk}}, {"v", {&p.v, &ref.dv}}};
-      for (const auto& [name, pair] : inputs) {
-        auto& [tensor, gradient] = pair;
+      // Plain variables, not structured bindings: clang 14 (the tsan job) cannot capture those.
+      for (const auto& input : inputs) {
+        const char* name = input.first;
+        Tensor* tensor = input.second.first;
+        const std::vector<double>* gradient = input.second.second;
         std::int64_t flat = 0;
         tensor->for_each_index([&](auto a, auto b, auto cc, auto d) {
           if (flat++ % 3 != 0) return;  // a third of the elements keeps this fast

@@ -2,11 +2,7 @@
 // of `run` against the library's reference, its JSON line, every bad input (each must fail with
 // one line on stderr and leave no file behind), `demo` on a small shape, and --help.
 
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <spawn.h>
-#include <stdlib.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <array>
@@ -22,11 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
 #include "npy.hpp"
 #include "util/convert.hpp"
-
-extern char** environ;
 
 namespace {
 
@@ -34,101 +29,12 @@ namespace fs = std::filesystem;
 using flashattn::AttentionImpl;
 using flashattn::AttentionOptions;
 using flashattn::DType;
+using flashattn::testing::Completed;
+using flashattn::testing::make_temp_dir;
+using flashattn::testing::parse_json_line;
+using flashattn::testing::read_text;
+using flashattn::testing::run_cli;
 using Shape = std::array<std::int64_t, 4>;
-
-struct Completed {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
-}
-
-// Runs the CLI with `args`, stdout and stderr captured in files of `capture_dir`.
-Completed run_cli(const std::vector<std::string>& args, const fs::path& capture_dir) {
-  const fs::path out_path = capture_dir / "stdout", err_path = capture_dir / "stderr";
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  std::vector<std::string> all = {FLASHATTN_CLI_PATH};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& arg : all) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-
-  Completed completed;
-  pid_t pid = 0;
-  const int spawned =
-      posix_spawn(&pid, FLASHATTN_CLI_PATH, &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (spawned != 0) {
-    completed.err = "posix_spawn failed";
-    return completed;
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  // A crash (signal) reads as a distinct negative code, never as a clean failure.
-  completed.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-  completed.out = read_text(out_path);
-  completed.err = read_text(err_path);
-  return completed;
-}
-
-// A flat JSON object as `run` prints it: key -> raw value text (strings without their quotes).
-// Throws std::runtime_error on anything else, which fails the calling test.
-std::map<std::string, std::string> parse_json_line(const std::string& line) {
-  std::map<std::string, std::string> fields;
-  std::size_t pos = 0;
-  auto fail = [&](const std::string& problem) {
-    throw std::runtime_error("bad JSON (" + problem + " at " + std::to_string(pos) + "): " + line);
-  };
-  auto peek = [&] { return pos < line.size() ? line[pos] : '\0'; };
-  auto skip = [&] {
-    while (std::isspace(static_cast<unsigned char>(peek()))) ++pos;
-  };
-  auto expect = [&](char wanted) {
-    skip();
-    if (peek() != wanted) fail(std::string("expected '") + wanted + "'");
-    ++pos;
-    skip();
-  };
-  auto until = [&](const char* stops) {
-    const std::size_t end = line.find_first_of(stops, pos);
-    if (end == std::string::npos) fail("unterminated value");
-    std::string text = line.substr(pos, end - pos);
-    pos = end;
-    return text;
-  };
-
-  expect('{');
-  while (true) {
-    expect('"');
-    const std::string key = until("\"");
-    expect('"');
-    expect(':');
-    if (peek() == '"') {
-      ++pos;
-      fields[key] = until("\"");
-      ++pos;
-    } else if (peek() == '[') {
-      fields[key] = until("]") + "]";
-      ++pos;
-    } else {
-      fields[key] = until(",}");
-    }
-    skip();
-    if (peek() == '}') break;
-    expect(',');
-  }
-  expect('}');
-  if (pos != line.size()) fail("text after the object");
-  return fields;
-}
 
 // One attention operand: values held in its dtype (f32 or f16), savable as .npy.
 struct Operand {
@@ -257,12 +163,6 @@ class CliTest : public ::testing::Test {
     std::error_code ignored;
     fs::remove_all(work_, ignored);
     fs::remove_all(capture_, ignored);
-  }
-
-  static fs::path make_temp_dir(const std::string& prefix) {
-    std::string pattern = (fs::temp_directory_path() / (prefix + "XXXXXX")).string();
-    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    return pattern;
   }
 
   std::string path(const std::string& name) const { return (work_ / name).string(); }

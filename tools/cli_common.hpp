@@ -11,13 +11,15 @@ namespace flashattn::cli {
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;     // invalid input, unreadable or unwritable file
 constexpr int kExitUsage = 2;     // bad command line
-constexpr int kExitMismatch = 3;  // `demo`: the two paths disagree
+constexpr int kExitMismatch = 3;  // `demo`: the two paths disagree; `bench`: a path failed
+                                  // verification
 
 // Each subcommand adds itself to `app` and returns the action to run once `app` has parsed the
 // command line and chosen that subcommand.
 using Action = std::function<int()>;
 Action add_demo_command(CLI::App& app);
 Action add_run_command(CLI::App& app);
+Action add_bench_command(CLI::App& app);
 
 // Median wall-clock seconds of `repeat` back-to-back calls (the caller does any warm-up).
 double median_seconds(int repeat, const std::function<void()>& call);

@@ -16,14 +16,13 @@
 #include <memory>
 #include <optional>
 #include <random>
-#include <set>
 #include <string>
 #include <vector>
 
 #include "cli_common.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
-#include "util/convert.hpp"
+#include "verify.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -42,63 +41,6 @@ struct DemoOptions {
   int repeat = 3;
   std::int64_t check_rows = 16;
 };
-
-// A contiguous [batch, seq, heads, head_dim] tensor owned in its storage dtype. Allocation
-// touches every page, so later memory measurements see only what the library allocates.
-struct HostTensor {
-  DType dtype = DType::f32;
-  std::array<std::int64_t, 4> shape{};
-  std::vector<float> f32;
-  std::vector<std::uint16_t> bits16;  // f16 or bf16
-
-  HostTensor(DType dtype_, std::array<std::int64_t, 4> shape_) : dtype(dtype_), shape(shape_) {
-    const auto count = static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]);
-    if (dtype == DType::f32) {
-      f32.assign(count, 0.0f);
-    } else {
-      bits16.assign(count, 0);
-    }
-  }
-  std::int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
-  void* data() {
-    return dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(bits16.data());
-  }
-  const void* data() const {
-    return dtype == DType::f32 ? static_cast<const void*>(f32.data())
-                               : static_cast<const void*>(bits16.data());
-  }
-  TensorView view() { return contiguous_view(data(), dtype, shape); }
-  ConstTensorView view() const { return contiguous_view(data(), dtype, shape); }
-  float at(std::int64_t index) const { return detail::load_f32(data(), dtype, index); }
-};
-
-DType parse_dtype(const std::string& name) {
-  if (name == "f16") return DType::f16;
-  if (name == "bf16") return DType::bf16;
-  return DType::f32;
-}
-
-// Machine epsilon (spacing of values in [1, 2)) of each storage dtype.
-double machine_epsilon(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return 0x1p-23;
-    case DType::f16:
-      return 0x1p-10;
-    case DType::bf16:
-      return 0x1p-7;
-  }
-  return 0x1p-23;
-}
-
-HostTensor random_tensor(DType dtype, std::array<std::int64_t, 4> shape, std::mt19937_64& rng) {
-  HostTensor tensor(dtype, shape);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (std::int64_t i = 0; i < tensor.numel(); ++i) {
-    detail::store_f32(tensor.data(), dtype, i, normal(rng));
-  }
-  return tensor;
-}
 
 // Peak resident memory. Writing "5" to /proc/self/clear_refs resets VmHWM to the current RSS
 // (Linux >= 4.0), so the peak after a call minus the RSS before it is what the call added.
@@ -170,87 +112,6 @@ void warm_up_runtime(DType dtype, std::int64_t head_dim, const AttentionOptions&
   for (const AttentionImpl impl : {AttentionImpl::standard, AttentionImpl::flash}) {
     attention_forward(impl, q.view(), q.view(), q.view(), out.view(), lse.data(), options);
   }
-}
-
-// Largest |a - b| and largest |b|; NaN or a one-sided infinity counts as an infinite difference,
-// and equal infinities (-inf lse of fully masked rows) as none.
-struct Difference {
-  double max_abs = 0.0;
-  double max_reference = 0.0;
-
-  void add(double value, double reference) {
-    const double difference = value == reference ? 0.0 : std::fabs(value - reference);
-    max_abs = std::max(
-        max_abs, std::isnan(difference) ? std::numeric_limits<double>::infinity() : difference);
-    if (std::isfinite(reference)) max_reference = std::max(max_reference, std::fabs(reference));
-  }
-  double relative() const { return max_reference > 0.0 ? max_abs / max_reference : max_abs; }
-};
-
-struct ReferenceErrors {
-  Difference standard_out, flash_out, standard_lse, flash_lse;
-  std::int64_t rows = 0;
-};
-
-// `count` distinct query rows (all when seqlen_q <= count): the first, the last, the second and
-// the middle one first, as the mask treats the edges differently, then random ones.
-std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
-                                      std::mt19937_64& rng) {
-  const auto wanted = static_cast<std::size_t>(std::min(count, seqlen_q));
-  std::set<std::int64_t> rows;
-  for (const std::int64_t row : {std::int64_t{0}, seqlen_q - 1, std::int64_t{1}, seqlen_q / 2}) {
-    if (rows.size() < wanted && row < seqlen_q) rows.insert(row);
-  }
-  std::uniform_int_distribution<std::int64_t> pick(0, seqlen_q - 1);
-  while (rows.size() < wanted) rows.insert(pick(rng));
-  return {rows.begin(), rows.end()};
-}
-
-// The fp64 reference is O(seqlen_q * seqlen_kv * head_dim) scalar work, too slow for whole
-// tensors at the default shape, so it runs on single query rows of every (batch, head). Row i
-// alone keeps its mask when the keys are cut to those it can see: with the causal mask that is
-// keys [0, i + 1 + seqlen_kv - seqlen_q), whose last key is again on the slice's diagonal.
-ReferenceErrors check_against_reference(const HostTensor& q, const HostTensor& k,
-                                        const HostTensor& v, const AttentionOptions& options,
-                                        const PathRun& standard, const PathRun& flash,
-                                        const std::vector<std::int64_t>& rows) {
-  const auto [batch, seqlen_q, heads_q, head_dim] = q.shape;
-  const std::int64_t seqlen_kv = k.shape[1];
-  const std::size_t element = dtype_size(q.dtype);
-  ReferenceErrors errors;
-  errors.rows = static_cast<std::int64_t>(rows.size());
-  HostTensor reference_out(q.dtype, {batch, 1, heads_q, head_dim});
-  std::vector<float> reference_lse(static_cast<std::size_t>(batch * heads_q));
-  const ConstTensorView q_full = q.view(), k_full = k.view(), v_full = v.view();
-
-  for (const std::int64_t row : rows) {
-    ConstTensorView q_row = q_full;
-    q_row.data = static_cast<const char*>(q_full.data) + row * q_full.strides[1] * element;
-    q_row.shape[1] = 1;
-    const std::int64_t visible_keys =
-        options.causal ? std::clamp<std::int64_t>(row + 1 + seqlen_kv - seqlen_q, 0, seqlen_kv)
-                       : seqlen_kv;
-    ConstTensorView k_row = k_full, v_row = v_full;
-    k_row.shape[1] = visible_keys;
-    v_row.shape[1] = visible_keys;
-    attention_reference(q_row, k_row, v_row, reference_out.view(), reference_lse.data(), options);
-
-    for (std::int64_t b = 0; b < batch; ++b) {
-      for (std::int64_t h = 0; h < heads_q; ++h) {
-        const std::int64_t lse_full = (b * heads_q + h) * seqlen_q + row;
-        const double lse_reference = reference_lse[b * heads_q + h];
-        errors.standard_lse.add(standard.lse[lse_full], lse_reference);
-        errors.flash_lse.add(flash.lse[lse_full], lse_reference);
-        for (std::int64_t d = 0; d < head_dim; ++d) {
-          const std::int64_t full = ((b * seqlen_q + row) * heads_q + h) * head_dim + d;
-          const double expected = reference_out.at((b * heads_q + h) * head_dim + d);
-          errors.standard_out.add(standard.out.at(full), expected);
-          errors.flash_out.add(flash.out.at(full), expected);
-        }
-      }
-    }
-  }
-  return errors;
 }
 
 std::string format_bytes(std::int64_t bytes) {
@@ -334,40 +195,32 @@ int run_demo(const DemoOptions& demo) {
   std::printf("  lse  max abs diff %.3g, max rel diff %.3g\n", lse_difference.max_abs,
               lse_difference.relative());
 
-  const std::vector<std::int64_t> rows = sample_rows(demo.seqlen, demo.check_rows, rng);
-  const ReferenceErrors errors = check_against_reference(q, k, v, options, standard, flash, rows);
+  const ReferenceRows reference =
+      reference_rows(q, k, v, options, sample_rows(demo.seqlen, demo.check_rows, rng));
+  const PathErrors standard_errors = errors_against(reference, standard.out, standard.lse);
+  const PathErrors flash_errors = errors_against(reference, flash.out, flash.lse);
+  const auto row_count = static_cast<long long>(reference.rows.size());
   std::printf(
       "\nvs the fp64 reference (attention_reference) on %lld query row%s of every (batch, head):\n",
-      static_cast<long long>(errors.rows), errors.rows == 1 ? "" : "s");
+      row_count, row_count == 1 ? "" : "s");
   std::printf("  standard  out max abs err %.3g, lse max abs err %.3g\n",
-              errors.standard_out.max_abs, errors.standard_lse.max_abs);
-  std::printf("  flash     out max abs err %.3g, lse max abs err %.3g\n", errors.flash_out.max_abs,
-              errors.flash_lse.max_abs);
+              standard_errors.out.max_abs, standard_errors.lse.max_abs);
+  std::printf("  flash     out max abs err %.3g, lse max abs err %.3g\n", flash_errors.out.max_abs,
+              flash_errors.lse.max_abs);
 
-  // Both paths see the same rounded inputs, so the fast path may lose at most a small multiple
-  // of the standard path's own error, plus a floor for when that error happens to be ~0: one
-  // ulp of the storage dtype at the largest |v| for out (outputs are convex combinations of v
-  // rows), four fp32 ulps of the largest |lse| for lse (it is always fp32).
-  double max_abs_v = 0.0;
-  for (std::int64_t i = 0; i < v.numel(); ++i)
-    max_abs_v = std::max(max_abs_v, std::fabs(double{v.at(i)}));
-  const double out_floor = machine_epsilon(dtype) * max_abs_v;
-  const double lse_floor =
-      4.0 * machine_epsilon(DType::f32) * std::max(1.0, errors.standard_lse.max_reference);
-  const double out_tolerance = 4.0 * errors.standard_out.max_abs + out_floor;
-  const double lse_tolerance = 4.0 * errors.standard_lse.max_abs + lse_floor;
+  const Tolerance tolerance = tolerance_from_standard(standard_errors, dtype, max_abs(v));
   std::printf(
       "  rule: err(flash) <= 4 x err(standard) + floor; floor = eps(%s) x max|v| = %.3g "
       "(out), 4 x eps(f32) x max(1, max|lse|) = %.3g (lse)\n",
-      dtype_name(dtype), out_floor, lse_floor);
+      dtype_name(dtype), tolerance.out - 4.0 * standard_errors.out.max_abs,
+      tolerance.lse - 4.0 * standard_errors.lse.max_abs);
 
-  const bool agree =
-      errors.flash_out.max_abs <= out_tolerance && errors.flash_lse.max_abs <= lse_tolerance;
+  const bool agree = tolerance.admits(flash_errors);
   std::printf("\nagree: %s (out err %.3g %s tolerance %.3g, lse err %.3g %s tolerance %.3g)\n",
-              agree ? "yes" : "NO", errors.flash_out.max_abs,
-              errors.flash_out.max_abs <= out_tolerance ? "<=" : ">", out_tolerance,
-              errors.flash_lse.max_abs, errors.flash_lse.max_abs <= lse_tolerance ? "<=" : ">",
-              lse_tolerance);
+              agree ? "yes" : "NO", flash_errors.out.max_abs,
+              flash_errors.out.max_abs <= tolerance.out ? "<=" : ">", tolerance.out,
+              flash_errors.lse.max_abs, flash_errors.lse.max_abs <= tolerance.lse ? "<=" : ">",
+              tolerance.lse);
   return agree ? kExitOk : kExitMismatch;
 }
 

@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   const Action demo = add_demo_command(app);
   const Action run = add_run_command(app);
+  const Action bench = add_bench_command(app);
 
   try {
     app.parse(argc, argv);
@@ -40,11 +41,12 @@ int main(int argc, char** argv) {
   }
 
   if (app.get_subcommands().empty()) {
-    std::cerr << "flashattn: error: expected a subcommand, demo or run (see --help)\n";
+    std::cerr << "flashattn: error: expected a subcommand, demo, run or bench (see --help)\n";
     return kExitUsage;
   }
   try {
-    return app.got_subcommand("demo") ? demo() : run();
+    if (app.got_subcommand("demo")) return demo();
+    return app.got_subcommand("bench") ? bench() : run();
   } catch (const std::exception& error) {
     std::cerr << "flashattn: error: " << one_line(error.what()) << '\n';
     return kExitError;

@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdlib>
@@ -232,10 +231,14 @@ class HeaderParser {
   std::size_t pos_ = 0;
 };
 
+// "<i8" -> "int64". Only an item size of one or two digits gets a description: a longer one
+// (as in "<f11111111111") would overflow the bit count.
 std::string dtype_description(std::string_view descr) {
-  if (descr.size() < 3) return "";
+  if (descr.size() < 3 || descr.size() > 4) return "";
   const char kind = descr[1];
-  const std::string bits = std::to_string(8 * std::atoi(std::string(descr.substr(2)).c_str()));
+  const std::string_view digits = descr.substr(2);
+  if (digits.find_first_not_of("0123456789") != std::string_view::npos) return "";
+  const std::string bits = std::to_string(8 * std::stoi(std::string(digits)));
   switch (kind) {
     case 'f':
       return "float" + bits;
@@ -403,80 +406,21 @@ std::string make_header(std::string_view descr, std::span<const std::int64_t> sh
   return header;
 }
 
-Writer::Writer(std::filesystem::path path) : path_(std::move(path)) {
-  if (path_.filename().empty()) fail(path_, "cannot write: expected a file name");
-  std::error_code error;
-  if (std::filesystem::is_directory(path_, error)) fail(path_, "cannot write: is a directory");
-
-  // A hidden name in the destination's directory, so that the final rename stays within one
-  // file system and is atomic.
-  static std::atomic<unsigned> counter{0};
-  const std::filesystem::path directory =
-      path_.has_parent_path() ? path_.parent_path() : std::filesystem::path(".");
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    std::string name(1, '.');
-    name += path_.filename().string();
-    name += ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-    temp_path_ = directory / name;
-    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd_ >= 0 || errno != EEXIST) break;
-  }
-  if (fd_ < 0) fail(path_, "cannot write: " + errno_text(errno));
-}
-
-Writer::~Writer() {
-  if (!committed_) discard();
-}
-
-void Writer::discard() noexcept {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-  if (!temp_path_.empty()) ::unlink(temp_path_.c_str());
-  temp_path_.clear();
-}
+Writer::Writer(std::filesystem::path path) : file_(std::move(path)) {}
 
 void Writer::write(const float* data, std::span<const std::int64_t> shape) {
-  if (fd_ < 0) fail(path_, "cannot write: the writer was already used");
+  if (!file_.is_open()) fail(path(), "cannot write: the writer was already used");
   std::uint64_t count = 1;
   for (const std::int64_t dim : shape) {
     if (dim < 0) {
-      discard();
-      fail(path_, "cannot write: expected non-negative dims, got shape " + shape_repr(shape));
+      file_.discard();
+      fail(path(), "cannot write: expected non-negative dims, got shape " + shape_repr(shape));
     }
     count *= static_cast<std::uint64_t>(dim);
   }
-  const std::string header = make_header("<f4", shape);
-
-  auto write_all = [&](const void* buffer, std::size_t size) {
-    const auto* bytes = static_cast<const char*>(buffer);
-    while (size > 0) {
-      const ssize_t written = ::write(fd_, bytes, size);
-      if (written < 0) {
-        if (errno == EINTR) continue;
-        const int error = errno;
-        discard();
-        fail(path_, "cannot write: " + errno_text(error));
-      }
-      bytes += written;
-      size -= static_cast<std::size_t>(written);
-    }
-  };
-  write_all(header.data(), header.size());
-  if (count > 0) write_all(data, count * sizeof(float));
-
-  const int fd = std::exchange(fd_, -1);
-  if (::close(fd) != 0) {
-    const int error = errno;
-    discard();
-    fail(path_, "cannot write: " + errno_text(error));
-  }
-  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    const int error = errno;
-    discard();
-    fail(path_, "cannot write: " + errno_text(error));
-  }
-  temp_path_.clear();
-  committed_ = true;
+  file_.append(make_header("<f4", shape));
+  if (count > 0) file_.append(data, count * sizeof(float));
+  file_.commit();
 }
 
 void write_npy(const std::filesystem::path& path, const float* data,

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "atomic_file.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn::npy {
@@ -44,22 +45,14 @@ std::string make_header(std::string_view descr, std::span<const std::int64_t> sh
 class Writer {
  public:
   explicit Writer(std::filesystem::path path);
-  ~Writer();
-  Writer(const Writer&) = delete;
-  Writer& operator=(const Writer&) = delete;
 
   // Writes `data` (C order, product of `shape` elements) as float32. Call at most once.
   void write(const float* data, std::span<const std::int64_t> shape);
 
-  const std::filesystem::path& path() const { return path_; }
+  const std::filesystem::path& path() const { return file_.path(); }
 
  private:
-  void discard() noexcept;
-
-  std::filesystem::path path_;
-  std::filesystem::path temp_path_;
-  int fd_ = -1;
-  bool committed_ = false;
+  cli::AtomicFile file_;
 };
 
 // Writer(path).write(data, shape).

@@ -1,4 +1,5 @@
 // `flashattn run`: attention on .npy inputs, .npy outputs, one JSON line of timing on stdout.
+// With --dout (and --dq, --dk, --dv) the backward follows the forward on the same inputs.
 
 #include <array>
 #include <charconv>
@@ -9,10 +10,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli_common.hpp"
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
 #include "npy.hpp"
 #include "util/convert.hpp"
@@ -22,6 +25,7 @@ namespace {
 
 struct RunOptions {
   std::string q_path, k_path, v_path, out_path, lse_path;
+  std::string dout_path, dq_path, dk_path, dv_path;  // all empty or all set
   bool causal = false;
   std::string window = "-1,-1";
   std::string scale;  // empty: 1/sqrt(head_dim)
@@ -92,23 +96,91 @@ std::filesystem::path normalized(const std::string& path) {
   return std::filesystem::absolute(path).lexically_normal();
 }
 
+// A tensor that the library writes in the inputs' dtype, widened to float32 for its file.
+class Output {
+ public:
+  Output(DType dtype, const std::array<std::int64_t, 4>& shape)
+      : dtype_(dtype),
+        shape_(shape),
+        f32_(dtype == DType::f32 ? numel() : 0),
+        f16_(dtype == DType::f16 ? numel() : 0) {}
+
+  TensorView view() {
+    void* data =
+        dtype_ == DType::f32 ? static_cast<void*>(f32_.data()) : static_cast<void*>(f16_.data());
+    return contiguous_view(data, dtype_, shape_);
+  }
+
+  void write(npy::Writer& writer) {
+    if (dtype_ == DType::f16) {
+      f32_.resize(f16_.size());
+      for (std::size_t i = 0; i < f16_.size(); ++i) f32_[i] = detail::f32_from_f16(f16_[i]);
+    }
+    writer.write(f32_.data(), shape_);
+  }
+
+ private:
+  std::size_t numel() const {
+    return static_cast<std::size_t>(shape_[0] * shape_[1] * shape_[2] * shape_[3]);
+  }
+
+  DType dtype_;
+  std::array<std::int64_t, 4> shape_;
+  std::vector<float> f32_;
+  std::vector<std::uint16_t> f16_;
+};
+
+// Every output is renamed into place at the end: two flags naming one file would race.
+void check_distinct(const std::vector<std::pair<const char*, std::string>>& outputs) {
+  for (std::size_t i = 1; i < outputs.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (normalized(outputs[i].second) == normalized(outputs[j].second)) {
+        throw Error(std::string(outputs[i].first) + ": expected a path different from " +
+                    outputs[j].first + ", got " + outputs[i].second);
+      }
+    }
+  }
+}
+
 int run_attention(const RunOptions& options) {
   const AttentionImpl impl = *parse_impl(options.impl);
   const std::array<std::int64_t, 2> window = *parse_window(options.window);
+  const bool backward = !options.dout_path.empty();
 
   // Open the outputs first, so that an unwritable destination fails before any work is done.
+  std::vector<std::pair<const char*, std::string>> outputs = {{"--out", options.out_path}};
+  if (!options.lse_path.empty()) outputs.emplace_back("--lse", options.lse_path);
+  if (backward) {
+    outputs.emplace_back("--dq", options.dq_path);
+    outputs.emplace_back("--dk", options.dk_path);
+    outputs.emplace_back("--dv", options.dv_path);
+  }
+  check_distinct(outputs);
   npy::Writer out_writer(options.out_path);
-  std::unique_ptr<npy::Writer> lse_writer;
-  if (!options.lse_path.empty()) {
-    if (normalized(options.lse_path) == normalized(options.out_path)) {
-      throw Error("--lse: expected a path different from --out, got " + options.lse_path);
-    }
-    lse_writer = std::make_unique<npy::Writer>(options.lse_path);
+  std::unique_ptr<npy::Writer> lse_writer, dq_writer, dk_writer, dv_writer;
+  if (!options.lse_path.empty()) lse_writer = std::make_unique<npy::Writer>(options.lse_path);
+  if (backward) {
+    dq_writer = std::make_unique<npy::Writer>(options.dq_path);
+    dk_writer = std::make_unique<npy::Writer>(options.dk_path);
+    dv_writer = std::make_unique<npy::Writer>(options.dv_path);
   }
 
   const npy::Array q = read_operand("q", "[batch, seqlen_q, heads_q, head_dim]", options.q_path);
   const npy::Array k = read_operand("k", "[batch, seqlen_kv, heads_kv, head_dim]", options.k_path);
   const npy::Array v = read_operand("v", "[batch, seqlen_kv, heads_kv, head_dim]", options.v_path);
+  npy::Array dout;
+  if (backward) {
+    // Checked here rather than by the library, so that a bad dO fails before the forward runs.
+    dout = read_operand("dout", "[batch, seqlen_q, heads_q, head_dim]", options.dout_path);
+    if (dout.shape != q.shape) {
+      throw Error("dout: expected shape " + shape_text(q.shape) + " (as q), got " +
+                  shape_text(dout.shape) + " in " + options.dout_path);
+    }
+    if (dout.dtype != q.dtype) {
+      throw Error(std::string("dout: expected dtype ") + dtype_name(q.dtype) + " (as q), got " +
+                  dtype_name(dout.dtype) + " in " + options.dout_path);
+    }
+  }
 
   AttentionOptions attention;
   if (!options.scale.empty()) attention.softmax_scale = *parse_scale(options.scale);
@@ -119,29 +191,41 @@ int run_attention(const RunOptions& options) {
 
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
                      head_dim = q.shape[3], seqlen_kv = k.shape[1], heads_kv = k.shape[2];
-  // The output keeps the input dtype inside the library and is widened to float32 for the file.
-  const std::int64_t out_numel = q.numel();
-  std::vector<float> out_f32(q.dtype == DType::f32 ? out_numel : 0);
-  std::vector<std::uint16_t> out_f16(q.dtype == DType::f16 ? out_numel : 0);
-  void* out_data = q.dtype == DType::f32 ? static_cast<void*>(out_f32.data())
-                                         : static_cast<void*>(out_f16.data());
-  const TensorView out = contiguous_view(out_data, q.dtype, {batch, seqlen_q, heads_q, head_dim});
+  const std::array<std::int64_t, 4> q_shape{batch, seqlen_q, heads_q, head_dim};
+  const std::array<std::int64_t, 4> kv_shape{batch, seqlen_kv, heads_kv, head_dim};
+  Output out(q.dtype, q_shape);
   std::vector<float> lse(static_cast<std::size_t>(batch * heads_q * seqlen_q));
 
   auto compute = [&] {
-    attention_forward(impl, view_of(q), view_of(k), view_of(v), out, lse.data(), attention);
+    attention_forward(impl, view_of(q), view_of(k), view_of(v), out.view(), lse.data(), attention);
   };
   compute();  // warm-up; also where invalid shapes are rejected
   const double seconds = median_seconds(options.repeat, compute);
 
-  if (q.dtype == DType::f16) {
-    out_f32.resize(out_numel);
-    for (std::int64_t i = 0; i < out_numel; ++i) out_f32[i] = detail::f32_from_f16(out_f16[i]);
+  // The gradients have the inputs' dtype, as the forward's output; allocated only when asked.
+  std::optional<Output> dq, dk, dv;
+  double backward_seconds = 0.0;
+  if (backward) {
+    dq.emplace(q.dtype, q_shape);
+    dk.emplace(q.dtype, kv_shape);
+    dv.emplace(q.dtype, kv_shape);
+    auto compute_backward = [&] {
+      attention_backward(impl, view_of(dout), view_of(q), view_of(k), view_of(v), out.view(),
+                         lse.data(), dq->view(), dk->view(), dv->view(), attention);
+    };
+    compute_backward();  // warm-up
+    backward_seconds = median_seconds(options.repeat, compute_backward);
   }
-  const std::array<std::int64_t, 4> out_shape{batch, seqlen_q, heads_q, head_dim};
-  const std::array<std::int64_t, 3> lse_shape{batch, heads_q, seqlen_q};
-  out_writer.write(out_f32.data(), out_shape);
-  if (lse_writer) lse_writer->write(lse.data(), lse_shape);
+
+  out.write(out_writer);
+  if (lse_writer) {
+    lse_writer->write(lse.data(), std::array<std::int64_t, 3>{batch, heads_q, seqlen_q});
+  }
+  if (backward) {
+    dq->write(*dq_writer);
+    dk->write(*dk_writer);
+    dv->write(*dv_writer);
+  }
 
   const double flops = attention_flops(batch, heads_q, seqlen_q, seqlen_kv, head_dim, attention);
   const double gflops = seconds > 0.0 ? flops / seconds * 1e-9 : 0.0;
@@ -151,7 +235,7 @@ int run_attention(const RunOptions& options) {
       "{\"impl\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, \"seqlen_q\": %lld, "
       "\"seqlen_kv\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, "
       "\"causal\": %s, \"window\": [%lld, %lld], \"scale\": %.9g, \"threads\": %d, "
-      "\"repeat\": %d, \"seconds\": %.9g, \"flops\": %.17g, \"gflops\": %.6g}\n",
+      "\"repeat\": %d, \"seconds\": %.9g, \"flops\": %.17g, \"gflops\": %.6g",
       impl_name(impl), dtype_name(q.dtype), static_cast<long long>(batch),
       static_cast<long long>(seqlen_q), static_cast<long long>(seqlen_kv),
       static_cast<long long>(heads_q), static_cast<long long>(heads_kv),
@@ -159,6 +243,16 @@ int run_attention(const RunOptions& options) {
       static_cast<long long>(window[0]), static_cast<long long>(window[1]),
       static_cast<double>(scale), resolved_threads(options.threads), options.repeat, seconds, flops,
       gflops);
+  if (backward) {
+    const double backward_flops =
+        attention_backward_flops(batch, heads_q, seqlen_q, seqlen_kv, head_dim, attention);
+    const double backward_gflops =
+        backward_seconds > 0.0 ? backward_flops / backward_seconds * 1e-9 : 0.0;
+    std::printf(
+        ", \"backward_seconds\": %.9g, \"backward_flops\": %.17g, \"backward_gflops\": %.6g",
+        backward_seconds, backward_flops, backward_gflops);
+  }
+  std::printf("}\n");
   return kExitOk;
 }
 
@@ -171,14 +265,21 @@ Action add_run_command(CLI::App& app) {
   command->footer(
       "Inputs: q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_kv, heads_kv, "
       "head_dim], all float32 or all float16 (float16 runs as f16). Outputs, float32: out "
-      "[batch, seqlen_q, heads_q, head_dim], lse [batch, heads_q, seqlen_q]. Nothing is written "
-      "unless the run succeeds.\nExit codes: 0 success, 1 invalid input or file error, 2 bad "
-      "command line.");
+      "[batch, seqlen_q, heads_q, head_dim], lse [batch, heads_q, seqlen_q]. With --dout (shaped "
+      "as q) the backward runs after the forward, on the same inputs and --impl, and writes dq, "
+      "dk and dv in the shapes of q, k and v (float32); the JSON line adds backward_seconds and "
+      "backward_gflops (2.5x the forward's FLOPs). Nothing is written unless the run succeeds."
+      "\nExit codes: 0 success, 1 invalid input or file error, 2 bad command line.");
   command->add_option("--q", options->q_path, "Queries .npy")->required();
   command->add_option("--k", options->k_path, "Keys .npy")->required();
   command->add_option("--v", options->v_path, "Values .npy")->required();
   command->add_option("--out", options->out_path, "Output .npy (float32)")->required();
   command->add_option("--lse", options->lse_path, "Logsumexp output .npy (float32)");
+  command->add_option("--dout", options->dout_path,
+                      "Gradient of the output .npy, shaped as q: runs the backward too");
+  command->add_option("--dq", options->dq_path, "Gradient of q output .npy (float32)");
+  command->add_option("--dk", options->dk_path, "Gradient of k output .npy (float32)");
+  command->add_option("--dv", options->dv_path, "Gradient of v output .npy (float32)");
   command->add_flag("--causal", options->causal, "Causal mask, aligned to the bottom-right corner");
   command
       ->add_option("--window", options->window,
@@ -201,6 +302,25 @@ Action add_run_command(CLI::App& app) {
   command->add_option("--repeat", options->repeat, "Timed runs after one warm-up (median)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  // After parsing, so that a partial set of backward flags is a command-line error (exit 2).
+  command->callback([options] {
+    const std::pair<const char*, const std::string*> flags[] = {{"--dout", &options->dout_path},
+                                                                {"--dq", &options->dq_path},
+                                                                {"--dk", &options->dk_path},
+                                                                {"--dv", &options->dv_path}};
+    std::string missing;
+    int given = 0;
+    for (const auto& [flag, path] : flags) {
+      if (!path->empty()) {
+        ++given;
+      } else {
+        missing += std::string(missing.empty() ? "" : ", ") + flag;
+      }
+    }
+    if (given > 0 && given < 4) {
+      throw CLI::ValidationError("--dout, --dq, --dk and --dv go together: missing " + missing);
+    }
+  });
   return [options] { return run_attention(*options); };
 }
 

@@ -53,7 +53,63 @@ class MultiHeadAttention {
                std::int64_t seqlen_kv, float* y, const AttentionOptions& options = {},
                AttentionImpl impl = AttentionImpl::flash) const;
 
+  // Training. A forward that takes `saved` also keeps what backward needs; backward then turns
+  // dL/dy into the gradients of the inputs, weights and biases:
+  //
+  //   MultiHeadAttention::Activations saved;
+  //   layer.forward(x, batch, seqlen, y, saved, options);
+  //   ... dy = dL/dy ...
+  //   const MultiHeadAttention::Gradients grads = layer.backward(dy, saved);
+  //   ... update w_q() etc. from grads.dw_q etc. ...
+  //
+  // All fp32, row-major, in the layouts of forward.
+  struct Activations {
+    // The call that produced them; backward checks that they fit this layer.
+    std::int64_t hidden = 0, num_heads = 0, num_kv_heads = 0;
+    std::int64_t batch = 0, seqlen_q = 0, seqlen_kv = 0;
+    bool cross = false;          // keys and values came from a separate context
+    AttentionOptions options;    // the forward's; backward uses the same mask and scale
+    std::vector<float> x;        // [B·Sq, H], a copy of the input
+    std::vector<float> context;  // [B·Skv, H], a copy; empty for self-attention (x is it)
+    std::vector<float> q;        // [B·Sq, H]      = [B, Sq, Nh, Dh]
+    std::vector<float> k, v;     // [B·Skv, Hkv]   = [B, Skv, Nkv, Dh]
+    std::vector<float> att;      // [B·Sq, H]      attention output, before W_O
+    std::vector<float> lse;      // [B, Nh, Sq]    its logsumexp
+  };
+
+  struct Gradients {
+    std::vector<float> dx;        // [B·Sq, H]; for self-attention includes the K and V paths
+    std::vector<float> dcontext;  // [B·Skv, H]; empty for self-attention
+    std::vector<float> dw_q, dw_k, dw_v, dw_o;  // shaped like w_q() ... w_o()
+    std::vector<float> db_q, db_k, db_v, db_o;  // like b_q() ... b_o(); empty without bias
+  };
+
+  // As the forwards above, and `saved` replaced by this call's activations (left unchanged if
+  // the call raises). Memory kept: 3·B·Sq·H + 2·B·Skv·Hkv + B·Nh·Sq floats, plus B·Skv·H for
+  // cross-attention.
+  void forward(const float* x, std::int64_t batch, std::int64_t seqlen, float* y,
+               Activations& saved, const AttentionOptions& options = {},
+               AttentionImpl impl = AttentionImpl::flash) const;
+  void forward(const float* x, std::int64_t batch, std::int64_t seqlen_q, const float* context,
+               std::int64_t seqlen_kv, float* y, Activations& saved,
+               const AttentionOptions& options = {},
+               AttentionImpl impl = AttentionImpl::flash) const;
+
+  // Gradients of a loss L given dy = dL/dy, contiguous fp32 [batch, seqlen_q, H], for the
+  // forward that filled `saved`. Uses the layer's current weights: call it before updating
+  // them. `impl` chooses the attention backward (attention_backward); the mask, scale and
+  // threads are those of the forward. The overload with `grads` resizes its vectors and
+  // overwrites every element (no accumulation), reusing their memory from call to call.
+  Gradients backward(const float* dy, const Activations& saved,
+                     AttentionImpl impl = AttentionImpl::flash) const;
+  void backward(const float* dy, const Activations& saved, Gradients& grads,
+                AttentionImpl impl = AttentionImpl::flash) const;
+
  private:
+  void forward_into(const float* x, std::int64_t batch, std::int64_t seqlen_q, const float* context,
+                    std::int64_t seqlen_kv, bool cross, float* y, Activations* saved,
+                    const AttentionOptions& options, AttentionImpl impl) const;
+
   MultiHeadAttentionConfig config_;
   std::vector<float> w_q_, w_k_, w_v_, w_o_;
   std::vector<float> b_q_, b_k_, b_v_, b_o_;

@@ -4,7 +4,12 @@
 
 #include <omp.h>
 
+#include <limits>
+#include <new>
+#include <string>
+
 #include "api/backends.hpp"
+#include "api/memory.hpp"
 #include "cpu/tile_kernels.hpp"
 
 namespace flashattn {
@@ -21,22 +26,46 @@ const char* impl_name(AttentionImpl impl) {
   return "unknown";
 }
 
+namespace {
+
+// Validates, refuses a problem whose scratch memory cannot fit, then runs the backend. A failed
+// scratch allocation (the memory is there but taken) surfaces as Error too, never as
+// std::bad_alloc; the output may then be partly written.
+void run_backend(const char* caller, AttentionImpl impl,
+                 void (*backend)(const detail::AttentionParams&), const ConstTensorView& q,
+                 const ConstTensorView& k, const ConstTensorView& v, const TensorView& out,
+                 float* lse, const AttentionOptions& options) {
+  const detail::AttentionParams params = detail::make_params(caller, q, k, v, out, lse, options);
+  detail::check_scratch_fits(caller, impl, params, detail::scratch_bytes(impl, params));
+  try {
+    backend(params);
+  } catch (const std::bad_alloc&) {
+    throw Error(std::string(caller) + ": out of memory: could not allocate the scratch buffers (" +
+                std::to_string(detail::scratch_bytes(impl, params)) + " bytes at most)");
+  }
+}
+
+}  // namespace
+
 void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
                              const ConstTensorView& v, const TensorView& out, float* lse,
                              const AttentionOptions& options) {
-  detail::flash_forward(detail::make_params("flash_attention_forward", q, k, v, out, lse, options));
+  run_backend("flash_attention_forward", AttentionImpl::flash, detail::flash_forward, q, k, v, out,
+              lse, options);
 }
 
 void attention_standard(const ConstTensorView& q, const ConstTensorView& k,
                         const ConstTensorView& v, const TensorView& out, float* lse,
                         const AttentionOptions& options) {
-  detail::standard_forward(detail::make_params("attention_standard", q, k, v, out, lse, options));
+  run_backend("attention_standard", AttentionImpl::standard, detail::standard_forward, q, k, v, out,
+              lse, options);
 }
 
 void attention_reference(const ConstTensorView& q, const ConstTensorView& k,
                          const ConstTensorView& v, const TensorView& out, float* lse,
                          const AttentionOptions& options) {
-  detail::reference_forward(detail::make_params("attention_reference", q, k, v, out, lse, options));
+  run_backend("attention_reference", AttentionImpl::reference, detail::reference_forward, q, k, v,
+              out, lse, options);
 }
 
 void attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
@@ -55,20 +84,41 @@ void attention_forward(AttentionImpl impl, const ConstTensorView& q, const Const
 
 std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::int64_t seqlen_kv,
                                 std::int64_t head_dim, const AttentionOptions& options) {
-  const std::int64_t threads =
-      options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  constexpr const char* caller = "score_buffer_bytes";
+  for (const auto& [name, value] : {std::pair{"seqlen_q", seqlen_q}, {"seqlen_kv", seqlen_kv}}) {
+    if (value < 0 || value > (std::int64_t{1} << 61)) {
+      throw Error(std::string(caller) + ": " + name + ": expected 0..2^61, got " +
+                  std::to_string(value));
+    }
+  }
+  if (head_dim < 1 || head_dim > (std::int64_t{1} << 61)) {
+    throw Error(std::string(caller) + ": head_dim: expected 1..2^61, got " +
+                std::to_string(head_dim));
+  }
+  if (options.num_threads < 0) {
+    throw Error(std::string(caller) + ": num_threads: expected >= 0 (0 = all), got " +
+                std::to_string(options.num_threads));
+  }
+  const __int128 threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  __int128 bytes = 0;
   switch (impl) {
     case AttentionImpl::flash: {
       const detail::FlashTiles tiles = detail::flash_tiles(head_dim);
-      return threads * tiles.rows * tiles.keys * static_cast<std::int64_t>(sizeof(float));
+      bytes = threads * tiles.rows * tiles.keys * sizeof(float);
+      break;
     }
     case AttentionImpl::standard:
-      return threads * seqlen_q * detail::cpu::pad_to_lanes(seqlen_kv) *
-             static_cast<std::int64_t>(sizeof(float));
+      bytes = threads * seqlen_q * detail::cpu::pad_to_lanes(seqlen_kv) * sizeof(float);
+      break;
     case AttentionImpl::reference:
-      return threads * seqlen_kv * static_cast<std::int64_t>(sizeof(double));
+      bytes = threads * seqlen_kv * sizeof(double);
+      break;
   }
-  return 0;
+  if (bytes > std::numeric_limits<std::int64_t>::max()) {
+    throw Error(std::string(caller) + ": seqlen_q " + std::to_string(seqlen_q) + " x seqlen_kv " +
+                std::to_string(seqlen_kv) + " overflows a 64-bit byte count");
+  }
+  return static_cast<std::int64_t>(bytes);
 }
 
 }  // namespace flashattn

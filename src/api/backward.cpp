@@ -2,17 +2,44 @@
 
 #include "flashattn/backward.hpp"
 
+#include <new>
+#include <string>
+
 #include "api/backends.hpp"
+#include "api/memory.hpp"
 
 namespace flashattn {
+
+namespace {
+
+// Validates, refuses a problem whose scratch memory cannot fit, then runs the backend; a failed
+// scratch allocation surfaces as Error (the gradients may then be partly written).
+void run_backward(const char* caller, AttentionImpl impl,
+                  void (*backend)(const detail::BackwardParams&), const ConstTensorView& dout,
+                  const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
+                  const ConstTensorView& out, const float* lse, const TensorView& dq,
+                  const TensorView& dk, const TensorView& dv, const AttentionOptions& options) {
+  const detail::BackwardParams params =
+      detail::make_backward_params(caller, dout, q, k, v, out, lse, dq, dk, dv, options);
+  const std::int64_t needed = detail::backward_scratch_bytes(impl, params);
+  detail::check_scratch_fits(caller, impl, params.forward, needed);
+  try {
+    backend(params);
+  } catch (const std::bad_alloc&) {
+    throw Error(std::string(caller) + ": out of memory: could not allocate the scratch buffers (" +
+                std::to_string(needed) + " bytes at most)");
+  }
+}
+
+}  // namespace
 
 void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                               const ConstTensorView& k, const ConstTensorView& v,
                               const ConstTensorView& out, const float* lse, const TensorView& dq,
                               const TensorView& dk, const TensorView& dv,
                               const AttentionOptions& options) {
-  detail::flash_backward(detail::make_backward_params("flash_attention_backward", dout, q, k, v,
-                                                      out, lse, dq, dk, dv, options));
+  run_backward("flash_attention_backward", AttentionImpl::flash, detail::flash_backward, dout, q, k,
+               v, out, lse, dq, dk, dv, options);
 }
 
 void attention_backward_standard(const ConstTensorView& dout, const ConstTensorView& q,
@@ -20,8 +47,8 @@ void attention_backward_standard(const ConstTensorView& dout, const ConstTensorV
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
                                  const AttentionOptions& options) {
-  detail::standard_backward(detail::make_backward_params("attention_backward_standard", dout, q, k,
-                                                         v, out, lse, dq, dk, dv, options));
+  run_backward("attention_backward_standard", AttentionImpl::standard, detail::standard_backward,
+               dout, q, k, v, out, lse, dq, dk, dv, options);
 }
 
 void attention_backward_reference(const ConstTensorView& dout, const ConstTensorView& q,
@@ -29,8 +56,8 @@ void attention_backward_reference(const ConstTensorView& dout, const ConstTensor
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const AttentionOptions& options) {
-  detail::reference_backward(detail::make_backward_params("attention_backward_reference", dout, q,
-                                                          k, v, out, lse, dq, dk, dv, options));
+  run_backward("attention_backward_reference", AttentionImpl::reference, detail::reference_backward,
+               dout, q, k, v, out, lse, dq, dk, dv, options);
 }
 
 void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,

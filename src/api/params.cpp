@@ -2,7 +2,9 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,6 +40,26 @@ std::string shape_string(const std::array<std::int64_t, 4>& shape) {
   return text.str();
 }
 
+// Every dim of every tensor is at most 2^61: then sums of a few seqlens and windows, and the
+// padded widths the kernels use, cannot overflow 64 bits. Only a view with stride 0 along a
+// dim (k, v) can describe such a length without that much memory.
+constexpr std::int64_t kMaxDim = std::int64_t{1} << 61;
+
+// Elements of a view with non-negative dims, or an Error when the count overflows 64 bits.
+template <class View>
+std::int64_t element_count(const char* caller, const char* name, const View& view) {
+  std::int64_t count = 1;
+  for (int d = 0; d < 4; ++d) {
+    if (view.shape[d] == 0) return 0;
+  }
+  for (int d = 0; d < 4; ++d) {
+    if (__builtin_mul_overflow(count, view.shape[d], &count)) {
+      fail(caller, name, ": shape ", shape_string(view.shape), " overflows a 64-bit element count");
+    }
+  }
+  return count;
+}
+
 // Bytes [begin, end) that a view can touch, computed with overflow checks. Empty for numel 0.
 struct ByteSpan {
   std::uintptr_t begin = 0, end = 0;
@@ -48,7 +70,7 @@ struct ByteSpan {
 
 template <class View>
 ByteSpan byte_span(const char* caller, const char* name, const View& view) {
-  if (view.numel() == 0) return {};
+  if (element_count(caller, name, view) == 0) return {};
   std::int64_t last = 0;  // element offset of the last element
   for (int d = 0; d < 4; ++d) {
     std::int64_t term = 0;
@@ -63,7 +85,12 @@ ByteSpan byte_span(const char* caller, const char* name, const View& view) {
     fail(caller, name, ": extent of ", last + 1, " elements overflows a 64-bit byte count");
   }
   const auto begin = reinterpret_cast<std::uintptr_t>(view.data);
-  return {begin, begin + static_cast<std::uintptr_t>(bytes)};
+  std::uintptr_t end = 0;
+  if (__builtin_add_overflow(begin, static_cast<std::uintptr_t>(bytes), &end)) {
+    fail(caller, name, ": ", bytes, " bytes from address ", view.data,
+         " wrap around the address space");
+  }
+  return {begin, end};
 }
 
 template <class View>
@@ -71,6 +98,9 @@ void check_view(const char* caller, const char* name, const View& view) {
   for (int d = 0; d < 4; ++d) {
     if (view.shape[d] < 0) {
       fail(caller, name, ": expected non-negative dims, got shape ", shape_string(view.shape));
+    }
+    if (view.shape[d] > kMaxDim) {
+      fail(caller, name, ": expected dims <= 2^61, got shape ", shape_string(view.shape));
     }
     if (view.strides[d] < 0) {
       fail(caller, name, ": expected non-negative strides, got strides ",
@@ -80,15 +110,17 @@ void check_view(const char* caller, const char* name, const View& view) {
   if (view.shape[3] > 1 && view.strides[3] != 1) {
     fail(caller, name, ": expected a contiguous last dim (stride 1), got stride ", view.strides[3]);
   }
-  if (view.numel() > 0 && view.data == nullptr) {
+  if (element_count(caller, name, view) > 0 && view.data == nullptr) {
     fail(caller, name, ": expected a data pointer, got null for shape ", shape_string(view.shape));
   }
 }
 
-// True when two distinct indices of `view` can address the same element. Sorting the dims by
-// stride, each stride must be at least the extent of everything inside it.
+// True when two distinct indices of `view` can address the same element (never for an empty
+// view, whose contiguous strides may well be 0). Sorting the dims by
+// stride, each stride must be at least the extent of everything inside it. An extent past
+// 64 bits saturates: no later stride can reach it, which is an overlap, as it should be.
 bool self_overlapping(const TensorView& view) {
-  if (view.numel() == 0) return false;  // no element, nothing to overlap
+  if (std::find(view.shape.begin(), view.shape.end(), 0) != view.shape.end()) return false;
   std::vector<int> order = {0, 1, 2, 3};
   std::sort(order.begin(), order.end(),
             [&](int a, int b) { return view.strides[a] < view.strides[b]; });
@@ -96,9 +128,17 @@ bool self_overlapping(const TensorView& view) {
   for (int d : order) {
     if (view.shape[d] <= 1) continue;
     if (view.strides[d] < extent) return true;
-    extent = view.strides[d] * view.shape[d];
+    if (__builtin_mul_overflow(view.strides[d], view.shape[d], &extent)) {
+      extent = std::numeric_limits<std::int64_t>::max();
+    }
   }
   return false;
+}
+
+// A window wider than both sequences together is unbounded in effect; capping it there keeps
+// the mask arithmetic (diagonal ± window) inside 64 bits.
+std::int64_t cap_window(std::int64_t window, std::int64_t seqlen_q, std::int64_t seqlen_kv) {
+  return std::min(window, seqlen_q + seqlen_kv);
 }
 
 Strides strides_of(const std::array<std::int64_t, 4>& strides) {
@@ -174,9 +214,15 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
     }
   }
   if (lse != nullptr) {
+    // B·Hq·Sq <= numel(out), which byte_span bounded; only the 4-byte element can overflow.
+    std::int64_t lse_bytes = 0;
+    if (__builtin_mul_overflow(batch * heads_q * seqlen_q, static_cast<std::int64_t>(sizeof(float)),
+                               &lse_bytes)) {
+      fail(caller, "lse: ", batch * heads_q * seqlen_q,
+           " fp32 values overflow a 64-bit byte count");
+    }
     const auto begin = reinterpret_cast<std::uintptr_t>(lse);
-    const ByteSpan lse_span{
-        begin, begin + static_cast<std::uintptr_t>(batch * heads_q * seqlen_q * sizeof(float))};
+    const ByteSpan lse_span{begin, begin + static_cast<std::uintptr_t>(lse_bytes)};
     if (out_span.overlaps(lse_span)) {
       fail(caller, "lse: expected memory disjoint from out, got overlapping buffers");
     }
@@ -201,8 +247,8 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   params.out_strides = strides_of(out.strides);
   params.scale = scale;
   params.causal = options.causal;
-  params.window_left = options.window_left;
-  params.window_right = options.window_right;
+  params.window_left = cap_window(options.window_left, seqlen_q, seqlen_kv);
+  params.window_right = cap_window(options.window_right, seqlen_q, seqlen_kv);
   params.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
   return params;
 }
@@ -288,20 +334,55 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
 
 }  // namespace detail
 
+namespace {
+
+// Σ_{i=0}^{n-1} clamp(i + c, 0, hi), exactly, for n >= 0 and hi >= 0.
+__int128 clamped_ramp_sum(std::int64_t n, __int128 c, std::int64_t hi) {
+  if (n == 0) return 0;
+  const __int128 first = c, last = c + n - 1;
+  __int128 sum = 0;
+  const __int128 rising_begin = std::max<__int128>(first, 1);
+  const __int128 rising_end = std::min<__int128>(last, hi - 1);  // values in (0, hi) count as is
+  if (rising_begin <= rising_end) {
+    sum += (rising_begin + rising_end) * (rising_end - rising_begin + 1) / 2;
+  }
+  const __int128 flat_begin = std::max<__int128>(first, hi);  // values >= hi count as hi
+  if (flat_begin <= last) sum += (last - flat_begin + 1) * hi;
+  return sum;
+}
+
+}  // namespace
+
+// Row i sees keys [clamp(b(i)), clamp(e(i))) with b and e both i + constant (or unbounded) and
+// e > b, so the count is Σ clamp(e(i)) - Σ clamp(b(i)): two clamped ramps, in closed form.
 std::int64_t visible_pairs(std::int64_t seqlen_q, std::int64_t seqlen_kv,
                            const AttentionOptions& options) {
-  detail::AttentionParams shape;
-  shape.seqlen_q = seqlen_q;
-  shape.seqlen_kv = seqlen_kv;
-  shape.causal = options.causal;
-  shape.window_left = options.window_left;
-  shape.window_right = options.window_right;
-  std::int64_t pairs = 0;
-  for (std::int64_t row = 0; row < seqlen_q; ++row) {
-    const detail::KeyRange keys = shape.key_range(row);
-    pairs += keys.end - keys.begin;
+  constexpr const char* caller = "visible_pairs";
+  if (seqlen_q < 0) detail::fail(caller, "seqlen_q: expected >= 0, got ", seqlen_q);
+  if (seqlen_kv < 0) detail::fail(caller, "seqlen_kv: expected >= 0, got ", seqlen_kv);
+  if (options.window_left < -1) {
+    detail::fail(caller, "window_left: expected >= -1 (-1 = unbounded), got ", options.window_left);
   }
-  return pairs;
+  if (options.window_right < -1) {
+    detail::fail(caller, "window_right: expected >= -1 (-1 = unbounded), got ",
+                 options.window_right);
+  }
+  const __int128 diagonal = static_cast<__int128>(seqlen_kv) - seqlen_q;  // of row 0
+  __int128 ends = static_cast<__int128>(seqlen_q) * seqlen_kv;
+  if (options.causal || options.window_right >= 0) {
+    // The causal bound (diagonal + 1) is never looser than a right window (diagonal + R + 1).
+    const std::int64_t right = options.causal ? 0 : options.window_right;
+    ends = clamped_ramp_sum(seqlen_q, diagonal + right + 1, seqlen_kv);
+  }
+  __int128 begins = 0;
+  if (options.window_left >= 0) {
+    begins = clamped_ramp_sum(seqlen_q, diagonal - options.window_left, seqlen_kv);
+  }
+  const __int128 pairs = ends - begins;
+  if (pairs > std::numeric_limits<std::int64_t>::max()) {
+    detail::fail(caller, seqlen_q, " x ", seqlen_kv, " pairs overflow a 64-bit count");
+  }
+  return static_cast<std::int64_t>(pairs);
 }
 
 double attention_flops(std::int64_t batch, std::int64_t heads_q, std::int64_t seqlen_q,

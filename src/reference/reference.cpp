@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -17,12 +18,24 @@ void reference_forward_f64(const AttentionParams& p, double* out_f64, double* ls
   const double scale = p.scale;
   const std::int64_t tasks = p.batch * p.heads_q;
 
+  // An exception must not leave an OpenMP region (that is std::terminate): a thread whose
+  // buffers cannot be allocated records it, skips its tasks, and bad_alloc is thrown after.
+  bool out_of_memory = false;
 #pragma omp parallel num_threads(p.num_threads)
   {
-    std::vector<double> scores(static_cast<std::size_t>(p.seqlen_kv));
-    std::vector<double> output_row(static_cast<std::size_t>(D));
+    std::vector<double> scores, output_row;
+    bool allocated = false;
+    try {
+      scores.resize(static_cast<std::size_t>(p.seqlen_kv));
+      output_row.resize(static_cast<std::size_t>(D));
+      allocated = true;
+    } catch (const std::bad_alloc&) {
+#pragma omp atomic write
+      out_of_memory = true;
+    }
 #pragma omp for schedule(dynamic)
     for (std::int64_t task = 0; task < tasks; ++task) {
+      if (!allocated) continue;
       const std::int64_t b = task / p.heads_q, h = task % p.heads_q, h_kv = p.kv_head(h);
       for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
         double* out_row = out_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
@@ -64,6 +77,7 @@ void reference_forward_f64(const AttentionParams& p, double* out_f64, double* ls
       }
     }
   }
+  if (out_of_memory) throw std::bad_alloc();
 }
 
 void reference_forward(const AttentionParams& p) {

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -27,12 +28,23 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
     return static_cast<double>(load_f32(base, p.dtype, strides.offset(b, s, h) + d));
   };
 
+  // As in reference_forward_f64: bad_alloc must not leave the OpenMP region.
+  bool out_of_memory = false;
 #pragma omp parallel num_threads(p.num_threads)
   {
-    std::vector<double> probabilities(static_cast<std::size_t>(Skv));
-    std::vector<double> dprobabilities(static_cast<std::size_t>(Skv));
+    std::vector<double> probabilities, dprobabilities;
+    bool allocated = false;
+    try {
+      probabilities.resize(static_cast<std::size_t>(Skv));
+      dprobabilities.resize(static_cast<std::size_t>(Skv));
+      allocated = true;
+    } catch (const std::bad_alloc&) {
+#pragma omp atomic write
+      out_of_memory = true;
+    }
 #pragma omp for schedule(dynamic)
     for (std::int64_t task = 0; task < tasks; ++task) {
+      if (!allocated) continue;
       const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
       double* dk = dk_f64 + (b * Skv * p.heads_kv + h_kv) * D;  // row stride heads_kv · D
       double* dv = dv_f64 + (b * Skv * p.heads_kv + h_kv) * D;
@@ -85,6 +97,7 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
       }
     }
   }
+  if (out_of_memory) throw std::bad_alloc();
 }
 
 void reference_backward(const BackwardParams& bp) {

@@ -1,0 +1,135 @@
+// Google Benchmark microbenchmarks for developers (not run by the tests): the flash and standard
+// paths at a few shapes, and the ceilings they are measured against, each with a FLOP/s or
+// bytes/s counter. All use every OpenMP thread, so they report wall time (UseRealTime). For the
+// verified, recorded comparison use `flashattn bench`.
+//
+//   ./flashattn_benchmark --benchmark_filter='Attention/flash'
+
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <array>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "ceilings.hpp"
+#include "flashattn/attention.hpp"
+#include "util/convert.hpp"
+
+namespace {
+
+using flashattn::AttentionImpl;
+using flashattn::DType;
+
+// Inputs in the storage dtype: bf16 as raw bits, rounded from the same normal(0, 1) values.
+struct Inputs {
+  std::array<std::int64_t, 4> shape;
+  DType dtype;
+  std::vector<float> f32;
+  std::vector<std::uint16_t> bf16;
+
+  Inputs(std::array<std::int64_t, 4> shape_, DType dtype_) : shape(shape_), dtype(dtype_) {
+    const auto count = static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal;
+    f32.resize(count);
+    for (float& x : f32) x = normal(rng);
+    if (dtype == DType::bf16) {
+      for (const float x : f32) bf16.push_back(flashattn::detail::bf16_from_f32(x));
+    }
+  }
+  void* data() {
+    return dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(bf16.data());
+  }
+};
+
+// Args: seqlen, head_dim, causal, heads; batch 1.
+template <AttentionImpl kImpl, DType kDtype>
+void BM_Attention(benchmark::State& state) {
+  const std::int64_t seqlen = state.range(0), head_dim = state.range(1), heads = state.range(3);
+  const std::array<std::int64_t, 4> shape = {1, seqlen, heads, head_dim};
+  Inputs q(shape, kDtype), k(shape, kDtype), v(shape, kDtype), out(shape, kDtype);
+  std::vector<float> lse(static_cast<std::size_t>(heads * seqlen));
+  flashattn::AttentionOptions options;
+  options.causal = state.range(2) != 0;
+  const auto view = [&](Inputs& tensor) {
+    return flashattn::contiguous_view(tensor.data(), kDtype, shape);
+  };
+  for (auto _ : state) {
+    flashattn::attention_forward(kImpl, view(q), view(k), view(v), view(out), lse.data(), options);
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOP/s"] = benchmark::Counter(
+      flashattn::attention_flops(1, heads, seqlen, seqlen, head_dim, options),
+      benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+
+// The seed shape's work ([2, 32, 1024, 128] = 64 heads of 1024) and longer sequences with fewer
+// heads, causal and not.
+void Shapes(benchmark::internal::Benchmark* benchmark) {
+  benchmark->ArgNames({"S", "D", "causal", "H"});
+  for (const int causal : {1, 0}) {
+    benchmark->Args({1024, 128, causal, 64});
+    benchmark->Args({1024, 64, causal, 64});
+    benchmark->Args({4096, 128, causal, 4});
+  }
+  benchmark->Args({16384, 128, 1, 1});
+  benchmark->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_Attention<AttentionImpl::flash, DType::f32>)
+    ->Name("Attention/flash/f32")
+    ->Apply(Shapes);
+BENCHMARK(BM_Attention<AttentionImpl::standard, DType::f32>)
+    ->Name("Attention/standard/f32")
+    ->Apply(Shapes);
+BENCHMARK(BM_Attention<AttentionImpl::flash, DType::bf16>)
+    ->Name("Attention/flash/bf16")
+    ->Apply(Shapes);
+
+// One unit of a ceiling workload per iteration, counted as FLOP/s or bytes/s.
+template <class Workload, class... Args>
+void RunCeiling(benchmark::State& state, const char* counter, std::int64_t units, Args... args) {
+  Workload workload(omp_get_max_threads(), args...);
+  for (auto _ : state) workload.run(units);
+  state.counters[counter] = benchmark::Counter(
+      workload.work_per_unit() * static_cast<double>(units),
+      benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+
+void BM_FmaPeak(benchmark::State& state) {
+  RunCeiling<flashattn::bench::FmaPeak>(state, "FLOP/s", 64);
+  state.SetLabel(flashattn::bench::FmaPeak::target());
+}
+BENCHMARK(BM_FmaPeak)->UseRealTime();
+
+void BM_Bf16DotPeak(benchmark::State& state) {
+  if (!flashattn::bench::Bf16DotPeak::supported()) {
+    state.SkipWithError("this CPU has no AVX512-BF16");
+    return;
+  }
+  RunCeiling<flashattn::bench::Bf16DotPeak>(state, "FLOP/s", 64);
+}
+BENCHMARK(BM_Bf16DotPeak)->UseRealTime();
+
+// Args: seqlen, head_dim of the attention-shaped sgemm pair on every thread.
+void BM_SgemmPairs(benchmark::State& state) {
+  RunCeiling<flashattn::bench::SgemmPairs>(state, "FLOP/s", 1, state.range(0), state.range(1));
+}
+BENCHMARK(BM_SgemmPairs)
+    ->ArgNames({"S", "D"})
+    ->Args({1024, 64})
+    ->Args({1024, 128})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_MemoryCopy(benchmark::State& state) {
+  RunCeiling<flashattn::bench::MemoryCopy>(state, "bytes/s", 1,
+                                           flashattn::bench::default_copy_bytes());
+}
+BENCHMARK(BM_MemoryCopy)->UseRealTime()->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,124 @@
+#include "api/memory.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
+
+namespace flashattn::detail {
+namespace {
+
+constexpr std::int64_t kUnlimited = std::numeric_limits<std::int64_t>::max();
+
+// The number in a cgroup limit file, or kUnlimited for "max", a missing file or anything else.
+std::int64_t read_cgroup_limit(const char* path) {
+  std::ifstream file(path);
+  std::string text;
+  if (!(file >> text) || text.empty() ||
+      text.find_first_not_of("0123456789") != std::string::npos || text.size() > 18) {
+    return kUnlimited;
+  }
+  return std::stoll(text);
+}
+
+std::int64_t saturate(__int128 bytes) {
+  return bytes > kUnlimited ? kUnlimited : static_cast<std::int64_t>(bytes);
+}
+
+}  // namespace
+
+std::int64_t memory_limit_bytes() {
+  static const std::int64_t limit = [] {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page_size = ::sysconf(_SC_PAGESIZE);
+    std::int64_t bytes = pages > 0 && page_size > 0
+                             ? saturate(static_cast<__int128>(pages) * page_size)
+                             : kUnlimited;
+    // cgroup v2, then v1, as seen from inside a container.
+    bytes = std::min(bytes, read_cgroup_limit("/sys/fs/cgroup/memory.max"));
+    bytes = std::min(bytes, read_cgroup_limit("/sys/fs/cgroup/memory/memory.limit_in_bytes"));
+    return bytes;
+  }();
+  return limit;
+}
+
+std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
+  const __int128 rows = static_cast<__int128>(p.batch) * p.heads_q * p.seqlen_q;
+  if (rows == 0) return 0;
+  const __int128 threads = p.num_threads, D = p.head_dim, Sq = p.seqlen_q, Skv = p.seqlen_kv;
+  const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
+  switch (impl) {
+    case AttentionImpl::flash: {
+      // Per thread: Q and accumulator tiles [rows x Dp], packed K [D x Bc] and V [Bc x Dp],
+      // scores [rows x Bc], running max and sum; a task holds at least a whole GQA group.
+      const FlashTiles tiles = flash_tiles(p.head_dim);
+      const __int128 tile_rows = std::max(tiles.rows, p.group_size()), keys = tiles.keys;
+      const __int128 floats =
+          tile_rows * D_padded * 2 + D * keys + keys * D_padded + tile_rows * keys + 2 * tile_rows;
+      return saturate(threads * floats * 4);
+    }
+    case AttentionImpl::standard: {
+      // Per head in flight: the score matrix [Sq x pad(Skv)] and fp32 copies of q, k, v, out.
+      const __int128 heads_in_flight =
+          static_cast<__int128>(p.batch) * p.heads_q >= threads ? threads : 1;
+      const __int128 floats = Sq * cpu::pad_to_lanes(p.seqlen_kv) + 2 * (Sq + Skv) * D;
+      return saturate(heads_in_flight * floats * 4);
+    }
+    case AttentionImpl::reference: {
+      // fp64 copies of out and lse, and one row of scores and one output row per thread.
+      const __int128 doubles = rows * D + (p.lse ? rows : 0) + threads * (Skv + D);
+      return saturate(doubles * 8);
+    }
+  }
+  return 0;
+}
+
+std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp) {
+  const AttentionParams& p = bp.forward;
+  const __int128 rows = static_cast<__int128>(p.batch) * p.heads_q * p.seqlen_q;
+  const __int128 kv_rows = static_cast<__int128>(p.batch) * p.heads_kv * p.seqlen_kv;
+  if (rows == 0 && kv_rows == 0) return 0;
+  const __int128 threads = p.num_threads, D = p.head_dim, Sq = p.seqlen_q, Skv = p.seqlen_kv;
+  const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
+  switch (impl) {
+    case AttentionImpl::flash: {
+      // dQ partial sums for up to 8 key chunks [chunk x rows x Dp], and per thread the Q, dO
+      // tiles and panels, K and V panels, two score-sized tiles and dK, dV accumulators.
+      const __int128 tile_rows = 64, keys = flash_tiles(p.head_dim).keys;
+      const __int128 per_thread = 4 * tile_rows * D_padded + 2 * D * keys + 4 * keys * D_padded +
+                                  2 * tile_rows * keys + 2 * tile_rows;
+      return saturate((8 * rows * D_padded + threads * per_thread) * 4);
+    }
+    case AttentionImpl::standard: {
+      // Per KV head in flight: P and dS [Sq x pad(Skv)], dK, dV, dQ, and fp32 copies.
+      const __int128 per_task =
+          2 * Sq * cpu::pad_to_lanes(p.seqlen_kv) + 4 * Skv * D + 3 * Sq * D + 2 * Sq;
+      return saturate(threads * per_task * 4);
+    }
+    case AttentionImpl::reference:
+      // fp64 dQ, dK, dV, and two rows of probabilities per thread.
+      return saturate(((rows + 2 * kv_rows) * D + threads * 2 * Skv) * 8);
+  }
+  return 0;
+}
+
+void check_scratch_fits(const char* caller, AttentionImpl impl, const AttentionParams& params,
+                        std::int64_t needed) {
+  const std::int64_t limit = memory_limit_bytes();
+  if (needed > limit) {
+    throw Error(std::string(caller) + ": expected a problem whose scratch memory fits in the " +
+                std::to_string(limit) + " bytes of this machine, got one that needs " +
+                (needed == kUnlimited ? std::string("more than 2^63") : std::to_string(needed)) +
+                " bytes (" + impl_name(impl) + " path, batch " + std::to_string(params.batch) +
+                ", seqlen_q " + std::to_string(params.seqlen_q) + ", seqlen_kv " +
+                std::to_string(params.seqlen_kv) + ", heads_q " + std::to_string(params.heads_q) +
+                ", head_dim " + std::to_string(params.head_dim) + ", " +
+                std::to_string(params.num_threads) + " threads)");
+  }
+}
+
+}  // namespace flashattn::detail

@@ -1,0 +1,127 @@
+#pragma once
+
+// Running the `flashattn` command-line tool as a subprocess, shared by the CLI tests: its exit
+// code, stdout and stderr, scratch directories, and the JSON line that `run` prints.
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace flashattn::testing {
+
+struct Completed {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+inline std::string read_text(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
+}
+
+// A fresh directory under the system's temporary directory.
+inline std::filesystem::path make_temp_dir(const std::string& prefix) {
+  std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "XXXXXX")).string();
+  if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  return pattern;
+}
+
+// Runs the CLI (FLASHATTN_CLI_PATH) with `args`, stdout and stderr captured in files of
+// `capture_dir`.
+inline Completed run_cli(const std::vector<std::string>& args,
+                         const std::filesystem::path& capture_dir) {
+  const std::filesystem::path out_path = capture_dir / "stdout", err_path = capture_dir / "stderr";
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  std::vector<std::string> all = {FLASHATTN_CLI_PATH};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : all) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+
+  Completed completed;
+  pid_t pid = 0;
+  const int spawned =
+      posix_spawn(&pid, FLASHATTN_CLI_PATH, &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (spawned != 0) {
+    completed.err = "posix_spawn failed";
+    return completed;
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  // A crash (signal) reads as a distinct negative code, never as a clean failure.
+  completed.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+  completed.out = read_text(out_path);
+  completed.err = read_text(err_path);
+  return completed;
+}
+
+// A flat JSON object as `run` prints it: key -> raw value text (strings without their quotes).
+// Throws std::runtime_error on anything else, which fails the calling test.
+inline std::map<std::string, std::string> parse_json_line(const std::string& line) {
+  std::map<std::string, std::string> fields;
+  std::size_t pos = 0;
+  auto fail = [&](const std::string& problem) {
+    throw std::runtime_error("bad JSON (" + problem + " at " + std::to_string(pos) + "): " + line);
+  };
+  auto peek = [&] { return pos < line.size() ? line[pos] : '\0'; };
+  auto skip = [&] {
+    while (std::isspace(static_cast<unsigned char>(peek()))) ++pos;
+  };
+  auto expect = [&](char wanted) {
+    skip();
+    if (peek() != wanted) fail(std::string("expected '") + wanted + "'");
+    ++pos;
+    skip();
+  };
+  auto until = [&](const char* stops) {
+    const std::size_t end = line.find_first_of(stops, pos);
+    if (end == std::string::npos) fail("unterminated value");
+    std::string text = line.substr(pos, end - pos);
+    pos = end;
+    return text;
+  };
+
+  expect('{');
+  while (true) {
+    expect('"');
+    const std::string key = until("\"");
+    expect('"');
+    expect(':');
+    if (peek() == '"') {
+      ++pos;
+      fields[key] = until("\"");
+      ++pos;
+    } else if (peek() == '[') {
+      fields[key] = until("]") + "]";
+      ++pos;
+    } else {
+      fields[key] = until(",}");
+    }
+    skip();
+    if (peek() == '}') break;
+    expect(',');
+  }
+  expect('}');
+  if (pos != line.size()) fail("text after the object");
+  return fields;
+}
+
+}  // namespace flashattn::testing

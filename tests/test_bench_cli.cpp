@@ -1,0 +1,265 @@
+// `flashattn bench`, run as a subprocess on its tiny --quick sweep: it verifies every path, writes
+// a complete CSV (and a plot, or says why not) and nothing else; bad arguments fail with one line
+// and leave no file. No assertion here is about time: benchmarks are not tests.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cli_test_support.hpp"
+#include "flashattn/attention.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using flashattn::testing::Completed;
+
+const char* const kHeader =
+    "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
+    "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
+    "verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,peak_gflops,"
+    "fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps";
+
+// RFC 4180 records: quoted fields may hold commas, doubled quotes and line breaks.
+std::vector<std::vector<std::string>> parse_csv(const std::string& text) {
+  std::vector<std::vector<std::string>> records;
+  std::vector<std::string> record;
+  std::string field;
+  bool quoted = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < text.size() && text[i + 1] == '"') {
+        field += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        field += c;
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      record.push_back(field);
+      field.clear();
+    } else if (c == '\n') {
+      record.push_back(field);
+      field.clear();
+      records.push_back(record);
+      record.clear();
+    } else {
+      field += c;
+    }
+  }
+  EXPECT_TRUE(field.empty() && record.empty()) << "the CSV does not end with a line break";
+  return records;
+}
+
+class BenchCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    work_ = flashattn::testing::make_temp_dir("flashattn_bench_");
+    capture_ = flashattn::testing::make_temp_dir("flashattn_bench_capture_");
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(work_, ignored);
+    fs::remove_all(capture_, ignored);
+  }
+
+  Completed run(const std::vector<std::string>& args) const {
+    return flashattn::testing::run_cli(args, capture_);
+  }
+  fs::path results() const { return work_ / "results"; }
+
+  // Every name under the work directory, hidden ones included, sorted.
+  std::vector<std::string> files() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::recursive_directory_iterator(work_)) {
+      names.push_back(fs::relative(entry.path(), work_).string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // The rows of the one CSV in results(), as column name -> value; checks the header.
+  std::vector<std::map<std::string, std::string>> read_rows() const {
+    std::vector<fs::path> csvs;
+    for (const auto& entry : fs::directory_iterator(results())) {
+      if (entry.path().extension() == ".csv") csvs.push_back(entry.path());
+    }
+    EXPECT_EQ(csvs.size(), 1u);
+    if (csvs.size() != 1) return {};
+    const auto records = parse_csv(flashattn::testing::read_text(csvs.front()));
+    EXPECT_FALSE(records.empty());
+    if (records.empty()) return {};
+    const std::vector<std::string> columns = parse_csv(std::string(kHeader) + "\n").front();
+    EXPECT_EQ(records.front(), columns);
+    std::vector<std::map<std::string, std::string>> rows;
+    for (std::size_t r = 1; r < records.size(); ++r) {
+      EXPECT_EQ(records[r].size(), columns.size()) << "row " << r;
+      std::map<std::string, std::string> row;
+      for (std::size_t c = 0; c < std::min(records[r].size(), columns.size()); ++c) {
+        row[columns[c]] = records[r][c];
+      }
+      rows.push_back(row);
+    }
+    return rows;
+  }
+
+  void expect_clean_failure(const std::vector<std::string>& args, int exit_code,
+                            const std::string& message) const {
+    std::vector<std::string> all = {"bench", "--quick", "--out-dir", results().string()};
+    all.insert(all.end(), args.begin(), args.end());
+    const std::vector<std::string> before = files();
+    const Completed completed = run(all);
+    std::string command;
+    for (const std::string& arg : args) command += " " + arg;
+    EXPECT_EQ(completed.exit_code, exit_code) << command << "\n" << completed.err;
+    EXPECT_EQ(completed.out, "") << command;
+    EXPECT_EQ(completed.err.rfind("flashattn: error: ", 0), 0u) << command << "\n" << completed.err;
+    EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << command << "\n"
+                                                                               << completed.err;
+    EXPECT_NE(completed.err.find(message), std::string::npos)
+        << command << "\nexpected '" << message << "' in: " << completed.err;
+    EXPECT_EQ(files(), before) << command;
+  }
+
+  fs::path work_, capture_;
+};
+
+TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
+  const Completed completed =
+      run({"bench", "--quick", "--threads", "2", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+
+  // The quick sweep: seqlens 128 and 256 at head_dim 32, both masks, f32 and bf16, both paths.
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 16u) << completed.out;
+  std::set<std::string> cases;
+  for (const auto& row : rows) {
+    const std::string where =
+        row.at("dtype") + " " + row.at("seqlen_q") + " " + row.at("causal") + " " + row.at("impl");
+    cases.insert(where);
+    EXPECT_EQ(row.at("verified"), "yes") << where;
+    EXPECT_EQ(row.at("threads"), "2");
+    EXPECT_EQ(row.at("case"), "sweep");
+    EXPECT_EQ(row.at("batch"), "1");
+    EXPECT_EQ(row.at("head_dim"), "32");
+    EXPECT_EQ(row.at("seqlen_kv"), row.at("seqlen_q"));
+    EXPECT_FALSE(row.at("simd_target").empty());
+    EXPECT_FALSE(row.at("openblas_core").empty());
+
+    flashattn::AttentionOptions options;
+    options.causal = row.at("causal") == "true";
+    const std::int64_t seqlen = std::stoll(row.at("seqlen_q"));
+    EXPECT_DOUBLE_EQ(
+        std::stod(row.at("flops")),
+        flashattn::attention_flops(1, std::stoll(row.at("heads")), seqlen, seqlen, 32, options))
+        << where;
+    EXPECT_LE(std::stod(row.at("out_err")), std::stod(row.at("out_tol"))) << where;
+    EXPECT_LE(std::stod(row.at("lse_err")), std::stod(row.at("lse_tol"))) << where;
+    // Present and positive; their size is the machine's business.
+    for (const char* column : {"seconds", "gflops", "ratio_peak", "ratio_sgemm", "peak_gflops",
+                               "fma_peak_gflops", "sgemm_gflops", "copy_gbps"}) {
+      EXPECT_GT(std::stod(row.at(column)), 0.0) << where << ": " << column;
+    }
+    if (row.at("impl") == "flash") {
+      EXPECT_GT(std::stod(row.at("ratio_standard")), 0.0) << where;
+    } else {
+      EXPECT_EQ(row.at("ratio_standard"), "") << where;
+    }
+  }
+  EXPECT_EQ(cases.size(), 16u);
+  for (const std::string dtype : {"f32", "bf16"}) {
+    EXPECT_EQ(cases.count(dtype + " 256 false flash"), 1u) << dtype;
+    EXPECT_EQ(cases.count(dtype + " 128 true standard"), 1u) << dtype;
+  }
+
+  // Progress on stderr, one line per case; where the outputs went on stdout.
+  EXPECT_NE(completed.err.find("[8/8]"), std::string::npos) << completed.err;
+  std::string csv_name;
+  for (const auto& entry : fs::directory_iterator(results())) {
+    if (entry.path().extension() == ".csv") csv_name = entry.path().filename().string();
+  }
+  EXPECT_NE(completed.out.find("wrote "), std::string::npos) << completed.out;
+  EXPECT_NE(completed.out.find(csv_name), std::string::npos) << completed.out;
+
+  // The plot, or the reason there is none; never a leftover temporary file.
+  const std::string png_name = fs::path(csv_name).replace_extension(".png").string();
+  if (fs::exists(results() / png_name)) {
+    EXPECT_GT(fs::file_size(results() / png_name), 0u);
+    EXPECT_NE(completed.out.find(png_name), std::string::npos) << completed.out;
+    EXPECT_EQ(files(),
+              (std::vector<std::string>{"results", "results/" + csv_name, "results/" + png_name}));
+  } else {
+    EXPECT_NE(completed.out.find("no plot: "), std::string::npos) << completed.out;
+    EXPECT_EQ(files(), (std::vector<std::string>{"results", "results/" + csv_name}));
+  }
+}
+
+TEST_F(BenchCliTest, OptionsSelectTheCasesAndPaths) {
+  const Completed completed =
+      run({"bench", "--quick", "--seqlens", "64,96", "--head-dims", "16", "--dtypes", "f32",
+           "--impls", "flash", "--non-causal", "--no-plot", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  EXPECT_NE(completed.out.find("no plot: --no-plot"), std::string::npos) << completed.out;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 2u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.at("impl"), "flash");
+    EXPECT_EQ(row.at("dtype"), "f32");
+    EXPECT_EQ(row.at("causal"), "false");
+    EXPECT_EQ(row.at("head_dim"), "16");
+    EXPECT_EQ(row.at("verified"), "yes");
+    // Without a timed standard path there is nothing to compare with.
+    EXPECT_EQ(row.at("ratio_standard"), "");
+  }
+  EXPECT_EQ(rows[0].at("seqlen_q"), "64");
+  EXPECT_EQ(rows[1].at("seqlen_q"), "96");
+  EXPECT_EQ(files().size(), 2u);  // results/ and the CSV
+}
+
+TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
+  expect_clean_failure({"--dtypes", "f64"}, 2, "--dtypes");
+  expect_clean_failure({"--seqlens", "0"}, 2, "--seqlens");
+  expect_clean_failure({"--seqlens", "12x"}, 2, "--seqlens");
+  expect_clean_failure({"--head-dims", "-64"}, 2, "--head-dims");
+  expect_clean_failure({"--impls", "reference"}, 2, "--impls");
+  expect_clean_failure({"--causal", "--both"}, 2, "excludes");
+  expect_clean_failure({"--repeat", "0"}, 2, "--repeat");
+  expect_clean_failure({"--work", "0"}, 2, "--work");
+  expect_clean_failure({"--threads", "-1"}, 2, "--threads");
+  expect_clean_failure({"--frobnicate"}, 2, "--frobnicate");
+
+  // An --out-dir that cannot be a directory: fails before any work, creates nothing.
+  const fs::path blocker = work_ / "file";
+  std::ofstream(blocker) << "x";
+  const std::vector<std::string> before = files();
+  const Completed completed =
+      run({"bench", "--quick", "--out-dir", (blocker / "results").string()});
+  EXPECT_EQ(completed.exit_code, 1) << completed.err;
+  EXPECT_EQ(completed.out, "");
+  EXPECT_EQ(completed.err.rfind("flashattn: error: --out-dir", 0), 0u) << completed.err;
+  EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << completed.err;
+  EXPECT_EQ(files(), before);
+}
+
+TEST_F(BenchCliTest, HelpStatesTheSweepRule) {
+  const Completed completed = run({"bench", "--help"});
+  EXPECT_EQ(completed.exit_code, 0);
+  for (const char* text : {"bench [OPTIONS]", "--seqlens", "--head-dims", "--dtypes", "--impls",
+                           "--out-dir", "--quick", "H = max(1, round(W / FLOPs of one head))"}) {
+    EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
+  }
+  EXPECT_TRUE(files().empty());
+}
+
+}  // namespace

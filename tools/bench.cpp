@@ -1,0 +1,753 @@
+// `flashattn bench`: the FlashAttention path and the standard path on the same inputs and the same
+// threads, each verified against the fp64 reference before it is timed, next to the machine's
+// ceilings measured in the same run (DESIGN.md §5). Writes one CSV row per case and path, and a
+// plot of GFLOP/s against seqlen.
+
+#include <cblas.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "atomic_file.hpp"
+#include "ceilings.hpp"
+#include "cli_common.hpp"
+#include "cpu/tile_kernels.hpp"
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "util/convert.hpp"
+#include "verify.hpp"
+
+extern char** environ;
+
+// Weak: the sanitizer builds (FLASHATTN_PLAIN_BLAS) link a plain-loop sgemm instead of OpenBLAS,
+// and there the function does not exist.
+#pragma weak openblas_get_corename
+
+namespace flashattn::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// 2^34 FLOPs, about the seed shape's causal FLOPs (17.2 GFLOP): the work of one sweep point.
+constexpr double kDefaultWorkGflop = 17.179869184;
+
+struct BenchOptions {
+  std::vector<std::int64_t> seqlens = {512, 1024, 2048, 4096, 8192, 16384};
+  std::vector<std::int64_t> head_dims = {64, 128};
+  std::vector<std::string> dtypes = {"f32", "bf16"};
+  std::vector<std::string> impls = {"flash", "standard"};
+  bool causal = false, non_causal = false, both = false;
+  bool no_seed_shape = false;
+  double work_gflop = kDefaultWorkGflop;
+  int threads = 0;
+  int repeat = 3;
+  std::int64_t check_rows = 8;
+  std::uint64_t seed = 42;
+  std::string out_dir = "bench/results";
+  bool no_plot = false;
+  bool quick = false;
+};
+
+// How long and how often each ceiling is measured.
+struct CeilingBudget {
+  double seconds = 0.25;
+  int trials = 5;
+  std::int64_t sgemm_seqlen = 1024;
+  std::size_t copy_bytes = 0;  // 0: bench::default_copy_bytes()
+};
+
+struct Ceilings {
+  double fma_gflops = 0.0;
+  std::optional<double> bf16_dot_gflops;
+  std::map<std::int64_t, double> sgemm_gflops;  // by head_dim
+  double copy_gbps = 0.0;
+  std::string fma_target;
+};
+
+struct Case {
+  DType dtype = DType::f32;
+  std::int64_t batch = 1, heads = 1, seqlen = 0, head_dim = 0;
+  bool causal = true;
+  bool seed_shape = false;  // the seed's [2, 32, 1024, 128], not a sweep point
+};
+
+struct PathResult {
+  AttentionImpl impl = AttentionImpl::flash;
+  bool verified = false;
+  PathErrors errors;
+  Tolerance tolerance;
+  std::optional<double> seconds;  // empty: not timed (failed verification)
+};
+
+struct CaseResult {
+  Case shape;
+  double flops = 0.0;
+  std::vector<PathResult> paths;  // the timed ones, in --impls order
+
+  const PathResult* find(AttentionImpl impl) const {
+    for (const PathResult& path : paths) {
+      if (path.impl == impl) return &path;
+    }
+    return nullptr;
+  }
+  std::optional<double> gflops(AttentionImpl impl) const {
+    const PathResult* path = find(impl);
+    if (path == nullptr || !path->seconds || *path->seconds <= 0.0) return std::nullopt;
+    return flops / *path->seconds * 1e-9;
+  }
+};
+
+struct Machine {
+  std::string date, host, cpu_model, simd_target, openblas_core, openblas_coretype;
+  int threads = 0;
+};
+
+std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const std::size_t colon = line.find(':');
+      if (colon != std::string::npos) {
+        const std::size_t start = line.find_first_not_of(" \t", colon + 1);
+        return start == std::string::npos ? "" : line.substr(start);
+      }
+    }
+  }
+  return "unknown";
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "unknown-host";
+  return name;
+}
+
+// The host name as it goes into a file name: letters, digits, '.', '-' and '_' only.
+std::string file_name_safe(std::string text) {
+  for (char& c : text) {
+    const bool keep = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '.' || c == '-' || c == '_';
+    if (!keep) c = '_';
+  }
+  return text;
+}
+
+std::string today() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char text[16];
+  std::strftime(text, sizeof(text), "%Y-%m-%d", &local);
+  return text;
+}
+
+Machine describe_machine(int threads) {
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  const char* core = openblas_get_corename != nullptr ? openblas_get_corename() : nullptr;
+  return {.date = today(),
+          .host = host_name(),
+          .cpu_model = cpu_model(),
+          .simd_target = detail::cpu::active_simd_target(),
+          .openblas_core = core != nullptr ? core : "none (OpenBLAS not linked)",
+          .openblas_coretype = coretype != nullptr ? coretype : "",
+          .threads = threads};
+}
+
+std::string format(const char* pattern, double value) {
+  char text[64];
+  std::snprintf(text, sizeof(text), pattern, value);
+  return text;
+}
+
+std::string optional_number(const char* pattern, std::optional<double> value) {
+  return value ? format(pattern, *value) : "";
+}
+
+// The peak that bounds a dtype's tile products: vdpbf16ps for bf16 where the CPU has it, the f32
+// FMA otherwise (f16 and bf16 without AVX512-BF16 are widened to f32 before the products).
+double peak_for(const Ceilings& ceilings, DType dtype) {
+  return dtype == DType::bf16 && ceilings.bf16_dot_gflops ? *ceilings.bf16_dot_gflops
+                                                          : ceilings.fma_gflops;
+}
+
+Ceilings measure_ceilings(int threads, const std::set<std::int64_t>& head_dims,
+                          const CeilingBudget& budget) {
+  Ceilings ceilings;
+  ceilings.fma_target = bench::FmaPeak::target();
+  std::fprintf(stderr, "flashattn bench: ceilings: f32 FMA peak (%s)\n",
+               ceilings.fma_target.c_str());
+  bench::FmaPeak fma(threads);
+  ceilings.fma_gflops = bench::best_rate(fma, budget.seconds, budget.trials) * 1e-9;
+  if (bench::Bf16DotPeak::supported()) {
+    std::fprintf(stderr, "flashattn bench: ceilings: bf16 dot peak (vdpbf16ps)\n");
+    bench::Bf16DotPeak bf16(threads);
+    ceilings.bf16_dot_gflops = bench::best_rate(bf16, budget.seconds, budget.trials) * 1e-9;
+  }
+  for (const std::int64_t head_dim : head_dims) {
+    std::fprintf(stderr, "flashattn bench: ceilings: sgemm pairs %lld x %lld x %lld\n",
+                 static_cast<long long>(budget.sgemm_seqlen),
+                 static_cast<long long>(budget.sgemm_seqlen), static_cast<long long>(head_dim));
+    bench::SgemmPairs sgemm(threads, budget.sgemm_seqlen, head_dim);
+    ceilings.sgemm_gflops[head_dim] = bench::best_rate(sgemm, budget.seconds, budget.trials) * 1e-9;
+  }
+  const std::size_t copy_bytes =
+      budget.copy_bytes > 0 ? budget.copy_bytes : bench::default_copy_bytes();
+  std::fprintf(stderr, "flashattn bench: ceilings: memory copy of %zu MiB\n", copy_bytes >> 20);
+  bench::MemoryCopy copy(threads, copy_bytes);
+  ceilings.copy_gbps = bench::best_rate(copy, budget.seconds, budget.trials) * 1e-9;
+  return ceilings;
+}
+
+// Sweep points: batch 1 and as many heads as bring one call to about `work_gflop` (at least one).
+std::vector<Case> make_cases(const BenchOptions& options, const std::vector<bool>& seed_masks,
+                             const std::vector<bool>& sweep_masks) {
+  std::vector<Case> cases;
+  for (const std::string& dtype_text : options.dtypes) {
+    const DType dtype = parse_dtype(dtype_text);
+    if (!options.no_seed_shape) {
+      for (const bool causal : seed_masks) {
+        cases.push_back({dtype, 2, 32, 1024, 128, causal, true});
+      }
+    }
+    for (const std::int64_t head_dim : options.head_dims) {
+      for (const std::int64_t seqlen : options.seqlens) {
+        for (const bool causal : sweep_masks) {
+          AttentionOptions mask;
+          mask.causal = causal;
+          const double per_head = attention_flops(1, 1, seqlen, seqlen, head_dim, mask);
+          const auto heads =
+              std::max<std::int64_t>(1, std::llround(options.work_gflop * 1e9 / per_head));
+          cases.push_back({dtype, 1, heads, seqlen, head_dim, causal, false});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+// NaN everywhere, so that an element a path fails to write cannot pass verification.
+void poison(HostTensor& tensor, std::vector<float>& lse) {
+  std::fill(tensor.f32.begin(), tensor.f32.end(), std::numeric_limits<float>::quiet_NaN());
+  std::fill(tensor.bits16.begin(), tensor.bits16.end(),
+            tensor.dtype == DType::f16 ? std::uint16_t{0x7e00} : std::uint16_t{0x7fc0});
+  std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
+}
+
+std::string case_label(const Case& shape) {
+  char text[160];
+  std::snprintf(text, sizeof(text), "%s %s B=%lld H=%lld S=%lld D=%lld%s", dtype_name(shape.dtype),
+                shape.causal ? "causal" : "non-causal", static_cast<long long>(shape.batch),
+                static_cast<long long>(shape.heads), static_cast<long long>(shape.seqlen),
+                static_cast<long long>(shape.head_dim), shape.seed_shape ? " (seed shape)" : "");
+  return text;
+}
+
+// Runs one case: the standard path first (its error against the reference is the baseline of
+// the flash tolerance, so it runs even when only flash is timed), then flash; each path's first
+// call is verified and doubles as the warm-up of its timed calls.
+CaseResult run_case(const Case& shape, const BenchOptions& options, int threads) {
+  std::mt19937_64 rng(options.seed);
+  const std::array<std::int64_t, 4> dims = {shape.batch, shape.seqlen, shape.heads, shape.head_dim};
+  const HostTensor q = random_tensor(shape.dtype, dims, rng);
+  const HostTensor k = random_tensor(shape.dtype, dims, rng);
+  const HostTensor v = random_tensor(shape.dtype, dims, rng);
+  AttentionOptions attention;
+  attention.causal = shape.causal;
+  attention.num_threads = threads;
+
+  CaseResult result;
+  result.shape = shape;
+  result.flops = attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen,
+                                 shape.head_dim, attention);
+  const std::vector<std::int64_t> rows = sample_rows(shape.seqlen, options.check_rows, rng);
+  const ReferenceRows reference = reference_rows(q, k, v, attention, rows);
+
+  HostTensor out(shape.dtype, dims);
+  std::vector<float> lse(static_cast<std::size_t>(shape.batch * shape.heads * shape.seqlen));
+  PathErrors standard_errors;
+  bool standard_verified = false;
+  for (const AttentionImpl impl : {AttentionImpl::standard, AttentionImpl::flash}) {
+    auto call = [&] {
+      attention_forward(impl, q.view(), k.view(), v.view(), out.view(), lse.data(), attention);
+    };
+    poison(out, lse);
+    call();
+    PathResult path;
+    path.impl = impl;
+    path.errors = errors_against(reference, out, lse);
+    if (impl == AttentionImpl::standard) {
+      standard_errors = path.errors;
+      path.tolerance = standard_error_bound(q, k, v, attention, rows);
+    } else {
+      path.tolerance = tolerance_from_standard(standard_errors, shape.dtype, max_abs(v));
+    }
+    // Flash's tolerance is relative to the standard path's error, so it means nothing when the
+    // standard path itself is off.
+    path.verified = path.tolerance.admits(path.errors) &&
+                    (impl == AttentionImpl::standard || standard_verified);
+    if (impl == AttentionImpl::standard) standard_verified = path.verified;
+    const bool timed = std::find(options.impls.begin(), options.impls.end(), impl_name(impl)) !=
+                       options.impls.end();
+    if (!timed) continue;
+    if (path.verified) path.seconds = median_seconds(options.repeat, call);
+    result.paths.push_back(path);
+  }
+  // --impls order.
+  std::stable_sort(result.paths.begin(), result.paths.end(), [&](const auto& a, const auto& b) {
+    auto rank = [&](AttentionImpl impl) {
+      return std::find(options.impls.begin(), options.impls.end(), impl_name(impl)) -
+             options.impls.begin();
+    };
+    return rank(a.impl) < rank(b.impl);
+  });
+  return result;
+}
+
+// RFC 4180: fields with a comma, a quote or a line break are quoted, quotes doubled.
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (const char c : text) {
+    quoted += c;
+    if (c == '"') quoted += '"';
+  }
+  return quoted + "\"";
+}
+
+// Machine, case, result, ratios, ceilings.
+constexpr const char* kCsvHeader =
+    "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
+    "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
+    "verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,peak_gflops,"
+    "fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps\n";
+
+std::string csv_text(const Machine& machine, const Ceilings& ceilings,
+                     const std::vector<CaseResult>& results, int repeat) {
+  std::string text = kCsvHeader;
+  auto append_row = [&text](const std::vector<std::string>& fields) {
+    for (std::size_t i = 0; i < fields.size(); ++i) {
+      if (i > 0) text += ',';
+      text += csv_field(fields[i]);
+    }
+    text += '\n';
+  };
+  for (const CaseResult& result : results) {
+    const Case& shape = result.shape;
+    const double peak = peak_for(ceilings, shape.dtype);
+    const double sgemm = ceilings.sgemm_gflops.at(shape.head_dim);
+    const std::optional<double> standard = result.gflops(AttentionImpl::standard);
+    for (const PathResult& path : result.paths) {
+      const std::optional<double> gflops = result.gflops(path.impl);
+      auto ratio = [&](std::optional<double> ceiling) -> std::optional<double> {
+        if (!gflops || !ceiling || *ceiling <= 0.0) return std::nullopt;
+        return *gflops / *ceiling;
+      };
+      append_row({machine.date,
+                  machine.host,
+                  machine.cpu_model,
+                  machine.simd_target,
+                  ceilings.fma_target,
+                  machine.openblas_core,
+                  machine.openblas_coretype,
+                  std::to_string(machine.threads),
+                  std::to_string(repeat),
+                  shape.seed_shape ? "seed" : "sweep",
+                  dtype_name(shape.dtype),
+                  std::to_string(shape.batch),
+                  std::to_string(shape.heads),
+                  std::to_string(shape.seqlen),
+                  std::to_string(shape.seqlen),
+                  std::to_string(shape.head_dim),
+                  shape.causal ? "true" : "false",
+                  impl_name(path.impl),
+                  format("%.0f", result.flops),
+                  optional_number("%.6f", path.seconds),
+                  optional_number("%.2f", gflops),
+                  path.verified ? "yes" : "no",
+                  format("%.3g", path.errors.out.max_abs),
+                  format("%.3g", path.tolerance.out),
+                  format("%.3g", path.errors.lse.max_abs),
+                  format("%.3g", path.tolerance.lse),
+                  optional_number("%.4f", ratio(peak)),
+                  optional_number("%.4f", ratio(sgemm)),
+                  path.impl == AttentionImpl::flash ? optional_number("%.4f", ratio(standard)) : "",
+                  format("%.1f", peak),
+                  format("%.1f", ceilings.fma_gflops),
+                  optional_number("%.1f", ceilings.bf16_dot_gflops),
+                  format("%.1f", sgemm),
+                  format("%.2f", ceilings.copy_gbps)});
+    }
+  }
+  return text;
+}
+
+// gnuplot's single-quoted strings take everything literally except a doubled quote.
+std::string gnuplot_string(const std::string& text) {
+  std::string quoted = "'";
+  for (const char c : text) {
+    quoted += c;
+    if (c == '\'') quoted += '\'';
+  }
+  return quoted + "'";
+}
+
+// A gnuplot script that draws GFLOP/s against seqlen: one line per (path, dtype, head_dim, mask)
+// over the sweep points, one horizontal line per ceiling. The data are inline, so the script is
+// the only input.
+std::string plot_script(const fs::path& png, const Machine& machine, const Ceilings& ceilings,
+                        const std::vector<CaseResult>& results) {
+  struct Series {
+    std::string title;
+    bool flash = true;
+    std::vector<std::pair<std::int64_t, double>> points;
+  };
+  std::map<std::string, Series> series;
+  std::set<DType> dtypes;
+  std::set<std::int64_t> head_dims;
+  for (const CaseResult& result : results) {
+    if (result.shape.seed_shape) continue;
+    for (const PathResult& path : result.paths) {
+      const std::optional<double> gflops = result.gflops(path.impl);
+      if (!gflops) continue;
+      const Case& shape = result.shape;
+      char title[96];
+      std::snprintf(title, sizeof(title), "%s %s D=%lld%s", impl_name(path.impl),
+                    dtype_name(shape.dtype), static_cast<long long>(shape.head_dim),
+                    shape.causal ? "" : " non-causal");
+      Series& line = series[title];
+      line.title = title;
+      line.flash = path.impl == AttentionImpl::flash;
+      line.points.emplace_back(shape.seqlen, *gflops);
+      dtypes.insert(shape.dtype);
+      head_dims.insert(shape.head_dim);
+    }
+  }
+
+  std::string script =
+      "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
+      "  set terminal pngcairo size 1200,760 noenhanced font ',10'\n"
+      "} else {\n"
+      "  set terminal png size 1200,760 noenhanced\n"
+      "}\n";
+  script += "set output " + gnuplot_string(png.string()) + "\n";
+  char title[512];
+  std::snprintf(title, sizeof(title), "flashattn bench, %s, %s (%s), %d threads, %s",
+                machine.date.c_str(), machine.cpu_model.c_str(), machine.host.c_str(),
+                machine.threads, machine.simd_target.c_str());
+  script += "set title " + gnuplot_string(title) + "\n";
+  script +=
+      "set xlabel 'sequence length (causal unless marked; FLOPs count unmasked pairs)'\n"
+      "set ylabel 'GFLOP/s (log scale)'\n"
+      "set logscale xy 2\n"
+      "set format x '%.0f'\n"
+      "set format y '%.0f'\n"
+      "set grid\n"
+      "set key outside right top\n";
+  int index = 0;
+  std::string plots;
+  for (const auto& [name, line] : series) {
+    std::string block = "$series" + std::to_string(index) + " << EOD\n";
+    std::vector<std::pair<std::int64_t, double>> points = line.points;
+    std::sort(points.begin(), points.end());
+    for (const auto& [seqlen, gflops] : points) {
+      block += std::to_string(seqlen) + " " + format("%.3f", gflops) + "\n";
+    }
+    script += block + "EOD\n";
+    plots += (plots.empty() ? "" : ", ") + std::string("$series") + std::to_string(index) +
+             " using 1:2 with linespoints lw 2 pt 7 " + (line.flash ? "dt 1" : "dt 2") + " title " +
+             gnuplot_string(line.title);
+    ++index;
+  }
+  auto ceiling = [&](double value, const std::string& name) {
+    plots += ", " + format("%.3f", value) + " with lines lw 1 dt 3 title " +
+             gnuplot_string(name + format(" %.0f", value));
+  };
+  ceiling(ceilings.fma_gflops, "f32 FMA peak");
+  if (ceilings.bf16_dot_gflops && dtypes.count(DType::bf16) > 0) {
+    ceiling(*ceilings.bf16_dot_gflops, "bf16 dot peak");
+  }
+  for (const std::int64_t head_dim : head_dims) {
+    ceiling(ceilings.sgemm_gflops.at(head_dim),
+            "sgemm " + std::to_string(head_dim) + "-dim attention products");
+  }
+  return script + "plot " + plots + "\n";
+}
+
+std::optional<fs::path> find_on_path(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  if (path == nullptr) return std::nullopt;
+  const std::string directories = path;
+  std::size_t start = 0;
+  while (start <= directories.size()) {
+    const std::size_t end = std::min(directories.find(':', start), directories.size());
+    const fs::path candidate =
+        fs::path(end > start ? directories.substr(start, end - start) : ".") / program;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    start = end + 1;
+  }
+  return std::nullopt;
+}
+
+// Feeds `script` to gnuplot on its stdin, its stdout discarded; returns why it failed, or
+// nothing on success.
+std::optional<std::string> run_gnuplot(const fs::path& gnuplot, const std::string& script) {
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return "cannot create a pipe to gnuplot";
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, pipe_fds[0], 0);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  std::string program = gnuplot.string();
+  char* argv[] = {program.data(), nullptr};
+  pid_t pid = 0;
+  const int spawned = posix_spawn(&pid, program.c_str(), &actions, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(pipe_fds[0]);
+  if (spawned != 0) {
+    ::close(pipe_fds[1]);
+    return "cannot start " + program;
+  }
+  const char* bytes = script.data();
+  std::size_t left = script.size();
+  while (left > 0) {
+    const ssize_t written = ::write(pipe_fds[1], bytes, left);
+    if (written < 0 && errno == EINTR) continue;
+    if (written <= 0) break;
+    bytes += written;
+    left -= static_cast<std::size_t>(written);
+  }
+  ::close(pipe_fds[1]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (left > 0) return "gnuplot stopped reading its script";
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return "gnuplot failed (see its messages)";
+  return std::nullopt;
+}
+
+void print_header(const Machine& machine, const Ceilings& ceilings, const BenchOptions& options) {
+  std::printf("flashattn bench: flash and standard attention against the machine's ceilings\n");
+  std::printf("machine  %s, %s; %d threads; library SIMD target %s\n", machine.host.c_str(),
+              machine.cpu_model.c_str(), machine.threads, machine.simd_target.c_str());
+  std::printf("openblas core %s%s%s\n", machine.openblas_core.c_str(),
+              machine.openblas_coretype.empty() ? "" : ", OPENBLAS_CORETYPE=",
+              machine.openblas_coretype.c_str());
+  std::printf("ceilings f32 FMA peak %.1f GFLOP/s (%s)", ceilings.fma_gflops,
+              ceilings.fma_target.c_str());
+  if (ceilings.bf16_dot_gflops) {
+    std::printf(", bf16 dot peak %.1f GFLOP/s", *ceilings.bf16_dot_gflops);
+  }
+  std::printf(", memory copy %.1f GB/s\n", ceilings.copy_gbps);
+  for (const auto& [head_dim, gflops] : ceilings.sgemm_gflops) {
+    std::printf("         sgemm attention products at head_dim %lld: %.1f GFLOP/s\n",
+                static_cast<long long>(head_dim), gflops);
+  }
+  std::printf(
+      "timing   median of %d runs after the verified first run; GFLOP/s = attention_flops "
+      "(unmasked pairs) / time\n\n",
+      options.repeat);
+  std::printf("%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %s\n", "dtype", "mask", "B", "H",
+              "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "verified");
+  std::fflush(stdout);
+}
+
+void print_case(const CaseResult& result, const Ceilings& ceilings) {
+  const Case& shape = result.shape;
+  const std::optional<double> flash = result.gflops(AttentionImpl::flash);
+  const std::optional<double> standard = result.gflops(AttentionImpl::standard);
+  auto column = [](std::optional<double> value, const char* pattern) {
+    return value ? format(pattern, *value) : std::string("-");
+  };
+  auto ratio = [&](std::optional<double> denominator) -> std::optional<double> {
+    if (!flash || !denominator || *denominator <= 0.0) return std::nullopt;
+    return *flash / *denominator;
+  };
+  std::string verified;
+  for (const PathResult& path : result.paths) {
+    verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
+                (path.verified ? "yes" : "NO");
+  }
+  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %s\n",
+              dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
+              static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
+              static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
+              column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
+              column(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
+              column(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
+              column(ratio(standard), "%.3f").c_str(), verified.c_str());
+  std::fflush(stdout);
+}
+
+// --quick: a tiny sweep for tests and smoke runs; options given explicitly still win.
+void apply_quick(BenchOptions& options, CeilingBudget& budget, const CLI::App& command) {
+  auto unset = [&](const char* name) { return command.count(name) == 0; };
+  if (unset("--seqlens")) options.seqlens = {128, 256};
+  if (unset("--head-dims")) options.head_dims = {32};
+  if (unset("--work")) options.work_gflop = 0x1p22 * 1e-9;
+  if (unset("--repeat")) options.repeat = 1;
+  if (unset("--causal") && unset("--non-causal") && unset("--both")) options.both = true;
+  options.no_seed_shape = true;
+  budget = {.seconds = 0.01, .trials = 2, .sgemm_seqlen = 128, .copy_bytes = 16u << 20};
+}
+
+int run_bench(BenchOptions options, const CLI::App& command) {
+  CeilingBudget budget;
+  if (options.quick) apply_quick(options, budget, command);
+  const int threads = resolved_threads(options.threads);
+
+  // Default masks: the seed shape both ways, the sweep causal; a mask option sets both.
+  std::vector<bool> seed_masks = {true, false}, sweep_masks = {true};
+  if (options.causal) seed_masks = sweep_masks = {true};
+  if (options.non_causal) seed_masks = sweep_masks = {false};
+  if (options.both) seed_masks = sweep_masks = {true, false};
+  const std::vector<Case> cases = make_cases(options, seed_masks, sweep_masks);
+
+  // Outputs are opened before any work, so that an unwritable --out-dir fails at once.
+  const fs::path out_dir = options.out_dir;
+  std::error_code error;
+  fs::create_directories(out_dir, error);
+  if (error) {
+    throw Error("--out-dir: cannot create " + out_dir.string() + ": " + error.message());
+  }
+  Machine machine = describe_machine(threads);
+  const std::string stem = machine.date + "-" + file_name_safe(machine.host);
+  AtomicFile csv(out_dir / (stem + ".csv"));
+  std::unique_ptr<AtomicFile> png;
+  std::optional<fs::path> gnuplot;
+  std::string no_plot_reason;
+  if (options.no_plot) {
+    no_plot_reason = "--no-plot";
+  } else if (gnuplot = find_on_path("gnuplot"); !gnuplot) {
+    no_plot_reason =
+        "gnuplot is not on PATH; install gnuplot-nox (scripts/install-deps.sh) for the plot";
+  } else {
+    png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
+  }
+
+  std::set<std::int64_t> head_dims;
+  for (const Case& shape : cases) head_dims.insert(shape.head_dim);
+  const Ceilings ceilings = measure_ceilings(threads, head_dims, budget);
+  print_header(machine, ceilings, options);
+
+  std::vector<CaseResult> results;
+  bool all_verified = true;
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    std::fprintf(stderr, "flashattn bench: [%zu/%zu] %s\n", i + 1, cases.size(),
+                 case_label(cases[i]).c_str());
+    results.push_back(run_case(cases[i], options, threads));
+    for (const PathResult& path : results.back().paths) all_verified &= path.verified;
+    print_case(results.back(), ceilings);
+  }
+
+  csv.append(csv_text(machine, ceilings, results, options.repeat));
+  csv.commit();
+  std::printf("\nwrote %s\n", fs::absolute(csv.path()).lexically_normal().c_str());
+  if (png) {
+    // gnuplot writes the temporary file by name; the rename makes it appear whole.
+    const std::optional<std::string> failure =
+        run_gnuplot(*gnuplot, plot_script(png->temp_path(), machine, ceilings, results));
+    if (!failure && fs::file_size(png->temp_path(), error) > 0 && !error) {
+      png->commit();
+      std::printf("wrote %s\n", fs::absolute(png->path()).lexically_normal().c_str());
+    } else {
+      png->discard();
+      no_plot_reason = failure.value_or("gnuplot wrote an empty file");
+    }
+  }
+  if (!no_plot_reason.empty()) std::printf("no plot: %s\n", no_plot_reason.c_str());
+  if (!all_verified) {
+    std::printf("verification FAILED for at least one path: it was not timed (verified = no)\n");
+    return kExitMismatch;
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Action add_bench_command(CLI::App& app) {
+  auto options = std::make_shared<BenchOptions>();
+  CLI::App* command = app.add_subcommand(
+      "bench", "Benchmark flash and standard attention against the machine's ceilings");
+  command->footer(
+      "Ceilings, measured first on the same threads:\n"
+      "  f32 FMA peak     independent FMA chains, best SIMD target (Highway dispatch)\n"
+      "  bf16 dot peak    vdpbf16ps chains, on CPUs with AVX512-BF16\n"
+      "  sgemm            OpenBLAS, per head_dim: on every thread Q·Kᵀ and P·V of one\n"
+      "                   1024-token head (4·1024²·D FLOPs), as the standard path calls it\n"
+      "  memory copy      memcpy of buffers beyond the last-level cache, GB/s read + written\n"
+      "Cases: the seed shape [B=2, H=32, S=1024, D=128] causal and non-causal; then per head_dim\n"
+      "and seqlen a causal point with B=1 and H = max(1, round(W / FLOPs of one head)),\n"
+      "W = --work GFLOP (default 2^34 FLOPs, the seed shape's causal work), so that every point\n"
+      "does about the same work (where one head exceeds W, one head). --causal, --non-causal or\n"
+      "--both set the masks of all cases.\n"
+      "Each case runs the standard path, then flash, on the same inputs; each path's first run is\n"
+      "verified against the fp64 reference on sampled query rows (flash: within 4x the standard\n"
+      "path's error + 1 ulp; standard: within a worst-case fp32 bound), then timed (median).\n"
+      "FLOPs: attention_flops, 4·D per unmasked (query, key) pair. Ratios: flash GFLOP/s over the\n"
+      "dtype's peak (bf16: the bf16 dot peak where measured, else the f32 FMA peak), over sgemm "
+      "at\n"
+      "the same head_dim, and over the standard path.\n"
+      "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (a row per case and path) and .png (gnuplot),\n"
+      "each whole or not at all, and prints where. Progress goes to stderr.\n"
+      "Exit codes: 0 every path verified, 1 invalid arguments or unwritable output, 2 bad\n"
+      "command line, 3 a path failed verification (then not timed; the CSV says which).");
+  command->option_defaults()->always_capture_default();
+  command->add_option("--seqlens", options->seqlens, "Sweep sequence lengths")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  command->add_option("--head-dims", options->head_dims, "Sweep head dimensions")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  command->add_option("--dtypes", options->dtypes, "Input dtypes")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  command->add_option("--impls", options->impls, "Paths to time")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"flash", "standard"}));
+  CLI::Option* causal = command->add_flag("--causal", options->causal, "Causal cases only");
+  CLI::Option* non_causal =
+      command->add_flag("--non-causal", options->non_causal, "Non-causal cases only");
+  CLI::Option* both = command->add_flag("--both", options->both, "Causal and non-causal cases");
+  causal->excludes(non_causal)->excludes(both);
+  non_causal->excludes(both);
+  command->add_flag("--no-seed-shape", options->no_seed_shape, "Leave out the seed shape cases");
+  command->add_option("--work", options->work_gflop, "GFLOP per sweep point (sets H)")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--threads", options->threads, "Worker threads, 0 = all")
+      ->check(CLI::NonNegativeNumber);
+  command->add_option("--repeat", options->repeat, "Timed runs per path (median)")
+      ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--check-rows", options->check_rows,
+                   "Query rows per (batch, head) checked against the fp64 reference")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--seed", options->seed, "Random seed of the inputs");
+  command->add_option("--out-dir", options->out_dir, "Directory of the CSV and the plot");
+  command->add_flag("--no-plot", options->no_plot, "Write the CSV only");
+  command->add_flag("--quick", options->quick,
+                    "A tiny sweep (seqlens 128,256, head_dim 32, both masks, no seed shape, "
+                    "short ceilings) for tests; explicit options still apply");
+  return [options, command] { return run_bench(*options, *command); };
+}
+
+}  // namespace flashattn::cli

@@ -1,0 +1,213 @@
+#include "verify.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "util/convert.hpp"
+
+namespace flashattn::cli {
+
+HostTensor::HostTensor(DType dtype_, std::array<std::int64_t, 4> shape_)
+    : dtype(dtype_), shape(shape_) {
+  const auto count = static_cast<std::size_t>(numel());
+  if (dtype == DType::f32) {
+    f32.assign(count, 0.0f);
+  } else {
+    bits16.assign(count, 0);
+  }
+}
+
+void* HostTensor::data() {
+  return dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(bits16.data());
+}
+
+const void* HostTensor::data() const {
+  return dtype == DType::f32 ? static_cast<const void*>(f32.data())
+                             : static_cast<const void*>(bits16.data());
+}
+
+float HostTensor::at(std::int64_t index) const { return detail::load_f32(data(), dtype, index); }
+
+DType parse_dtype(const std::string& name) {
+  if (name == "f16") return DType::f16;
+  if (name == "bf16") return DType::bf16;
+  return DType::f32;
+}
+
+double machine_epsilon(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return 0x1p-23;
+    case DType::f16:
+      return 0x1p-10;
+    case DType::bf16:
+      return 0x1p-7;
+  }
+  return 0x1p-23;
+}
+
+HostTensor random_tensor(DType dtype, std::array<std::int64_t, 4> shape, std::mt19937_64& rng) {
+  HostTensor tensor(dtype, shape);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (std::int64_t i = 0; i < tensor.numel(); ++i) {
+    detail::store_f32(tensor.data(), dtype, i, normal(rng));
+  }
+  return tensor;
+}
+
+double max_abs(const HostTensor& tensor) {
+  double largest = 0.0;
+  for (std::int64_t i = 0; i < tensor.numel(); ++i) {
+    const double value = std::fabs(double{tensor.at(i)});
+    if (std::isfinite(value)) largest = std::max(largest, value);
+  }
+  return largest;
+}
+
+void Difference::add(double value, double reference) {
+  const double difference = value == reference ? 0.0 : std::fabs(value - reference);
+  max_abs = std::max(max_abs,
+                     std::isnan(difference) ? std::numeric_limits<double>::infinity() : difference);
+  if (std::isfinite(reference)) max_reference = std::max(max_reference, std::fabs(reference));
+}
+
+std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
+                                      std::mt19937_64& rng) {
+  const auto wanted = static_cast<std::size_t>(std::min(count, seqlen_q));
+  std::set<std::int64_t> rows;
+  for (const std::int64_t row : {std::int64_t{0}, seqlen_q - 1, std::int64_t{1}, seqlen_q / 2}) {
+    if (rows.size() < wanted && row < seqlen_q) rows.insert(row);
+  }
+  std::uniform_int_distribution<std::int64_t> pick(0, seqlen_q - 1);
+  while (rows.size() < wanted) rows.insert(pick(rng));
+  return {rows.begin(), rows.end()};
+}
+
+namespace {
+
+// Keys [0, visible) that query row `row` sees: with the causal mask the slice's last key is again
+// on the row's diagonal, so row `row` alone against the slice keeps its mask.
+std::int64_t visible_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
+                          const AttentionOptions& options) {
+  return options.causal ? std::clamp<std::int64_t>(row + 1 + seqlen_kv - seqlen_q, 0, seqlen_kv)
+                        : seqlen_kv;
+}
+
+}  // namespace
+
+// The fp64 reference is O(seqlen_q * seqlen_kv * head_dim) scalar work, too slow for whole
+// tensors at benchmark shapes, so it runs on single query rows of every (batch, head).
+ReferenceRows reference_rows(const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                             const AttentionOptions& options, std::vector<std::int64_t> rows) {
+  const auto [batch, seqlen_q, heads_q, head_dim] = q.shape;
+  const std::int64_t seqlen_kv = k.shape[1];
+  const std::size_t element = dtype_size(q.dtype);
+  const std::int64_t per_row_out = batch * heads_q * head_dim, per_row_lse = batch * heads_q;
+  ReferenceRows reference;
+  reference.out.reserve(rows.size() * static_cast<std::size_t>(per_row_out));
+  reference.lse.reserve(rows.size() * static_cast<std::size_t>(per_row_lse));
+  HostTensor row_out(q.dtype, {batch, 1, heads_q, head_dim});
+  std::vector<float> row_lse(static_cast<std::size_t>(per_row_lse));
+  const ConstTensorView q_full = q.view(), k_full = k.view(), v_full = v.view();
+
+  for (const std::int64_t row : rows) {
+    ConstTensorView q_row = q_full;
+    q_row.data = static_cast<const char*>(q_full.data) + row * q_full.strides[1] * element;
+    q_row.shape[1] = 1;
+    ConstTensorView k_row = k_full, v_row = v_full;
+    k_row.shape[1] = v_row.shape[1] = visible_keys(row, seqlen_q, seqlen_kv, options);
+    attention_reference(q_row, k_row, v_row, row_out.view(), row_lse.data(), options);
+    // row_out is [batch, 1, heads_q, head_dim]: its flat order is already [batch, heads_q, dim].
+    for (std::int64_t i = 0; i < per_row_out; ++i) reference.out.push_back(row_out.at(i));
+    reference.lse.insert(reference.lse.end(), row_lse.begin(), row_lse.end());
+  }
+  reference.rows = std::move(rows);
+  return reference;
+}
+
+PathErrors errors_against(const ReferenceRows& reference, const HostTensor& out,
+                          const std::vector<float>& lse) {
+  const auto [batch, seqlen_q, heads_q, head_dim] = out.shape;
+  PathErrors errors;
+  std::size_t out_index = 0, lse_index = 0;
+  for (const std::int64_t row : reference.rows) {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t h = 0; h < heads_q; ++h) {
+        errors.lse.add(lse[(b * heads_q + h) * seqlen_q + row], reference.lse[lse_index++]);
+        const std::int64_t base = ((b * seqlen_q + row) * heads_q + h) * head_dim;
+        for (std::int64_t d = 0; d < head_dim; ++d) {
+          errors.out.add(out.at(base + d), reference.out[out_index++]);
+        }
+      }
+    }
+  }
+  return errors;
+}
+
+Tolerance tolerance_from_standard(const PathErrors& standard, DType dtype, double max_abs_v) {
+  const double out_floor = machine_epsilon(dtype) * max_abs_v;
+  const double lse_floor =
+      4.0 * machine_epsilon(DType::f32) * std::max(1.0, standard.lse.max_reference);
+  return {.out = 4.0 * standard.out.max_abs + out_floor,
+          .lse = 4.0 * standard.lse.max_abs + lse_floor};
+}
+
+Tolerance standard_error_bound(const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                               const AttentionOptions& options,
+                               const std::vector<std::int64_t>& rows) {
+  // Not a structured binding: clang 14 cannot capture those in the lambda below.
+  const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
+                     head_dim = q.shape[3], seqlen_kv = k.shape[1], heads_kv = k.shape[2];
+  // Largest L2 norm of a sampled query row and of any key row: by Cauchy-Schwarz their product
+  // times the scale bounds every |score|.
+  double q_norm = 0.0, k_norm = 0.0;
+  auto norm = [&](const HostTensor& tensor, std::int64_t offset) {
+    double sum = 0.0;
+    for (std::int64_t d = 0; d < head_dim; ++d) {
+      const double value = tensor.at(offset + d);
+      sum += value * value;
+    }
+    return std::sqrt(sum);
+  };
+  for (const std::int64_t row : rows) {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t h = 0; h < heads_q; ++h) {
+        q_norm = std::max(q_norm, norm(q, ((b * seqlen_q + row) * heads_q + h) * head_dim));
+      }
+    }
+  }
+  for (std::int64_t i = 0; i < batch * seqlen_kv * heads_kv; ++i) {
+    k_norm = std::max(k_norm, norm(k, i * head_dim));
+  }
+  const double scale =
+      options.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
+  const double max_score = scale * q_norm * k_norm;
+
+  // Higham's gamma_n = n·u / (1 - n·u) bounds the relative error of n-term fp32 sums and dot
+  // products in any order.
+  constexpr double u = 0x1p-24;
+  auto gamma = [](double n) { return n * u / (1.0 - n * u); };
+  const double keys = static_cast<double>(std::max<std::int64_t>(seqlen_kv, 1));
+  // A score: a head_dim-term dot product and the scale.
+  const double score_error = gamma(static_cast<double>(head_dim) + 1.0) * max_score;
+  // s - max: the two scores' errors, the subtraction's rounding.
+  const double argument_error = 2.0 * score_error + 2.0 * u * max_score;
+  // Each softmax weight exp(s - max) is then off by this factor at most (exp within 4 ulps).
+  const double weight_error = std::expm1(argument_error) + 4.0 * u;
+  // Sum of p·v and of p over the keys.
+  const double sum_error = gamma(keys + 2.0);
+  // Weights off by a factor (1 ± e) move a convex combination of v rows by 2e/(1-e)·max|v|;
+  // both the path and the reference round their output once to the dtype.
+  const double out = max_abs(v) * (2.0 * weight_error / (1.0 - weight_error) + 2.0 * sum_error +
+                                   machine_epsilon(q.dtype));
+  // lse = max + log(sum): the perturbed scores, the sum, the log (4 ulps) and the final add,
+  // rounded to fp32 by both sides.
+  const double log_keys = std::log(keys);
+  const double lse = score_error + 2.0 * u * max_score + 4.0 * u + sum_error + 4.0 * u * log_keys +
+                     2.0 * u * (max_score + log_keys);
+  return {.out = out, .lse = lse};
+}
+
+}  // namespace flashattn::cli
