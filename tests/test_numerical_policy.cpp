@@ -250,31 +250,10 @@ void PrintTo(const Poison& poison, std::ostream* os) { *os << poison.name; }
 // Kernel changes this policy still waits for (src/cpu, src/standard; see the README's
 // robustness table). Each entry names the case and why the path fails it today; delete the
 // entry with the fix.
-std::string pending_kernel_fix(AttentionImpl impl, const std::string& poison) {
-  const bool only_minus_inf = poison == "InfInKeyGivesOnlyMinusInfScores" ||
-                              poison == "MinusInfInQueryGivesOnlyMinusInfScores";
-  if (only_minus_inf && impl != AttentionImpl::reference) {
-    return "a row whose visible scores are all -inf must give out NaN (0/0) and lse -inf like "
-           "the reference; the path treats l == 0 as 'no visible key' and writes 0. Fix: decide "
-           "'fully masked' from the row's key range, not from l == 0";
-  }
-  const bool leaks_values = poison == "NaNInValue" || poison == "PlusInfInValue" ||
-                            poison == "MinusInfInValue" || poison == "NonFiniteInMaskedKeys";
-  if (leaks_values && impl == AttentionImpl::standard) {
-    return "P·V runs over all keys with p = 0 for masked ones, and 0 · inf = NaN reaches rows "
-           "that cannot see a non-finite value row. Fix: restrict P·V to each row's key range "
-           "when V holds a non-finite value";
-  }
-  return {};
-}
-
 class NonFiniteInputs : public ::testing::TestWithParam<std::tuple<AttentionImpl, Poison>> {};
 
 TEST_P(NonFiniteInputs, ReachExactlyTheRowsThatReadThem) {
   const auto& [impl, poison] = GetParam();
-  if (const std::string reason = pending_kernel_fix(impl, poison.name); !reason.empty()) {
-    GTEST_SKIP() << "pending kernel fix: " << reason;
-  }
   for (DType dtype : kAllDtypes) {
     Problem p = random_problem(dtype, {1, kSeq, 2, kDim}, {1, kSeq, 2, kDim}, 7);
     p.options.causal = true;
