@@ -113,7 +113,10 @@ std::vector<BadCase> bad_cases() {
        {"window_right: expected >= -1 (-1 = unbounded), got -5"}},
       {"NegativeThreads",
        [](Problem& p) { p.options.num_threads = -1; },
-       {"num_threads: expected >= 0 (0 = all), got -1"}},
+       {"num_threads: expected 0..1024 (0 = all), got -1"}},
+      {"AbsurdThreadCount",
+       [](Problem& p) { p.options.num_threads = 1000000; },
+       {"num_threads: expected 0..1024 (0 = all), got 1000000"}},
       {"NonContiguousLastDim",
        [](Problem& p) {
          p.q = Tensor(DType::f32, {2, 5, 4, 8}, {320, 64, 16, 2});
