@@ -97,9 +97,12 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
       const KeyRange keys = p.key_range(row);
       std::fill_n(out + row * out_stride, D, 0.0f);
       if (keys.empty()) continue;
-      cblas_sgemv(CblasRowMajor, CblasTrans, keys.end - keys.begin, D, 1.0f,
-                  v.data + keys.begin * v.stride, v.stride,
-                  t.scores.data() + row * width + keys.begin, 1, 0.0f, out + row * out_stride, 1);
+      // One row of P times the visible rows of V, [1 x n]·[n x D], through sgemm (the only BLAS
+      // routine the sanitizer builds' plain-loop stand-in provides).
+      const std::int64_t n = keys.end - keys.begin;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, D, n, 1.0f,
+                  t.scores.data() + row * width + keys.begin, n, v.data + keys.begin * v.stride,
+                  v.stride, 0.0f, out + row * out_stride, D);
     }
   } else {
     for (std::int64_t row = 0; row < Sq; ++row) {
