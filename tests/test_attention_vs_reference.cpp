@@ -144,25 +144,6 @@ std::vector<Case> make_grid() {
   return grid;
 }
 
-struct MaxError {
-  double value = 0.0;
-  std::int64_t index = -1;
-  double got = 0.0, want = 0.0;
-};
-
-// Largest |got - want| over all elements of `out` (NaN counts as infinite).
-MaxError max_output_error(const Tensor& out, const ReferenceResult& ref) {
-  MaxError worst;
-  std::int64_t flat = 0;
-  out.for_each_index([&](auto b, auto s, auto h, auto d) {
-    const double got = out.at(b, s, h, d), want = ref.out[flat];
-    const double error = std::isnan(got) ? INFINITY : std::abs(got - want);
-    if (error > worst.value || worst.index < 0) worst = {error, flat, got, want};
-    ++flat;
-  });
-  return worst;
-}
-
 MaxError max_lse_error(const std::vector<float>& lse, const ReferenceResult& ref) {
   MaxError worst;
   for (std::size_t i = 0; i < lse.size(); ++i) {
@@ -174,22 +155,6 @@ MaxError max_lse_error(const std::vector<float>& lse, const ReferenceResult& ref
       worst = {error, static_cast<std::int64_t>(i), got, want};
   }
   return worst;
-}
-
-double max_abs(const Tensor& t) {
-  double result = 0.0;
-  t.for_each_index([&](auto a, auto b, auto c, auto d) {
-    result = std::max<double>(result, std::abs(t.at(a, b, c, d)));
-  });
-  return result;
-}
-
-double max_abs_finite(const std::vector<double>& values) {
-  double result = 0.0;
-  for (double x : values) {
-    if (std::isfinite(x)) result = std::max(result, std::abs(x));
-  }
-  return result;
 }
 
 void check_against_reference(const Case& c) {
@@ -230,8 +195,8 @@ void check_against_reference(const Case& c) {
           (4.0 * scale * c.head_dim * max_abs(q) * max_abs(k) + 2.0 * c.seqlen_kv + 16.0) +
       u_out * max_out;
 
-  const MaxError standard_error = max_output_error(standard_out, ref);
-  const MaxError flash_error = max_output_error(flash_out, ref);
+  const MaxError standard_error = max_error(standard_out, ref.out);
+  const MaxError flash_error = max_error(flash_out, ref.out);
   const double score_rounding =
       u32 * scale * std::sqrt(static_cast<double>(c.head_dim)) * max_abs(q) * max_abs(k);
   const double flash_bound =

@@ -3,6 +3,7 @@
 // Shared helpers for the attention tests: owned tensors in any dtype, random fill, NaN poison,
 // and the fp64 oracle on the same inputs.
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -103,6 +104,43 @@ inline ReferenceResult reference(const Tensor& q, const Tensor& k, const Tensor&
   result.out.resize(static_cast<std::size_t>(q.view.numel()));
   result.lse.resize(static_cast<std::size_t>(params.batch * params.heads_q * params.seqlen_q));
   detail::reference_forward_f64(params, result.out.data(), result.lse.data());
+  return result;
+}
+
+// The largest |got - want| over all elements, where it occurred and both values.
+struct MaxError {
+  double value = 0.0;
+  std::int64_t index = -1;
+  double got = 0.0, want = 0.0;
+};
+
+// Over the elements of `got` in index order against contiguous `want` (NaN counts as infinite).
+inline MaxError max_error(const Tensor& got, const std::vector<double>& want) {
+  MaxError worst;
+  std::int64_t flat = 0;
+  got.for_each_index([&](auto a, auto b, auto c, auto d) {
+    const double value = got.at(a, b, c, d);
+    const double error = std::isnan(value) ? INFINITY : std::abs(value - want[flat]);
+    if (error > worst.value || worst.index < 0) worst = {error, flat, value, want[flat]};
+    ++flat;
+  });
+  return worst;
+}
+
+inline double max_abs(const Tensor& t) {
+  double result = 0.0;
+  t.for_each_index([&](auto a, auto b, auto c, auto d) {
+    result = std::max<double>(result, std::abs(t.at(a, b, c, d)));
+  });
+  return result;
+}
+
+// Largest finite |x| (infinite and NaN entries, e.g. the -inf lse of masked rows, skipped).
+inline double max_abs_finite(const std::vector<double>& values) {
+  double result = 0.0;
+  for (double x : values) {
+    if (std::isfinite(x)) result = std::max(result, std::abs(x));
+  }
   return result;
 }
 

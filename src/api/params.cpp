@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "api/fail.hpp"
+
 namespace flashattn {
 
 const char* dtype_name(DType dtype) {
@@ -25,14 +27,6 @@ const char* dtype_name(DType dtype) {
 
 namespace detail {
 namespace {
-
-template <class... Parts>
-[[noreturn]] void fail(const char* caller, const Parts&... parts) {
-  std::ostringstream message;
-  message << caller << ": ";
-  (message << ... << parts);
-  throw Error(message.str());
-}
 
 std::string shape_string(const std::array<std::int64_t, 4>& shape) {
   std::ostringstream text;

@@ -43,19 +43,14 @@
 #include <utility>
 #include <vector>
 
+#include "api/fail.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
 
 namespace flashattn {
 namespace {
 
-template <class... Parts>
-[[noreturn]] void fail(const char* caller, const Parts&... parts) {
-  std::ostringstream message;
-  message << caller << ": ";
-  (message << ... << parts);
-  throw Error(message.str());
-}
+using detail::fail;
 
 // Rows of a [batch·seqlen, H] matrix, or an Error when they overflow the int that CBLAS takes.
 std::int64_t matrix_rows(const char* caller, const char* name, std::int64_t batch,
