@@ -24,8 +24,8 @@ using flashattn::testing::Completed;
 const char* const kHeader =
     "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
     "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
-    "verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,peak_gflops,"
-    "fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps";
+    "cpu_share,verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,"
+    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps";
 
 // RFC 4180 records: quoted fields may hold commas, doubled quotes and line breaks.
 std::vector<std::vector<std::string>> parse_csv(const std::string& text) {
@@ -167,8 +167,8 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     EXPECT_LE(std::stod(row.at("out_err")), std::stod(row.at("out_tol"))) << where;
     EXPECT_LE(std::stod(row.at("lse_err")), std::stod(row.at("lse_tol"))) << where;
     // Present and positive; their size is the machine's business.
-    for (const char* column : {"seconds", "gflops", "ratio_peak", "ratio_sgemm", "peak_gflops",
-                               "fma_peak_gflops", "sgemm_gflops", "copy_gbps"}) {
+    for (const char* column : {"seconds", "gflops", "cpu_share", "ratio_peak", "ratio_sgemm",
+                               "peak_gflops", "fma_peak_gflops", "sgemm_gflops", "copy_gbps"}) {
       EXPECT_GT(std::stod(row.at(column)), 0.0) << where << ": " << column;
     }
     if (row.at("impl") == "flash") {

@@ -6,11 +6,13 @@
 #include <cblas.h>
 #include <fcntl.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -96,6 +98,9 @@ struct PathResult {
   PathErrors errors;
   Tolerance tolerance;
   std::optional<double> seconds;  // empty: not timed (failed verification)
+  // CPU time this process used during the timed calls over their wall time times the threads:
+  // about 1 when the threads had the cores to themselves, less when another process took some.
+  std::optional<double> cpu_share;
 };
 
 struct CaseResult {
@@ -245,6 +250,16 @@ std::vector<Case> make_cases(const BenchOptions& options, const std::vector<bool
   return cases;
 }
 
+// User + system CPU seconds of this process, all threads.
+double process_cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& time) {
+    return static_cast<double>(time.tv_sec) + 1e-6 * static_cast<double>(time.tv_usec);
+  };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
 // NaN everywhere, so that an element a path fails to write cannot pass verification.
 void poison(HostTensor& tensor, std::vector<float>& lse) {
   std::fill(tensor.f32.begin(), tensor.f32.end(), std::numeric_limits<float>::quiet_NaN());
@@ -309,7 +324,14 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
     const bool timed = std::find(options.impls.begin(), options.impls.end(), impl_name(impl)) !=
                        options.impls.end();
     if (!timed) continue;
-    if (path.verified) path.seconds = median_seconds(options.repeat, call);
+    if (path.verified) {
+      const double cpu_before = process_cpu_seconds();
+      const auto start = std::chrono::steady_clock::now();
+      path.seconds = median_seconds(options.repeat, call);
+      const double wall =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (wall > 0.0) path.cpu_share = (process_cpu_seconds() - cpu_before) / (wall * threads);
+    }
     result.paths.push_back(path);
   }
   // --impls order.
@@ -338,8 +360,8 @@ std::string csv_field(const std::string& text) {
 constexpr const char* kCsvHeader =
     "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
     "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
-    "verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,peak_gflops,"
-    "fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps\n";
+    "cpu_share,verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,"
+    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps\n";
 
 std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                      const std::vector<CaseResult>& results, int repeat) {
@@ -383,6 +405,7 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                   format("%.0f", result.flops),
                   optional_number("%.6f", path.seconds),
                   optional_number("%.2f", gflops),
+                  optional_number("%.2f", path.cpu_share),
                   path.verified ? "yes" : "no",
                   format("%.3g", path.errors.out.max_abs),
                   format("%.3g", path.tolerance.out),
@@ -564,10 +587,13 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
   }
   std::printf(
       "timing   median of %d runs after the verified first run; GFLOP/s = attention_flops "
-      "(unmasked pairs) / time\n\n",
+      "(unmasked pairs) / time\n",
       options.repeat);
-  std::printf("%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %s\n", "dtype", "mask", "B", "H",
-              "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "verified");
+  std::printf(
+      "cpu      CPU time / (wall time x threads) of the timed runs, the lower of the two paths: "
+      "well under 1, another process took the cores and the row is noise\n\n");
+  std::printf("%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %5s %s\n", "dtype", "mask", "B",
+              "H", "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "cpu", "verified");
   std::fflush(stdout);
 }
 
@@ -583,18 +609,21 @@ void print_case(const CaseResult& result, const Ceilings& ceilings) {
     return *flash / *denominator;
   };
   std::string verified;
+  std::optional<double> cpu_share;
   for (const PathResult& path : result.paths) {
+    if (path.cpu_share) cpu_share = std::min(cpu_share.value_or(*path.cpu_share), *path.cpu_share);
     verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
                 (path.verified ? "yes" : "NO");
   }
-  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %s\n",
+  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %5s %s\n",
               dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
               static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
               column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
               column(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
               column(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
-              column(ratio(standard), "%.3f").c_str(), verified.c_str());
+              column(ratio(standard), "%.3f").c_str(), column(cpu_share, "%.2f").c_str(),
+              verified.c_str());
   std::fflush(stdout);
 }
 
