@@ -46,6 +46,7 @@
 #include "api/fail.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
+#include "util/blas_lock.hpp"
 
 namespace flashattn {
 namespace {
@@ -85,6 +86,7 @@ void project(float* out, const float* in, std::int64_t rows, std::int64_t k,
     }
     beta = 1.0f;
   }
+  const std::lock_guard blas_lock(detail::blas_mutex());
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(rows),
               static_cast<int>(n), static_cast<int>(k), 1.0f, in, static_cast<int>(k),
               weight.data(), static_cast<int>(n), beta, out, static_cast<int>(n));
@@ -102,6 +104,7 @@ void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, st
     }
     return;
   }
+  const std::lock_guard blas_lock(detail::blas_mutex());
   cblas_sgemm(CblasRowMajor, transpose_a ? CblasTrans : CblasNoTrans,
               transpose_b ? CblasTrans : CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
               static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,

@@ -17,6 +17,7 @@
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
+#include "util/blas_lock.hpp"
 #include "util/convert.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"
@@ -120,6 +121,7 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
 
 void standard_forward(const AttentionParams& p) {
   const std::int64_t tasks = p.batch * p.heads_q;
+  const std::lock_guard blas_lock(blas_mutex());
   const ScopedOmpThreads blas_threads(p.num_threads);
   if (tasks >= p.num_threads) {
     // One head per thread at a time; OpenBLAS (OpenMP build) runs each sgemm on the calling

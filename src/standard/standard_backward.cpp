@@ -21,6 +21,7 @@
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
+#include "util/blas_lock.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"
 
@@ -94,6 +95,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
 void standard_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t tasks = p.batch * p.heads_kv;
+  const std::lock_guard blas_lock(blas_mutex());
   const ScopedOmpThreads blas_threads(p.num_threads);
   parallel_tasks(
       p.num_threads, tasks, [] { return BackwardScratch(); },
