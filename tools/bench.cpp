@@ -188,11 +188,14 @@ std::string optional_number(const char* pattern, std::optional<double> value) {
   return value ? format(pattern, *value) : "";
 }
 
-// The peak that bounds a dtype's tile products: vdpbf16ps for bf16 where the CPU has it, the f32
-// FMA otherwise (f16 and bf16 without AVX512-BF16 are widened to f32 before the products).
+// The peak that bounds a dtype's tile products: the f32 FMA peak, and for bf16 the larger of that
+// and the vdpbf16ps peak, as bf16 products may run either way (widened to f32, or vdpbf16ps, which
+// on some CPUs retires fewer FLOPs per cycle than the FMA).
 double peak_for(const Ceilings& ceilings, DType dtype) {
-  return dtype == DType::bf16 && ceilings.bf16_dot_gflops ? *ceilings.bf16_dot_gflops
-                                                          : ceilings.fma_gflops;
+  if (dtype == DType::bf16 && ceilings.bf16_dot_gflops) {
+    return std::max(ceilings.fma_gflops, *ceilings.bf16_dot_gflops);
+  }
+  return ceilings.fma_gflops;
 }
 
 Ceilings measure_ceilings(int threads, const std::set<std::int64_t>& head_dims,
@@ -502,7 +505,7 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
     ++index;
   }
   auto ceiling = [&](double value, const std::string& name) {
-    plots += ", " + format("%.3f", value) + " with lines lw 1 dt 3 title " +
+    plots += ", " + format("%.3f", value) + " with lines lw 2 dt 3 title " +
              gnuplot_string(name + format(" %.0f", value));
   };
   ceiling(ceilings.fma_gflops, "f32 FMA peak");
@@ -590,9 +593,9 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
       "(unmasked pairs) / time\n",
       options.repeat);
   std::printf(
-      "cpu      CPU time / (wall time x threads) of the timed runs, the lower of the two paths: "
-      "well under 1, another process took the cores and the row is noise\n\n");
-  std::printf("%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %5s %s\n", "dtype", "mask", "B",
+      "cpu      CPU time / (wall time x threads) of the timed runs, flash/standard: under 1 when "
+      "another process took the cores (the row is noise) or the path left threads idle\n\n");
+  std::printf("%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %9s %s\n", "dtype", "mask", "B",
               "H", "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "cpu", "verified");
   std::fflush(stdout);
 }
@@ -608,22 +611,26 @@ void print_case(const CaseResult& result, const Ceilings& ceilings) {
     if (!flash || !denominator || *denominator <= 0.0) return std::nullopt;
     return *flash / *denominator;
   };
+  std::string cpu_share;
+  for (const AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard}) {
+    const PathResult* path = result.find(impl);
+    if (path == nullptr) continue;
+    if (!cpu_share.empty()) cpu_share += '/';
+    cpu_share += column(path->cpu_share, "%.2f");
+  }
   std::string verified;
-  std::optional<double> cpu_share;
   for (const PathResult& path : result.paths) {
-    if (path.cpu_share) cpu_share = std::min(cpu_share.value_or(*path.cpu_share), *path.cpu_share);
     verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
                 (path.verified ? "yes" : "NO");
   }
-  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %5s %s\n",
+  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %9s %s\n",
               dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
               static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
               column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
               column(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
               column(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
-              column(ratio(standard), "%.3f").c_str(), column(cpu_share, "%.2f").c_str(),
-              verified.c_str());
+              column(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), verified.c_str());
   std::fflush(stdout);
 }
 
@@ -733,9 +740,8 @@ Action add_bench_command(CLI::App& app) {
       "verified against the fp64 reference on sampled query rows (flash: within 4x the standard\n"
       "path's error + 1 ulp; standard: within a worst-case fp32 bound), then timed (median).\n"
       "FLOPs: attention_flops, 4·D per unmasked (query, key) pair. Ratios: flash GFLOP/s over the\n"
-      "dtype's peak (bf16: the bf16 dot peak where measured, else the f32 FMA peak), over sgemm "
-      "at\n"
-      "the same head_dim, and over the standard path.\n"
+      "dtype's peak (the f32 FMA peak; bf16: the larger of it and the bf16 dot peak), over sgemm\n"
+      "at the same head_dim, and over the standard path.\n"
       "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (a row per case and path) and .png (gnuplot),\n"
       "each whole or not at all, and prints where. Progress goes to stderr.\n"
       "Exit codes: 0 every path verified, 1 invalid arguments or unwritable output, 2 bad\n"
