@@ -86,12 +86,15 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
   const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
   switch (impl) {
     case AttentionImpl::flash: {
-      // dQ partial sums for up to 8 key chunks [chunk x rows x Dp], and per thread the Q, dO
-      // tiles and panels, K and V panels, two score-sized tiles and dK, dV accumulators.
+      // dQ partial sums for up to 8 key chunks [chunk x rows x Dp]; Q and dO packed once
+      // (row blocks of 64, f16/bf16 also converted row-major) and D_i; per thread the K and V
+      // panels, two score-sized tiles and dK, dV accumulators.
       const __int128 tile_rows = 64, keys = flash_tiles(p.head_dim).keys;
-      const __int128 per_thread = 4 * tile_rows * D_padded + 2 * D * keys + 4 * keys * D_padded +
-                                  2 * tile_rows * keys + 2 * tile_rows;
-      return saturate((8 * rows * D_padded + threads * per_thread) * 4);
+      const __int128 padded_rows = static_cast<__int128>(p.batch) * p.heads_q *
+                                   ((Sq + tile_rows - 1) / tile_rows) * tile_rows;
+      const __int128 query_floats = (p.dtype == DType::f32 ? 2 : 4) * padded_rows * D_padded + rows;
+      const __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;
+      return saturate((8 * rows * D_padded + query_floats + threads * per_thread) * 4);
     }
     case AttentionImpl::standard: {
       // Per KV head in flight: P and dS [Sq x pad(Skv)], dK, dV, dQ, and fp32 copies.
