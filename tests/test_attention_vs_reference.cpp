@@ -314,7 +314,26 @@ TEST(AttentionVsReferenceBf16, InfiniteValueReachesOnlyRowsThatSeeIt) {
   detail::cpu::set_bf16_products_enabled(default_enabled);
 }
 
-// Each task owns its output rows, so the thread count must not change a single bit.
+// A task of the flash path holds up to 4 Q blocks that share each packed K/V block; with one
+// thread and few heads the tasks take several blocks each, blocks that see different key ranges
+// under a causal mask or a window (and, with 128 positions per block of a GQA pair, Sq = 700
+// makes 6 blocks of which the last is ragged).
+TEST(AttentionVsReferenceFlash, TasksOfSeveralQueryBlocks) {
+  Case causal{1, 700, 900, 4, 2, 64};
+  causal.causal = true;
+  causal.threads = 1;
+  check_against_reference(causal);
+  Case windowed{1, 700, 900, 4, 2, 40};
+  windowed.window_left = 300;
+  windowed.window_right = 40;
+  windowed.threads = 1;
+  windowed.dtype = DType::bf16;
+  check_against_reference(windowed);
+}
+
+// Each task owns its output rows, so the thread count must not change a single bit. The thread
+// count also sets how many Q blocks share a task here (3, 2 and 1 block for 1, 2 and 3+
+// threads), which must not matter either.
 TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
   std::mt19937_64 rng(test_seed());
   const std::array<std::int64_t, 4> q_shape{2, 301, 4, 72}, kv_shape{2, 517, 2, 72};
@@ -322,23 +341,28 @@ TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
   q.fill_normal(rng);
   k.fill_normal(rng);
   v.fill_normal(rng);
-  std::vector<std::vector<std::uint8_t>> outputs;
-  std::vector<std::vector<float>> lses;
-  for (int threads : {1, 2, 3, 7}) {
-    Tensor out(DType::f32, q_shape);
-    out.poison();
-    std::vector<float> lse(2 * 4 * 301, NAN);
-    AttentionOptions options;
-    options.causal = true;
-    options.num_threads = threads;
-    flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
-    outputs.push_back(out.bytes);
-    lses.push_back(lse);
-  }
-  for (std::size_t i = 1; i < outputs.size(); ++i) {
-    EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
-    EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
-        << "lse differs for thread-count run " << i;
+  for (const bool windowed : {false, true}) {
+    SCOPED_TRACE(windowed ? "window (200, 30)" : "causal");
+    std::vector<std::vector<std::uint8_t>> outputs;
+    std::vector<std::vector<float>> lses;
+    for (int threads : {1, 2, 3, 7}) {
+      Tensor out(DType::f32, q_shape);
+      out.poison();
+      std::vector<float> lse(2 * 4 * 301, NAN);
+      AttentionOptions options;
+      options.causal = !windowed;
+      options.window_left = windowed ? 200 : -1;
+      options.window_right = windowed ? 30 : -1;
+      options.num_threads = threads;
+      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+      outputs.push_back(out.bytes);
+      lses.push_back(lse);
+    }
+    for (std::size_t i = 1; i < outputs.size(); ++i) {
+      EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
+      EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
+          << "lse differs for thread-count run " << i;
+    }
   }
 }
 

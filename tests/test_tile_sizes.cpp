@@ -15,6 +15,7 @@ TEST(TileSizes, MeasuredChoiceOnALargeL2Core) {
   const TileSizes tiles = choose_tile_sizes(128, kServerCore);
   EXPECT_EQ(tiles.rows, 256);
   EXPECT_EQ(tiles.keys, 128);
+  EXPECT_EQ(tiles.blocks_per_task, 4);
 }
 
 TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
@@ -33,6 +34,15 @@ TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
       if (tiles.rows > kTileLanes) {
         const std::int64_t floats = tiles.rows * (2 * dims + tiles.keys) + 2 * tiles.keys * dims;
         EXPECT_LE(floats * 4, caches.l2_bytes / 2);
+      }
+      // Several Q blocks share a packed K/V block only while their Q and acc tiles fit in L2
+      // beside it.
+      EXPECT_GE(tiles.blocks_per_task, 1);
+      EXPECT_LE(tiles.blocks_per_task, 4);
+      if (tiles.blocks_per_task > 1) {
+        const std::int64_t floats = 2 * tiles.blocks_per_task * tiles.rows * dims +
+                                    tiles.rows * tiles.keys + 2 * tiles.keys * dims;
+        EXPECT_LE(floats * 4, caches.l2_bytes * 3 / 4);
       }
     }
   }

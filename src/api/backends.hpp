@@ -26,10 +26,12 @@ void reference_backward(const BackwardParams& params);
 void standard_backward(const BackwardParams& params);
 void flash_backward(const BackwardParams& params);
 
-// Tile sizes of the FlashAttention path: Br query rows by Bc keys.
+// Tile sizes of the FlashAttention path: Br query rows by Bc keys, and how many Q blocks of Br
+// rows at most share each packed K/V block.
 struct FlashTiles {
   std::int64_t rows = 0;  // Br
   std::int64_t keys = 0;  // Bc
+  std::int64_t blocks_per_task = 1;
 };
 FlashTiles flash_tiles(std::int64_t head_dim);
 

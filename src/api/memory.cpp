@@ -53,12 +53,13 @@ std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
   const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
   switch (impl) {
     case AttentionImpl::flash: {
-      // Per thread: Q and accumulator tiles [rows x Dp], packed K [D x Bc] and V [Bc x Dp],
-      // scores [rows x Bc], running max and sum; a task holds at least a whole GQA group.
+      // Per thread: for each Q block of a task Q and accumulator tiles [rows x Dp], running
+      // max and sum; packed K [D x Bc] and V [Bc x Dp], scores [rows x Bc]. A Q block holds at
+      // least a whole GQA group.
       const FlashTiles tiles = flash_tiles(p.head_dim);
       const __int128 tile_rows = std::max(tiles.rows, p.group_size()), keys = tiles.keys;
-      const __int128 floats =
-          tile_rows * D_padded * 2 + D * keys + keys * D_padded + tile_rows * keys + 2 * tile_rows;
+      const __int128 floats = tiles.blocks_per_task * (tile_rows * D_padded * 2 + 2 * tile_rows) +
+                              D * keys + keys * D_padded + tile_rows * keys;
       return saturate(threads * floats * 4);
     }
     case AttentionImpl::standard: {

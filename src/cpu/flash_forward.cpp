@@ -1,21 +1,22 @@
 // FlashAttention forward on the CPU (seed 000, second half; seed 002).
 //
-// Work is cut into tasks of (batch, KV head, Q block); a task holds Br rows, Br / g positions of
-// each of the g query heads that share the KV head (GQA), so each K/V block is packed once for
-// the whole group. One OpenMP loop hands the tasks out.
-// A task walks the K/V blocks of Bc keys that its rows can see, and per block:
+// A Q block holds Br rows: Br / g positions of each of the g query heads that share a KV head
+// (GQA), so each K/V block is packed once for the whole group. A task is up to 4 consecutive
+// Q blocks of one (batch, KV head) (tile_sizes.cpp: as many as fit in L2), and one OpenMP loop
+// hands the tasks out. A task walks the K/V blocks of Bc keys that its rows can see, packs each
+// once, and every Q block that sees some of it computes
 //   S = scale · Q_blk · K_blkᵀ                     [Br x Bc]   scores_tile
 //   mask S where the block is only partly visible  [Br x Bc]
 //   online softmax: m, l, rescale acc              [Br], [Br x D]  online_softmax_tile
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
 // and finally out = acc / l, lse = m + log(l). Blocks that the causal mask or the window hide
-// from every row of the task are never visited.
+// from every row of a Q block are never visited by it.
 //
-// Memory: per thread Q (Br·D), Kᵀ (D·Bc), V (Bc·D), S (Br·Bc), acc (Br·D) floats plus 2·Br for
-// m and l: 448 KiB at D = 128 with Br = 256, Bc = 128 (tile_sizes.cpp says why those sizes),
-// whatever the sequence lengths. Every byte of K and V is read and packed once per Q block, so
-// K/V traffic is Skv·D·4·2 · ceil(Sq / Br) bytes per head instead of the standard path's 3
-// passes over a 4·Sq·Skv-byte score matrix.
+// Memory: per thread, for each Q block of a task Q and acc (2·Br·D floats) and m, l (2·Br);
+// once Kᵀ (D·Bc), V (Bc·D), S (Br·Bc): 1.3 MiB at D = 128 with Br = 256, Bc = 128 and 4 blocks
+// (tile_sizes.cpp says why those sizes), whatever the sequence lengths. Every byte of K and V
+// is read and packed once per task, so K/V traffic is Skv·D·4·2 · ceil(Sq / (4·Br)) bytes per
+// head instead of the standard path's 3 passes over a 4·Sq·Skv-byte score matrix.
 
 #include <omp.h>
 
@@ -38,7 +39,7 @@ namespace flashattn::detail {
 FlashTiles flash_tiles(std::int64_t head_dim) {
   static const cpu::CacheSizes caches = cpu::detect_cache_sizes();
   const cpu::TileSizes tiles = cpu::choose_tile_sizes(head_dim, caches);
-  return {tiles.rows, tiles.keys};
+  return {tiles.rows, tiles.keys, tiles.blocks_per_task};
 }
 
 namespace {
@@ -53,17 +54,18 @@ struct Scratch {
   // bf16 operands of the vdpbf16ps products (bf16 inputs on AVX512-BF16 CPUs only).
   std::vector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
 
+  // Q, acc, row_max and row_sum hold tiles.blocks_per_task blocks of tiles.rows rows.
   Scratch(FlashTiles tiles, std::int64_t D, bool bf16_products)
       : dims_padded(cpu::pad_to_lanes(D)),
-        q(bf16_products ? 0 : tiles.rows * dims_padded),
+        q(bf16_products ? 0 : tiles.blocks_per_task * tiles.rows * dims_padded),
         k_packed(bf16_products ? 0 : D * tiles.keys),
         v_packed(tiles.keys * dims_padded),
         scores(tiles.rows * tiles.keys),
-        acc(tiles.rows * dims_padded),
-        row_max(tiles.rows),
-        row_sum(tiles.rows) {
+        acc(tiles.blocks_per_task * tiles.rows * dims_padded),
+        row_max(tiles.blocks_per_task * tiles.rows),
+        row_sum(tiles.blocks_per_task * tiles.rows) {
     if (bf16_products) {
-      q_bf16.assign(tiles.rows * dims_padded, 0);
+      q_bf16.assign(tiles.blocks_per_task * tiles.rows * dims_padded, 0);
       k_bf16.assign(tiles.keys * dims_padded, 0);
       v_bf16.assign(tiles.keys * dims_padded, 0);
       p_bf16.assign(tiles.rows * tiles.keys, 0);
@@ -100,16 +102,23 @@ void pack_keys(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_
                std::int64_t key_begin, std::int64_t keys, std::int64_t keys_padded) {
   const std::int64_t D = p.head_dim;
   with_loader(p.dtype, p.k, [&](auto load) {
-    for (std::int64_t j = 0; j < keys_padded; ++j) {
-      const std::int64_t panel_begin = j / cpu::kPanelWidth * cpu::kPanelWidth;
-      const std::int64_t width = std::min(cpu::kPanelWidth, keys_padded - panel_begin);
-      float* column = t.k_packed.data() + cpu::packed_index(0, j, D, keys_padded);
-      if (j >= keys) {
-        for (std::int64_t d = 0; d < D; ++d) column[d * width] = 0.0f;
-        continue;
+    // kTileLanes keys at a time, so each store fills 64 contiguous bytes of one panel row: key
+    // by key, every store went to another cache line, and packing took ~9 cycles per element
+    // (7.8% of the seed shape's time with 4 Q blocks per task).
+    for (std::int64_t j0 = 0; j0 < keys_padded; j0 += cpu::kTileLanes) {
+      const std::int64_t width =
+          std::min(cpu::kPanelWidth, keys_padded - j0 / cpu::kPanelWidth * cpu::kPanelWidth);
+      float* columns = t.k_packed.data() + cpu::packed_index(0, j0, D, keys_padded);
+      const std::int64_t loaded = std::min(cpu::kTileLanes, keys - j0);
+      std::int64_t offsets[cpu::kTileLanes];
+      for (std::int64_t jj = 0; jj < loaded; ++jj) {
+        offsets[jj] = p.k_strides.offset(b, key_begin + j0 + jj, h_kv);
       }
-      const std::int64_t offset = p.k_strides.offset(b, key_begin + j, h_kv);
-      for (std::int64_t d = 0; d < D; ++d) column[d * width] = load(offset + d);
+      for (std::int64_t d = 0; d < D; ++d) {
+        float* row = columns + d * width;
+        for (std::int64_t jj = 0; jj < loaded; ++jj) row[jj] = load(offsets[jj] + d);
+        for (std::int64_t jj = loaded; jj < cpu::kTileLanes; ++jj) row[jj] = 0.0f;
+      }
     }
   });
 }
@@ -208,163 +217,244 @@ struct TaskRows {
   std::int64_t position(std::int64_t row) const { return position_begin + row % positions; }
 };
 
-void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
-                const TaskRows& task) {
-  const std::int64_t D = p.head_dim, Dp = t.dims_padded, rows = task.count(), b = task.b;
-  const std::int64_t ld_scores = tiles.keys;
+// One Q block's tiles inside the task's scratch: its rows, Q, accumulator and running statistics.
+struct QueryBlock {
+  TaskRows rows;
+  float* q;
+  std::uint16_t* q_bf16;
+  float* acc;
+  float* row_max;
+  float* row_sum;
+};
 
-  // Prologue: load the Q rows, reset the running statistics.
+// Prologue of one Q block: load its Q rows, reset the running statistics.
+void start_block(const AttentionParams& p, std::int64_t Dp, bool bf16_products,
+                 const QueryBlock& block) {
+  const TaskRows& task = block.rows;
+  const std::int64_t rows = task.count();
   for (std::int64_t i = 0; i < rows; ++i) {
-    const std::int64_t offset = p.q_strides.offset(b, task.position(i), task.head(i));
+    const std::int64_t offset = p.q_strides.offset(task.b, task.position(i), task.head(i));
     if (bf16_products) {
-      std::copy_n(static_cast<const std::uint16_t*>(p.q) + offset, D, t.q_bf16.data() + i * Dp);
+      std::copy_n(static_cast<const std::uint16_t*>(p.q) + offset, p.head_dim,
+                  block.q_bf16 + i * Dp);
     } else {
-      load_row_f32(t.q.data() + i * Dp, p.q, p.dtype, offset, D);
+      load_row_f32(block.q + i * Dp, p.q, p.dtype, offset, p.head_dim);
     }
   }
-  std::fill_n(t.acc.begin(), rows * Dp, 0.0f);
-  std::fill_n(t.row_max.begin(), rows, kNegativeInfinity);
-  std::fill_n(t.row_sum.begin(), rows, 0.0f);
+  std::fill_n(block.acc, rows * Dp, 0.0f);
+  std::fill_n(block.row_max, rows, kNegativeInfinity);
+  std::fill_n(block.row_sum, rows, 0.0f);
+}
 
-  // Every key some position of the task can see; the ranges are monotone in the position.
-  const std::int64_t last_position = task.position_begin + task.positions - 1;
+// Epilogue of one Q block: out = acc / l, lse = m + log(l); rows whose key range is empty get 0
+// and -inf. A row that sees keys whose scores are all -inf (an infinite input) has l = 0 and
+// gets 0/0 = NaN, as the reference does.
+void finish_block(const AttentionParams& p, std::int64_t Dp, const QueryBlock& block) {
+  const TaskRows& task = block.rows;
+  for (std::int64_t i = 0; i < task.count(); ++i) {
+    float* acc_row = block.acc + i * Dp;
+    const float sum = block.row_sum[i];
+    const bool no_key_seen = p.key_range(task.position(i)).empty();
+    const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
+    for (std::int64_t d = 0; d < p.head_dim; ++d) acc_row[d] *= inverse_sum;
+    store_row_f32(p.out, p.dtype, p.out_strides.offset(task.b, task.position(i), task.head(i)),
+                  acc_row, p.head_dim);
+    if (p.lse) {
+      const float max = block.row_max[i] == kNegativeInfinity ? 0.0f : block.row_max[i];
+      p.lse[p.lse_index(task.b, task.head(i), task.position(i))] =
+          no_key_seen ? kNegativeInfinity : max + std::log(sum);
+    }
+  }
+}
+
+// The keys [key_begin, key_end) some row of the block can see; the ranges are monotone in the
+// position.
+KeyRange block_keys(const AttentionParams& p, const TaskRows& task) {
+  return p.key_range(task.position_begin, task.position_begin + task.positions);
+}
+
+// The packed K/V block [key_begin, key_begin + keys) that a task's Q blocks read in turn.
+struct KeyBlock {
+  std::int64_t begin, end, keys_padded, keys_even;
+  bool blocked_pv;  // whether masked rows may go through the blocked P·V kernel (see below)
+};
+
+// One Q block against one packed K/V block:
+//   S = scale·Q·Kᵀ, mask, online softmax, acc += P·V
+void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
+                     const QueryBlock& block, const KeyBlock& kv) {
+  const TaskRows& task = block.rows;
+  const std::int64_t Dp = t.dims_padded, ld_scores = tiles.keys;
+  const std::int64_t keys = kv.end - kv.begin, keys_padded = kv.keys_padded;
   const KeyRange first_row = p.key_range(task.position_begin),
-                 last_row = p.key_range(last_position);
-  const KeyRange task_keys = p.key_range(task.position_begin, last_position + 1);
+                 last_row = p.key_range(task.position_begin + task.positions - 1);
+  const bool fully_visible = last_row.begin <= kv.begin && first_row.end >= kv.end;
 
-  for (std::int64_t key_begin = task_keys.begin; key_begin < task_keys.end;
-       key_begin += tiles.keys) {
-    const std::int64_t key_end = std::min(key_begin + tiles.keys, task_keys.end);
-    const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
-
-    const std::int64_t keys_even = keys + keys % 2;
-    const bool fully_visible = last_row.begin <= key_begin && first_row.end >= key_end;
-    bool blocked_pv = true;
+  // Tile rows [row_lo, row_hi); the scores tile's row i holds the block's row row_lo + i.
+  auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi) {
+    const std::int64_t rows = row_hi - row_lo;
+    float* scores = t.scores.data();
+    float* acc = block.acc + row_lo * Dp;
     if (bf16_products) {
-      pack_keys_bf16(p, t, b, task.h_kv, key_begin, keys, keys_padded);
-      pack_values_bf16(p, t, b, task.h_kv, key_begin, keys, keys_even);
+      cpu::scores_tile_bf16(scores, ld_scores, block.q_bf16 + row_lo * Dp, Dp, t.k_bf16.data(),
+                            rows, keys_padded, Dp, p.scale);
     } else {
-      pack_keys(p, t, b, task.h_kv, key_begin, keys, keys_padded);
-      pack_values(p, t, b, task.h_kv, key_begin, keys);
+      cpu::scores_tile(scores, ld_scores, block.q + row_lo * Dp, Dp, t.k_packed.data(), rows,
+                       keys_padded, p.head_dim, p.scale);
+    }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* s = scores + i * ld_scores;
+      std::fill(s + keys, s + keys_padded, kNegativeInfinity);
+      if (fully_visible) continue;
+      const KeyRange row_keys = p.key_range(task.position(row_lo + i));
+      for (std::int64_t j = 0; j < keys; ++j) {
+        const std::int64_t key = kv.begin + j;
+        if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
+      }
+    }
+    cpu::online_softmax_tile(scores, ld_scores, block.row_max + row_lo, block.row_sum + row_lo, acc,
+                             Dp, rows, keys_padded, Dp);
+    if (kv.blocked_pv && bf16_products) {
+      // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
+      cpu::round_probabilities_bf16(t.p_bf16.data(), ld_scores, scores, ld_scores, rows,
+                                    keys_padded);
+      cpu::accumulate_pv_tile_bf16(acc, Dp, t.p_bf16.data(), ld_scores, t.v_bf16.data(),
+                                   kv.keys_even, rows, Dp);
+      return;
+    }
+    if (kv.blocked_pv) {
+      cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, 0, keys, rows,
+                              Dp);
+      return;
+    }
+    // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
+    // that never saw it.
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const KeyRange row_keys = p.key_range(task.position(row_lo + i));
+      const std::int64_t first = std::clamp(row_keys.begin, kv.begin, kv.end) - kv.begin;
+      const std::int64_t last = std::clamp(row_keys.end, kv.begin, kv.end) - kv.begin;
+      if (first >= last) continue;
+      cpu::accumulate_pv_tile(acc + i * Dp, Dp, scores + i * ld_scores, ld_scores,
+                              t.v_packed.data(), keys, first, last, 1, Dp);
+    }
+  };
+
+  if (fully_visible) {
+    process_rows(0, task.count());
+    return;
+  }
+  // A partly visible block, head by head: only the positions that see some key of the block
+  // (below the diagonal of a causal block, inside a window) compute it.
+  for (std::int64_t head = 0; head < task.heads; ++head) {
+    std::int64_t row_lo = head * task.positions, row_hi = row_lo + task.positions;
+    while (row_lo < row_hi && p.key_range(task.position(row_lo)).end <= kv.begin) ++row_lo;
+    while (row_hi > row_lo && p.key_range(task.position(row_hi - 1)).begin >= kv.end) --row_hi;
+    if (row_lo < row_hi) process_rows(row_lo, row_hi);
+  }
+}
+
+// A task: consecutive Q blocks of one (batch, KV head). Each K/V block is packed once and then
+// visited by every Q block of the task that sees some of it.
+void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
+                const std::vector<QueryBlock>& blocks) {
+  const std::int64_t Dp = t.dims_padded, b = blocks.front().rows.b;
+  const std::int64_t h_kv = blocks.front().rows.h_kv;
+  for (const QueryBlock& block : blocks) start_block(p, Dp, bf16_products, block);
+
+  // K/V blocks start at multiples of Bc whatever Q blocks share a task, so every row sees the
+  // same blocks, and the same result, however the Q blocks are grouped.
+  const KeyRange task_keys{block_keys(p, blocks.front().rows).begin,
+                           block_keys(p, blocks.back().rows).end};
+  std::vector<const QueryBlock*> visitors;
+  visitors.reserve(blocks.size());
+  for (std::int64_t key_begin = task_keys.begin / tiles.keys * tiles.keys;
+       key_begin < task_keys.end; key_begin += tiles.keys) {
+    KeyBlock kv{key_begin, std::min(key_begin + tiles.keys, task_keys.end), 0, 0, true};
+    visitors.clear();
+    bool all_visible = true;
+    for (const QueryBlock& block : blocks) {
+      const KeyRange seen = block_keys(p, block.rows);
+      if (seen.begin >= kv.end || seen.end <= kv.begin) continue;
+      visitors.push_back(&block);
+      const KeyRange first = p.key_range(block.rows.position_begin);
+      const KeyRange last = p.key_range(block.rows.position_begin + block.rows.positions - 1);
+      all_visible = all_visible && last.begin <= kv.begin && first.end >= kv.end;
+    }
+    if (visitors.empty()) continue;
+
+    const std::int64_t keys = kv.end - kv.begin;
+    kv.keys_padded = cpu::pad_to_lanes(keys);
+    kv.keys_even = keys + keys % 2;
+    if (bf16_products) {
+      pack_keys_bf16(p, t, b, h_kv, key_begin, keys, kv.keys_padded);
+      pack_values_bf16(p, t, b, h_kv, key_begin, keys, kv.keys_even);
+    } else {
+      pack_keys(p, t, b, h_kv, key_begin, keys, kv.keys_padded);
+      pack_values(p, t, b, h_kv, key_begin, keys);
     }
     // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then masked rows can go
     // through the blocked P·V kernel with the same result as skipping the masked keys. Otherwise
     // the fp32 kernel takes each row's visible keys on their own.
-    if (!fully_visible) {
-      blocked_pv = bf16_products ? all_finite_bf16(t.v_bf16.data(), keys_even * Dp)
-                                 : all_finite(t.v_packed.data(), keys * Dp);
-      if (!blocked_pv && bf16_products) pack_values(p, t, b, task.h_kv, key_begin, keys);
+    if (!all_visible) {
+      kv.blocked_pv = bf16_products ? all_finite_bf16(t.v_bf16.data(), kv.keys_even * Dp)
+                                    : all_finite(t.v_packed.data(), keys * Dp);
+      if (!kv.blocked_pv && bf16_products) pack_values(p, t, b, h_kv, key_begin, keys);
     }
-
-    // Tile rows [row_lo, row_hi): S = scale·Q·Kᵀ, mask, online softmax, acc += P·V.
-    auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi) {
-      float* scores = t.scores.data() + row_lo * ld_scores;
-      float* acc = t.acc.data() + row_lo * Dp;
-      if (bf16_products) {
-        cpu::scores_tile_bf16(scores, ld_scores, t.q_bf16.data() + row_lo * Dp, Dp, t.k_bf16.data(),
-                              row_hi - row_lo, keys_padded, Dp, p.scale);
-      } else {
-        cpu::scores_tile(scores, ld_scores, t.q.data() + row_lo * Dp, Dp, t.k_packed.data(),
-                         row_hi - row_lo, keys_padded, D, p.scale);
-      }
-      for (std::int64_t i = row_lo; i < row_hi; ++i) {
-        float* s = t.scores.data() + i * ld_scores;
-        std::fill(s + keys, s + keys_padded, kNegativeInfinity);
-        if (fully_visible) continue;
-        const KeyRange row_keys = p.key_range(task.position(i));
-        for (std::int64_t j = 0; j < keys; ++j) {
-          const std::int64_t key = key_begin + j;
-          if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
-        }
-      }
-      cpu::online_softmax_tile(scores, ld_scores, t.row_max.data() + row_lo,
-                               t.row_sum.data() + row_lo, acc, Dp, row_hi - row_lo, keys_padded,
-                               Dp);
-      if (blocked_pv && bf16_products) {
-        // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
-        std::uint16_t* p_bf16 = t.p_bf16.data() + row_lo * ld_scores;
-        cpu::round_probabilities_bf16(p_bf16, ld_scores, scores, ld_scores, row_hi - row_lo,
-                                      keys_padded);
-        cpu::accumulate_pv_tile_bf16(acc, Dp, p_bf16, ld_scores, t.v_bf16.data(), keys_even,
-                                     row_hi - row_lo, Dp);
-        return;
-      }
-      if (blocked_pv) {
-        cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, 0, keys,
-                                row_hi - row_lo, Dp);
-        return;
-      }
-      // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
-      // that never saw it.
-      for (std::int64_t i = row_lo; i < row_hi; ++i) {
-        const KeyRange row_keys = p.key_range(task.position(i));
-        const std::int64_t first = std::clamp(row_keys.begin, key_begin, key_end) - key_begin;
-        const std::int64_t last = std::clamp(row_keys.end, key_begin, key_end) - key_begin;
-        if (first >= last) continue;
-        cpu::accumulate_pv_tile(t.acc.data() + i * Dp, Dp, t.scores.data() + i * ld_scores,
-                                ld_scores, t.v_packed.data(), keys, first, last, 1, Dp);
-      }
-    };
-
-    if (fully_visible) {
-      process_rows(0, rows);
-      continue;
-    }
-    // A partly visible block, head by head: only the positions that see some key of the block
-    // (below the diagonal of a causal block, inside a window) compute it.
-    for (std::int64_t head = 0; head < task.heads; ++head) {
-      std::int64_t row_lo = head * task.positions, row_hi = row_lo + task.positions;
-      while (row_lo < row_hi && p.key_range(task.position(row_lo)).end <= key_begin) ++row_lo;
-      while (row_hi > row_lo && p.key_range(task.position(row_hi - 1)).begin >= key_end) --row_hi;
-      if (row_lo < row_hi) process_rows(row_lo, row_hi);
+    for (const QueryBlock* block : visitors) {
+      visit_key_block(p, tiles, bf16_products, t, *block, kv);
     }
   }
 
-  // Epilogue: out = acc / l, lse = m + log(l); rows whose key range is empty get 0 and -inf.
-  // A row that sees keys whose scores are all -inf (an infinite input) has l = 0 and gets
-  // 0/0 = NaN, as the reference does.
-  for (std::int64_t i = 0; i < rows; ++i) {
-    float* acc_row = t.acc.data() + i * Dp;
-    const float sum = t.row_sum[i];
-    const bool no_key_seen = p.key_range(task.position(i)).empty();
-    const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
-    for (std::int64_t d = 0; d < D; ++d) acc_row[d] *= inverse_sum;
-    store_row_f32(p.out, p.dtype, p.out_strides.offset(b, task.position(i), task.head(i)), acc_row,
-                  D);
-    if (p.lse) {
-      const float max = t.row_max[i] == kNegativeInfinity ? 0.0f : t.row_max[i];
-      p.lse[p.lse_index(b, task.head(i), task.position(i))] =
-          no_key_seen ? kNegativeInfinity : max + std::log(sum);
-    }
-  }
+  for (const QueryBlock& block : blocks) finish_block(p, Dp, block);
 }
 
 }  // namespace
 
 void flash_forward(const AttentionParams& p) {
   const FlashTiles tiles = flash_tiles(p.head_dim);
-  // A task holds Br rows: Br / group positions of each query head of a GQA group.
+  // A Q block holds Br rows: Br / group positions of each query head of a GQA group.
   const std::int64_t group = p.group_size();
   const std::int64_t positions = std::max<std::int64_t>(1, tiles.rows / group);
-  const FlashTiles scratch_tiles{group * positions, tiles.keys};
   const std::int64_t q_blocks = (p.seqlen_q + positions - 1) / positions;
-  const std::int64_t tasks = p.batch * p.heads_kv * q_blocks;
+  const std::int64_t kv_heads = p.batch * p.heads_kv;
+  // Up to tiles.blocks_per_task Q blocks per task, but at least 4 tasks per thread, so that
+  // the dynamic schedule can even out causal tasks of different lengths. How the blocks are
+  // grouped changes no result (flash_task).
+  std::int64_t blocks_per_task = tiles.blocks_per_task;
+  auto task_count = [&](std::int64_t per_task) {
+    return kv_heads * ((q_blocks + per_task - 1) / per_task);
+  };
+  while (blocks_per_task > 1 && task_count(blocks_per_task) < 4 * p.num_threads) --blocks_per_task;
+  const std::int64_t tasks_per_head = (q_blocks + blocks_per_task - 1) / blocks_per_task;
+  const FlashTiles scratch_tiles{group * positions, tiles.keys, blocks_per_task};
 
   const bool bf16_products = p.dtype == DType::bf16 && cpu::bf16_products_enabled();
 
-  // Dynamic schedule, last Q block first: under a causal mask the last blocks see the most
+  // Dynamic schedule, last Q blocks first: under a causal mask the last blocks see the most
   // keys, so the long tasks start early and the short ones fill the gaps at the end.
   parallel_tasks(
-      p.num_threads, tasks, [&] { return Scratch(scratch_tiles, p.head_dim, bf16_products); },
-      [&](Scratch& scratch, std::int64_t index) {
-        const std::int64_t q_block = q_blocks - 1 - index % q_blocks;
-        const std::int64_t kv_head = index / q_blocks;
+      p.num_threads, task_count(blocks_per_task),
+      [&] { return Scratch(scratch_tiles, p.head_dim, bf16_products); },
+      [&](Scratch& t, std::int64_t index) {
+        const std::int64_t kv_head = index / tasks_per_head;
         const std::int64_t b = kv_head / p.heads_kv, h_kv = kv_head % p.heads_kv;
-        const std::int64_t position_begin = q_block * positions;
-        const TaskRows task{
-            b,     h_kv,           h_kv * group,
-            group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
-        flash_task(p, scratch_tiles, bf16_products, scratch, task);
+        const std::int64_t first_block =
+            (tasks_per_head - 1 - index % tasks_per_head) * blocks_per_task;
+        const std::int64_t end_block = std::min(first_block + blocks_per_task, q_blocks);
+        const std::int64_t block_floats = scratch_tiles.rows * t.dims_padded;
+        std::vector<QueryBlock> blocks;
+        for (std::int64_t n = first_block; n < end_block; ++n) {
+          const std::int64_t position_begin = n * positions, slot = n - first_block;
+          const TaskRows rows{
+              b,     h_kv,           h_kv * group,
+              group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
+          blocks.push_back({rows, bf16_products ? nullptr : t.q.data() + slot * block_floats,
+                            bf16_products ? t.q_bf16.data() + slot * block_floats : nullptr,
+                            t.acc.data() + slot * block_floats,
+                            t.row_max.data() + slot * scratch_tiles.rows,
+                            t.row_sum.data() + slot * scratch_tiles.rows});
+        }
+        flash_task(p, scratch_tiles, bf16_products, t, blocks);
       });
 }
 

@@ -19,8 +19,9 @@ inline constexpr CacheSizes kFallbackCaches{32 * 1024, 1024 * 1024};
 CacheSizes detect_cache_sizes();
 
 struct TileSizes {
-  std::int64_t rows = 0;  // Br: query rows of a task
-  std::int64_t keys = 0;  // Bc: keys of a K/V block
+  std::int64_t rows = 0;             // Br: query rows of a task
+  std::int64_t keys = 0;             // Bc: keys of a K/V block
+  std::int64_t blocks_per_task = 1;  // Q blocks of Br rows that share each packed K/V block
 };
 
 TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches);
