@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
 #include "util/convert.hpp"
@@ -59,15 +60,13 @@ struct BackwardTiles {
 
 struct Scratch {
   std::vector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
-  std::vector<float> k_rows;  // K converted to fp32 (f16/bf16 inputs) on the way to k_packed
-  std::vector<float> probabilities, dscores;  // [Br x Bc] each
+  std::vector<float> probabilities, dscores;            // [Br x Bc] each
   std::vector<float> dk, dv;
 
   Scratch(const BackwardTiles& tiles, std::int64_t D)
       : k_packed_t(D * tiles.keys),
         k_packed(tiles.keys * tiles.dims_padded),
         v_packed_t(D * tiles.keys),
-        k_rows(tiles.keys * tiles.dims_padded),
         probabilities(tiles.rows * tiles.keys),
         dscores(tiles.rows * tiles.keys),
         dk(tiles.keys * tiles.dims_padded),
@@ -79,47 +78,6 @@ struct RowMajor {
   const float* data;
   std::int64_t ld;
 };
-
-// Rows [row_begin, row_begin + rows) of head h of `base` as column panels (cpu::packed_index,
-// padding 0), and for f16/bf16 also as row-major fp32 rows (first D columns written).
-void load_rows(float* row_major, float* panels, const void* base, DType dtype,
-               const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t row_begin,
-               std::int64_t rows, std::int64_t D, std::int64_t dims_padded) {
-  const bool in_place = dtype == DType::f32;
-  for (std::int64_t i = 0; i < rows; ++i) {
-    const std::int64_t offset = strides.offset(b, row_begin + i, h);
-    const float* row = static_cast<const float*>(base) + offset;
-    if (!in_place) {
-      load_row_f32(row_major + i * dims_padded, base, dtype, offset, D);
-      row = row_major + i * dims_padded;
-    }
-    for (std::int64_t panel = 0; panel < dims_padded; panel += cpu::kPanelWidth) {
-      const std::int64_t width = std::min(cpu::kPanelWidth, dims_padded - panel);
-      const std::int64_t loaded = std::clamp(D - panel, std::int64_t{0}, width);
-      float* dst = panels + cpu::packed_index(i, panel, rows, dims_padded);
-      std::copy_n(row + panel, loaded, dst);
-      std::fill(dst + loaded, dst + width, 0.0f);
-    }
-  }
-}
-
-// Keys [key_begin, key_begin + keys) of KV head h_kv as the transposed panels the scores kernel
-// streams ([D x keys_padded], padded keys 0).
-void load_transposed(float* panels, const void* base, DType dtype, const Strides& strides,
-                     std::int64_t b, std::int64_t h_kv, std::int64_t key_begin, std::int64_t keys,
-                     std::int64_t keys_padded, std::int64_t D, float* row) {
-  for (std::int64_t j = 0; j < keys_padded; ++j) {
-    if (j < keys) {
-      load_row_f32(row, base, dtype, strides.offset(b, key_begin + j, h_kv), D);
-    } else {
-      std::fill_n(row, D, 0.0f);
-    }
-    const std::int64_t panel = j / cpu::kPanelWidth * cpu::kPanelWidth;
-    const std::int64_t width = std::min(cpu::kPanelWidth, keys_padded - panel);
-    float* column = panels + cpu::packed_index(0, j, D, keys_padded);
-    for (std::int64_t d = 0; d < D; ++d) column[d * width] = row[d];
-  }
-}
 
 // Every query row block of every query head, laid out once for all the K/V blocks that read it.
 // Block (b, h, n) holds rows [n·Br, n·Br + rows) of head h: Q and dO as column panels
@@ -150,12 +108,17 @@ class QueryBlocks {
       const std::int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
       const std::int64_t row_begin = n * tiles.rows, rows = this->rows(n);
       const std::int64_t offset = index * tiles.rows * tiles.dims_padded;
-      float* q_rows = converted_ ? q_rows_.data() + offset : nullptr;
-      float* dout_rows = converted_ ? dout_rows_.data() + offset : nullptr;
-      load_rows(q_rows, q_panels_.data() + offset, p_.q, p_.dtype, p_.q_strides, b, h, row_begin,
-                rows, p_.head_dim, tiles.dims_padded);
-      load_rows(dout_rows, dout_panels_.data() + offset, bp.dout, p_.dtype, bp.dout_strides, b, h,
-                row_begin, rows, p_.head_dim, tiles.dims_padded);
+      cpu::pack_rows(q_panels_.data() + offset, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows,
+                     p_.head_dim, tiles.dims_padded);
+      cpu::pack_rows(dout_panels_.data() + offset, bp.dout, p_.dtype, bp.dout_strides, b, h,
+                     row_begin, rows, p_.head_dim, tiles.dims_padded);
+      for (std::int64_t i = 0; converted_ && i < rows; ++i) {
+        const std::int64_t row = offset + i * tiles.dims_padded;
+        load_row_f32(q_rows_.data() + row, p_.q, p_.dtype, p_.q_strides.offset(b, row_begin + i, h),
+                     p_.head_dim);
+        load_row_f32(dout_rows_.data() + row, bp.dout, p_.dtype,
+                     bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim);
+      }
       row_deltas(delta_.data() + p_.lse_index(b, h, row_begin), bp.dout, bp.dout_strides, p_.out,
                  p_.out_strides, p_.dtype, b, h, row_begin, rows, p_.head_dim);
     }
@@ -214,12 +177,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
     // K and V of the block in the layouts the three products that read them stream.
-    load_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys,
-                    keys_padded, D, t.dk.data());
-    load_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
-                    keys_padded, D, t.dk.data());
-    load_rows(t.k_rows.data(), t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
-              keys, D, Dp);
+    cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
+                              keys, keys_padded, D);
+    cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin,
+                              keys, keys_padded, D);
+    cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
     std::fill_n(t.dk.begin(), keys * Dp, 0.0f);
     std::fill_n(t.dv.begin(), keys * Dp, 0.0f);
 

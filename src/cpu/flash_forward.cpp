@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
@@ -72,74 +73,6 @@ struct Scratch {
     }
   }
 };
-
-// Element readers for the storage dtypes, so that packing compiles to plain loads for f32.
-struct LoadF32 {
-  const float* base;
-  float operator()(std::int64_t index) const { return base[index]; }
-};
-template <float (*kWiden)(std::uint16_t)>
-struct LoadHalf {
-  const std::uint16_t* base;
-  float operator()(std::int64_t index) const { return kWiden(base[index]); }
-};
-
-template <class Visitor>
-decltype(auto) with_loader(DType dtype, const void* base, Visitor&& visit) {
-  switch (dtype) {
-    case DType::f16:
-      return visit(LoadHalf<f32_from_f16>{static_cast<const std::uint16_t*>(base)});
-    case DType::bf16:
-      return visit(LoadHalf<f32_from_bf16>{static_cast<const std::uint16_t*>(base)});
-    case DType::f32:
-      break;
-  }
-  return visit(LoadF32{static_cast<const float*>(base)});
-}
-
-// Kᵀ of keys [key_begin, key_begin + keys) as [D x keys_padded] column panels; padded keys are 0.
-void pack_keys(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
-               std::int64_t key_begin, std::int64_t keys, std::int64_t keys_padded) {
-  const std::int64_t D = p.head_dim;
-  with_loader(p.dtype, p.k, [&](auto load) {
-    // kTileLanes keys at a time, so each store fills 64 contiguous bytes of one panel row: key
-    // by key, every store went to another cache line, and packing took ~9 cycles per element
-    // (7.8% of the seed shape's time with 4 Q blocks per task).
-    for (std::int64_t j0 = 0; j0 < keys_padded; j0 += cpu::kTileLanes) {
-      const std::int64_t width =
-          std::min(cpu::kPanelWidth, keys_padded - j0 / cpu::kPanelWidth * cpu::kPanelWidth);
-      float* columns = t.k_packed.data() + cpu::packed_index(0, j0, D, keys_padded);
-      const std::int64_t loaded = std::min(cpu::kTileLanes, keys - j0);
-      std::int64_t offsets[cpu::kTileLanes];
-      for (std::int64_t jj = 0; jj < loaded; ++jj) {
-        offsets[jj] = p.k_strides.offset(b, key_begin + j0 + jj, h_kv);
-      }
-      for (std::int64_t d = 0; d < D; ++d) {
-        float* row = columns + d * width;
-        for (std::int64_t jj = 0; jj < loaded; ++jj) row[jj] = load(offsets[jj] + d);
-        for (std::int64_t jj = loaded; jj < cpu::kTileLanes; ++jj) row[jj] = 0.0f;
-      }
-    }
-  });
-}
-
-// V of keys [key_begin, key_begin + keys) as [keys x Dp] column panels; padded dims are 0.
-void pack_values(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
-                 std::int64_t key_begin, std::int64_t keys) {
-  const std::int64_t D = p.head_dim, Dp = t.dims_padded;
-  with_loader(p.dtype, p.v, [&](auto load) {
-    for (std::int64_t j = 0; j < keys; ++j) {
-      const std::int64_t offset = p.v_strides.offset(b, key_begin + j, h_kv);
-      for (std::int64_t d0 = 0; d0 < Dp; d0 += cpu::kPanelWidth) {
-        const std::int64_t width = std::min(cpu::kPanelWidth, Dp - d0);
-        const std::int64_t loaded = std::min(width, D - d0);
-        float* row = t.v_packed.data() + cpu::packed_index(j, d0, keys, Dp);
-        for (std::int64_t d = 0; d < loaded; ++d) row[d] = load(offset + d0 + d);
-        for (std::int64_t d = loaded; d < width; ++d) row[d] = 0.0f;
-      }
-    }
-  });
-}
 
 // bf16 inputs for the vdpbf16ps kernels: bit patterns copied, no rounding. Kᵀ goes into
 // panels of 64 keys, each d-pair of a key as one 32-bit word (cpu::bf16_key_index).
@@ -389,8 +322,10 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, 
       pack_keys_bf16(p, t, b, h_kv, key_begin, keys, kv.keys_padded);
       pack_values_bf16(p, t, b, h_kv, key_begin, keys, kv.keys_even);
     } else {
-      pack_keys(p, t, b, h_kv, key_begin, keys, kv.keys_padded);
-      pack_values(p, t, b, h_kv, key_begin, keys);
+      cpu::pack_rows_transposed(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
+                                keys, kv.keys_padded, p.head_dim);
+      cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
+                     p.head_dim, Dp);
     }
     // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then masked rows can go
     // through the blocked P·V kernel with the same result as skipping the masked keys. Otherwise
@@ -398,7 +333,10 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, 
     if (!all_visible) {
       kv.blocked_pv = bf16_products ? all_finite_bf16(t.v_bf16.data(), kv.keys_even * Dp)
                                     : all_finite(t.v_packed.data(), keys * Dp);
-      if (!kv.blocked_pv && bf16_products) pack_values(p, t, b, h_kv, key_begin, keys);
+      if (!kv.blocked_pv && bf16_products) {
+        cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
+                       p.head_dim, Dp);
+      }
     }
     for (const QueryBlock* block : visitors) {
       visit_key_block(p, tiles, bf16_products, t, *block, kv);
