@@ -3,13 +3,13 @@
 // A task is (batch, KV head, chunk of K/V blocks). It walks its K/V blocks of Bc keys (outer
 // loop, so dK and dV accumulate in cache), and for each the Q blocks of Br rows, of every query
 // head of the GQA group, that see it (inner loop):
-//   S  = scale · Q·Kᵀ                  [Br x Bc]  scores_tile
-//   P  = exp(S − lse), masked → 0      [Br x Bc]  probabilities_from_lse_tile
-//   dV += Pᵀ·dO                        [Bc x D]   accumulate_pv_tile on Pᵀ
-//   dP = dO·Vᵀ                         [Br x Bc]  scores_tile
-//   dS = scale · P ∘ (dP − D_i)        [Br x Bc]  softmax_gradient_tile, D_i = rowsum(dO ∘ O)
-//   dQ += dS·K                         [Br x D]   accumulate_pv_tile, into the chunk's dQ buffer
-//   dK += dSᵀ·Q                        [Bc x D]   accumulate_pv_tile on dSᵀ
+//   S  = Q·Kᵀ                              [Br x Bc]  scores_tile
+//   P  = exp(scale · S − lse), masked → 0  [Br x Bc]  probabilities_from_lse_tile
+//   dV += Pᵀ·dO                            [Bc x D]   accumulate_pv_tile on Pᵀ
+//   dP = dO·Vᵀ                             [Br x Bc]  scores_tile
+//   dS = scale · P ∘ (dP − D_i)            [Br x Bc]  softmax_gradient_tile, D_i = rowsum(dO ∘ O)
+//   dQ += dS·K                             [Br x D]   accumulate_pv_tile, into the chunk's dQ buffer
+//   dK += dSᵀ·Q                            [Bc x D]   accumulate_pv_tile on dSᵀ
 // Each task owns its dK and dV rows outright. dQ rows receive from every chunk, so each chunk
 // adds into its own fp32 buffer and the buffers are summed in chunk order at the end. The chunk
 // count depends only on the shape, never on the thread count: results are bitwise identical for
@@ -203,7 +203,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
         cpu::scores_tile(t.probabilities.data(), ld_s, q.data, q.ld, t.k_packed_t.data(), rows,
-                         keys_padded, D, p.scale);
+                         keys_padded, D);
         for (std::int64_t i = 0; i < rows; ++i) {
           float* s = t.probabilities.data() + i * ld_s;
           const KeyRange row_keys = p.key_range(row_begin + i);
@@ -214,7 +214,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
           std::fill(s, s + visible_begin, kNegativeInfinity);
           std::fill(s + visible_end, s + keys_padded, kNegativeInfinity);
         }
-        cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s,
+        cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.scale,
                                          p.lse + p.lse_index(b, h, row_begin), rows, keys_padded);
 
         // dV += Pᵀ·dO                                                     [keys x Dp]
@@ -223,7 +223,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
 
         // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
         cpu::scores_tile(t.dscores.data(), ld_s, dout.data, dout.ld, t.v_packed_t.data(), rows,
-                         keys_padded, D, 1.0f);
+                         keys_padded, D);
         cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                                    queries.delta(b, h, n), p.scale, rows, keys_padded);
 

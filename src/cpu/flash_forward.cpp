@@ -5,9 +5,9 @@
 // Q blocks of one (batch, KV head) (tile_sizes.cpp: as many as fit in L2), and one OpenMP loop
 // hands the tasks out. A task walks the K/V blocks of Bc keys that its rows can see, packs each
 // once, and every Q block that sees some of it computes
-//   S = scale · Q_blk · K_blkᵀ                     [Br x Bc]   scores_tile
+//   S = Q_blk · K_blkᵀ                             [Br x Bc]   scores_tile
 //   mask S where the block is only partly visible  [Br x Bc]
-//   online softmax: m, l, rescale acc              [Br], [Br x D]  online_softmax_tile
+//   online softmax of scale·S: m, l, rescale acc   [Br], [Br x D]  online_softmax_tile
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
 // and finally out = acc / l, lse = m + log(l). Blocks that the causal mask or the window hide
 // from every row of a Q block are never visited by it.
@@ -230,10 +230,10 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_produ
     float* acc = block.acc + row_lo * Dp;
     if (bf16_products) {
       cpu::scores_tile_bf16(scores, ld_scores, block.q_bf16 + row_lo * Dp, Dp, t.k_bf16.data(),
-                            rows, keys_padded, Dp, p.scale);
+                            rows, keys_padded, Dp, 1.0f);
     } else {
       cpu::scores_tile(scores, ld_scores, block.q + row_lo * Dp, Dp, t.k_packed.data(), rows,
-                       keys_padded, p.head_dim, p.scale);
+                       keys_padded, p.head_dim);
     }
     for (std::int64_t i = 0; i < rows; ++i) {
       float* s = scores + i * ld_scores;
@@ -245,8 +245,8 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_produ
         if (key < row_keys.begin || key >= row_keys.end) s[j] = kNegativeInfinity;
       }
     }
-    cpu::online_softmax_tile(scores, ld_scores, block.row_max + row_lo, block.row_sum + row_lo, acc,
-                             Dp, rows, keys_padded, Dp);
+    cpu::online_softmax_tile(scores, ld_scores, p.scale, block.row_max + row_lo,
+                             block.row_sum + row_lo, acc, Dp, rows, keys_padded, Dp);
     if (kv.blocked_pv && bf16_products) {
       // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
       cpu::round_probabilities_bf16(t.p_bf16.data(), ld_scores, scores, ld_scores, rows,

@@ -84,12 +84,14 @@ HWY_INLINE Vec SoftmaxExp(Tag tag, Vec x) {
   return hn::IfThenElse(hn::IsNaN(x), x, flushed);
 }
 
-// scores[R x C·N] = scale · q[R x D] · k_packed[D x C·N]
+// scores[R x C·N] = q[R x D] · k_packed[D x C·N]. Unscaled: with a scale vector live across the
+// loop, GCC ran out of the 32 zmm registers (24 sums, 4 keys, a broadcast) and spilled a key
+// vector: 160 instead of 195 GFLOP/s on one core. The softmax steps apply the scale.
 template <int R, int C>
 HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
                             const float* HWY_RESTRICT q, std::int64_t ld_q,
                             const float* HWY_RESTRICT k_packed, std::int64_t ld_k,
-                            std::int64_t head_dim, Vec scale) {
+                            std::int64_t head_dim) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -103,8 +105,7 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      hn::StoreU(hn::Mul(acc[r][c], scale), tag, scores + r * ld_scores + c * N);
+    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], tag, scores + r * ld_scores + c * N);
 }
 
 // All rows against the key columns [0, width) of one packed panel (head_dim rows of `width`
@@ -115,48 +116,46 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
 HWY_INLINE void ScoresPanel(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
                             const float* HWY_RESTRICT q, std::int64_t ld_q,
                             const float* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
-                            std::int64_t head_dim, Vec scale) {
+                            std::int64_t head_dim) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t j = 0;
   for (; j + kBlockVectors * N <= width; j += kBlockVectors * N) {
     std::int64_t i = 0;
     for (; i + kBlockRows <= rows; i += kBlockRows) {
       ScoresBlock<kBlockRows, kBlockVectors>(tag, scores + i * ld_scores + j, ld_scores,
-                                             q + i * ld_q, ld_q, panel + j, width, head_dim, scale);
+                                             q + i * ld_q, ld_q, panel + j, width, head_dim);
     }
     RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
       ScoresBlock<decltype(block_rows)::value, kBlockVectors>(tag, scores + row * ld_scores + j,
                                                               ld_scores, q + row * ld_q, ld_q,
-                                                              panel + j, width, head_dim, scale);
+                                                              panel + j, width, head_dim);
     });
   }
   for (; j < width; j += N) {
     std::int64_t i = 0;
     for (; i + kBlockRows <= rows; i += kBlockRows) {
       ScoresBlock<kBlockRows, 1>(tag, scores + i * ld_scores + j, ld_scores, q + i * ld_q, ld_q,
-                                 panel + j, width, head_dim, scale);
+                                 panel + j, width, head_dim);
     }
     RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
       ScoresBlock<decltype(block_rows)::value, 1>(tag, scores + row * ld_scores + j, ld_scores,
-                                                  q + row * ld_q, ld_q, panel + j, width, head_dim,
-                                                  scale);
+                                                  q + row * ld_q, ld_q, panel + j, width, head_dim);
     });
   }
 }
 
 void ScoresTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, const float* HWY_RESTRICT q,
                 std::int64_t ld_q, const float* HWY_RESTRICT k_packed, std::int64_t rows,
-                std::int64_t keys_padded, std::int64_t head_dim, float scale) {
+                std::int64_t keys_padded, std::int64_t head_dim) {
   const Tag tag;
-  const Vec scale_vec = hn::Set(tag, scale);
   for (std::int64_t j = 0; j < keys_padded; j += kPanelWidth) {
     const std::int64_t width = std::min(kPanelWidth, keys_padded - j);
-    ScoresPanel(tag, scores + j, ld_scores, q, ld_q, k_packed + j * head_dim, width, rows, head_dim,
-                scale_vec);
+    ScoresPanel(tag, scores + j, ld_scores, q, ld_q, k_packed + j * head_dim, width, rows,
+                head_dim);
   }
 }
 
-void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
+void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, float scale,
                        float* HWY_RESTRICT row_max, float* HWY_RESTRICT row_sum,
                        float* HWY_RESTRICT acc, std::int64_t ld_acc, std::int64_t rows,
                        std::int64_t keys_padded, std::int64_t dims_padded) {
@@ -168,16 +167,20 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
     Vec max_vec = hn::Set(tag, kNegativeInfinity);
     for (std::int64_t j = 0; j < keys_padded; j += N)
       max_vec = hn::Max(max_vec, hn::LoadU(tag, s + j));
-    const float tile_max = hn::GetLane(hn::MaxOfLanes(tag, max_vec));
+    // scale > 0 (validated), so the max of the scaled scores is the scaled max.
+    const float tile_max = scale * hn::GetLane(hn::MaxOfLanes(tag, max_vec));
     const float old_max = row_max[i];
     const float new_max = tile_max > old_max ? tile_max : old_max;
     const Vec shift = hn::Set(tag, new_max == kNegativeInfinity ? 0.0f : new_max);
 
-    // Highway's Exp returns 0 below -104 (so -inf gives an exact 0) and also for NaN, which
-    // must instead poison the row: keep NaN lanes as they are.
+    // A masked score (-inf) gives an exact 0, a NaN score keeps its lane NaN (SoftmaxExp). The
+    // product is rounded before the subtraction (no fused multiply-subtract), so that the row's
+    // largest score gets p = 1 exactly, as it did before the scale moved here: a row that sees
+    // one key then returns that key's value row bit for bit.
+    const Vec scale_vec = hn::Set(tag, scale);
     Vec sum_vec = hn::Zero(tag);
     for (std::int64_t j = 0; j < keys_padded; j += N) {
-      const Vec x = hn::Sub(hn::LoadU(tag, s + j), shift);
+      const Vec x = hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift);
       const Vec p = SoftmaxExp(tag, x);
       hn::StoreU(p, tag, s + j);
       sum_vec = hn::Add(sum_vec, p);
@@ -281,18 +284,19 @@ void AccumulateTransposedPvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc,
   PvTile(acc, ld_acc, p, {1, ld_p}, v_packed, packed_rows, 0, packed_rows, columns, dims_padded);
 }
 
-void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores,
+void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, float scale,
                               const float* HWY_RESTRICT lse, std::int64_t rows,
                               std::int64_t keys_padded) {
   constexpr float kInfinity = std::numeric_limits<float>::infinity();
   const Tag tag;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const Vec scale_vec = hn::Set(tag, scale);
   for (std::int64_t i = 0; i < rows; ++i) {
     float* HWY_RESTRICT s = scores + i * ld_scores;
     // lse = -inf: subtracting +inf sends every (masked, -inf or finite) score to exp(-inf) = 0.
     const Vec shift = hn::Set(tag, lse[i] == -kInfinity ? kInfinity : lse[i]);
     for (std::int64_t j = 0; j < keys_padded; j += N) {
-      const Vec x = hn::Sub(hn::LoadU(tag, s + j), shift);
+      const Vec x = hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift);
       hn::StoreU(SoftmaxExp(tag, x), tag, s + j);
     }
   }
@@ -330,16 +334,16 @@ HWY_EXPORT(SoftmaxGradientTile);
 
 void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
                  const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
-                 std::int64_t head_dim, float scale) {
+                 std::int64_t head_dim) {
   HWY_DYNAMIC_DISPATCH(ScoresTile)
-  (scores, ld_scores, q, ld_q, k_packed, rows, keys_padded, head_dim, scale);
+  (scores, ld_scores, q, ld_q, k_packed, rows, keys_padded, head_dim);
 }
 
-void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, float* row_sum,
-                         float* acc, std::int64_t ld_acc, std::int64_t rows,
+void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,
+                         float* row_sum, float* acc, std::int64_t ld_acc, std::int64_t rows,
                          std::int64_t keys_padded, std::int64_t dims_padded) {
   HWY_DYNAMIC_DISPATCH(OnlineSoftmaxTile)
-  (scores, ld_scores, row_max, row_sum, acc, ld_acc, rows, keys_padded, dims_padded);
+  (scores, ld_scores, scale, row_max, row_sum, acc, ld_acc, rows, keys_padded, dims_padded);
 }
 
 void accumulate_pv_tile(float* acc, std::int64_t ld_acc, const float* p, std::int64_t ld_p,
@@ -357,9 +361,9 @@ void accumulate_transposed_pv_tile(float* acc, std::int64_t ld_acc, const float*
   (acc, ld_acc, p, ld_p, v_packed, packed_rows, columns, dims_padded);
 }
 
-void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, const float* lse,
-                                 std::int64_t rows, std::int64_t keys_padded) {
-  HWY_DYNAMIC_DISPATCH(ProbabilitiesFromLseTile)(scores, ld_scores, lse, rows, keys_padded);
+void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, float scale,
+                                 const float* lse, std::int64_t rows, std::int64_t keys_padded) {
+  HWY_DYNAMIC_DISPATCH(ProbabilitiesFromLseTile)(scores, ld_scores, scale, lse, rows, keys_padded);
 }
 
 void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::int64_t ld_p,

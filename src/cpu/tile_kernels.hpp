@@ -40,18 +40,20 @@ constexpr std::int64_t packed_index(std::int64_t row, std::int64_t col, std::int
   return panel_begin * rows + row * width + (col - panel_begin);
 }
 
-// scores[:, :keys_padded] = scale · q · Kᵀ                             [rows x keys_padded]
+// scores[:, :keys_padded] = q · Kᵀ, unscaled: the softmax steps below take the scale
+//                                                                     [rows x keys_padded]
 void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
                  const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
-                 std::int64_t head_dim, float scale);
+                 std::int64_t head_dim);
 
-// Online softmax over one tile (Milakov & Gimelshein 2018; FlashAttention-2, Alg. 1): per row
-// m_new = max(m, rowmax(s)); p = exp(s - m_new); l = l·exp(m - m_new) + rowsum(p); the
-// accumulator row is rescaled by exp(m - m_new) only when the max grew. Masked scores are -inf
-// and give p = 0; a row whose scores are all -inf so far keeps m = -inf, l = 0 and never
-// computes (-inf) - (-inf). A NaN score makes its row NaN.
-void online_softmax_tile(float* scores, std::int64_t ld_scores, float* row_max, float* row_sum,
-                         float* acc, std::int64_t ld_acc, std::int64_t rows,
+// Online softmax over one tile of unscaled scores s (Milakov & Gimelshein 2018;
+// FlashAttention-2, Alg. 1): per row m_new = max(m, scale·rowmax(s)); p = exp(scale·s - m_new);
+// l = l·exp(m - m_new) + rowsum(p); the accumulator row is rescaled by exp(m - m_new) only when
+// the max grew. m and the lse are in scaled units; scale > 0. Masked scores are -inf and give
+// p = 0; a row whose scores are all -inf so far keeps m = -inf, l = 0 and never computes
+// (-inf) - (-inf). A NaN score makes its row NaN.
+void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,
+                         float* row_sum, float* acc, std::int64_t ld_acc, std::int64_t rows,
                          std::int64_t keys_padded, std::int64_t dims_padded);
 
 // acc[:, :dims_padded] += p[:, key_begin:key_end] · V[key_begin:key_end]   [rows x dims_padded]
@@ -68,10 +70,11 @@ void accumulate_transposed_pv_tile(float* acc, std::int64_t ld_acc, const float*
                                    std::int64_t packed_rows, std::int64_t columns,
                                    std::int64_t dims_padded);
 
-// Backward: scores -> probabilities from the forward's logsumexp, p = exp(s - lse_row) in place.
-// Masked scores (-inf) give 0; so does every score of a row whose lse is -inf (no visible key).
-void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, const float* lse,
-                                 std::int64_t rows, std::int64_t keys_padded);
+// Backward: unscaled scores -> probabilities from the forward's logsumexp,
+// p = exp(scale·s - lse_row) in place. Masked scores (-inf) give 0; so does every score of a row
+// whose lse is -inf (no visible key).
+void probabilities_from_lse_tile(float* scores, std::int64_t ld_scores, float scale,
+                                 const float* lse, std::int64_t rows, std::int64_t keys_padded);
 
 // Backward: dP -> dS = scale · P ∘ (dP - delta_row) in place, delta_row = rowsum(dO ∘ O).
 void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::int64_t ld_p,

@@ -41,7 +41,7 @@ float softmax_row(float* scores, std::int64_t width, KeyRange keys) {
   // Visible scores all -inf (an infinite input) leave sum = 0: the row becomes 0/0 = NaN and
   // its lse -inf, as in the reference.
   float max_score = kNegativeInfinity, sum = 0.0f;
-  cpu::online_softmax_tile(scores, width, &max_score, &sum, nullptr, 0, 1, width, 0);
+  cpu::online_softmax_tile(scores, width, 1.0f, &max_score, &sum, nullptr, 0, 1, width, 0);
   const float inverse_sum = 1.0f / sum;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= inverse_sum;
   return (max_score == kNegativeInfinity ? 0.0f : max_score) + std::log(sum);

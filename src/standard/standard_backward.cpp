@@ -67,7 +67,8 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
         std::fill(s, s + keys.begin, kNegativeInfinity);
         std::fill(s + keys.end, s + width, kNegativeInfinity);
       }
-      cpu::probabilities_from_lse_tile(t.probabilities.data(), width, t.lse.data(), Sq, width);
+      cpu::probabilities_from_lse_tile(t.probabilities.data(), width, 1.0f, t.lse.data(), Sq,
+                                       width);
       // dV += Pᵀ·dO                                                [Skv x D]
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, t.probabilities.data(),
                   width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
