@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 
 #include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 
 namespace {
 
@@ -25,7 +27,25 @@ const char* const kHeader =
     "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
     "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
     "cpu_share,verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,"
-    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps";
+    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps,"
+    "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
+    "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
+    "dv_tol";
+
+const char* const kBackwardColumns[] = {"backward_flops",
+                                        "backward_seconds",
+                                        "backward_gflops",
+                                        "backward_cpu_share",
+                                        "backward_over_forward",
+                                        "backward_ratio_standard",
+                                        "backward_verified",
+                                        "backward_oracle",
+                                        "dq_err",
+                                        "dq_tol",
+                                        "dk_err",
+                                        "dk_tol",
+                                        "dv_err",
+                                        "dv_tol"};
 
 // RFC 4180 records: quoted fields may hold commas, doubled quotes and line breaks.
 std::vector<std::vector<std::string>> parse_csv(const std::string& text) {
@@ -176,6 +196,8 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     } else {
       EXPECT_EQ(row.at("ratio_standard"), "") << where;
     }
+    // Without --backward the backward columns are there and empty.
+    for (const char* column : kBackwardColumns) EXPECT_EQ(row.at(column), "") << where << column;
   }
   EXPECT_EQ(cases.size(), 16u);
   for (const std::string dtype : {"f32", "bf16"}) {
@@ -227,12 +249,129 @@ TEST_F(BenchCliTest, OptionsSelectTheCasesAndPaths) {
   EXPECT_EQ(files().size(), 2u);  // results/ and the CSV
 }
 
+// Every gradient checked on the verified rows; the column names of `checked` hold numbers with
+// error <= tolerance, the others are empty.
+void expect_backward_checks(const std::map<std::string, std::string>& row,
+                            const std::set<std::string>& checked, const std::string& where) {
+  for (const std::string gradient : {"dq", "dk", "dv"}) {
+    const std::string error = row.at(gradient + "_err"), tolerance = row.at(gradient + "_tol");
+    if (checked.count(gradient) == 0) {
+      EXPECT_EQ(error, "") << where << " " << gradient;
+      EXPECT_EQ(tolerance, "") << where << " " << gradient;
+      continue;
+    }
+    ASSERT_FALSE(error.empty() || tolerance.empty()) << where << " " << gradient;
+    EXPECT_GE(std::stod(error), 0.0) << where << " " << gradient;
+    EXPECT_GT(std::stod(tolerance), 0.0) << where << " " << gradient;
+    EXPECT_LE(std::stod(error), std::stod(tolerance)) << where << " " << gradient;
+  }
+}
+
+TEST_F(BenchCliTest, BackwardVerifiesAndTimesEveryPath) {
+  const Completed completed =
+      run({"bench", "--quick", "--backward", "--threads", "2", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  EXPECT_NE(completed.out.find("2.5 x attention_flops"), std::string::npos) << completed.out;
+
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 16u) << completed.out;
+  for (const auto& row : rows) {
+    const std::string where =
+        row.at("dtype") + " " + row.at("seqlen_q") + " " + row.at("causal") + " " + row.at("impl");
+    EXPECT_EQ(row.at("verified"), "yes") << where;
+    EXPECT_EQ(row.at("backward_verified"), "yes") << where;
+    // The quick sweep's slices are far below the reference budget.
+    EXPECT_EQ(row.at("backward_oracle"), "reference") << where;
+
+    flashattn::AttentionOptions options;
+    options.causal = row.at("causal") == "true";
+    const std::int64_t seqlen = std::stoll(row.at("seqlen_q"));
+    EXPECT_DOUBLE_EQ(std::stod(row.at("backward_flops")),
+                     flashattn::attention_backward_flops(1, std::stoll(row.at("heads")), seqlen,
+                                                         seqlen, 32, options))
+        << where;
+    EXPECT_DOUBLE_EQ(std::stod(row.at("backward_flops")), 2.5 * std::stod(row.at("flops")))
+        << where;
+    for (const char* column :
+         {"backward_seconds", "backward_gflops", "backward_cpu_share", "backward_over_forward"}) {
+      const double value = std::stod(row.at(column));
+      EXPECT_TRUE(std::isfinite(value)) << where << ": " << column;
+      EXPECT_GT(value, 0.0) << where << ": " << column;
+    }
+    // The ratio is of the two times of the same row, which the CSV rounds to 1e-6 s each (the
+    // ratio itself to 1e-4).
+    const double ratio = std::stod(row.at("backward_over_forward"));
+    const double forward_seconds = std::stod(row.at("seconds"));
+    EXPECT_NEAR(ratio, std::stod(row.at("backward_seconds")) / forward_seconds,
+                (ratio + 1.0) * 0.5e-6 / forward_seconds + 1e-4)
+        << where;
+    if (row.at("impl") == "flash") {
+      EXPECT_GT(std::stod(row.at("backward_ratio_standard")), 0.0) << where;
+    } else {
+      EXPECT_EQ(row.at("backward_ratio_standard"), "") << where;
+    }
+    expect_backward_checks(row, {"dq", "dk", "dv"}, where);
+  }
+
+  // The backward has its own plot, next to the forward's.
+  std::string csv_name;
+  for (const auto& entry : fs::directory_iterator(results())) {
+    if (entry.path().extension() == ".csv") csv_name = entry.path().filename().string();
+  }
+  const std::string stem = fs::path(csv_name).stem().string();
+  if (fs::exists(results() / (stem + ".png"))) {
+    EXPECT_GT(fs::file_size(results() / (stem + "-backward.png")), 0u);
+    EXPECT_NE(completed.out.find(stem + "-backward.png"), std::string::npos) << completed.out;
+    EXPECT_EQ(files(),
+              (std::vector<std::string>{"results", "results/" + stem + "-backward.png",
+                                        "results/" + csv_name, "results/" + stem + ".png"}));
+  } else {
+    EXPECT_NE(completed.out.find("no plot: "), std::string::npos) << completed.out;
+    EXPECT_EQ(files(), (std::vector<std::string>{"results", "results/" + csv_name}));
+  }
+}
+
+// A reference budget below every slice: the reference checks dQ on sampled rows, the standard
+// path is the oracle of flash's dK and dV (and is run on the slice even though only flash is
+// timed).
+TEST_F(BenchCliTest, BackwardBeyondTheReferenceBudgetComparesWithTheStandardPath) {
+  const Completed completed =
+      run({"bench", "--quick", "--backward", "--backward-reference-work", "1e-6", "--dtypes", "f32",
+           "--impls", "flash", "--no-plot", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  EXPECT_NE(completed.out.find("reference-dq-rows+standard"), std::string::npos) << completed.out;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 4u);
+  for (const auto& row : rows) {
+    const std::string where = row.at("seqlen_q") + " " + row.at("causal");
+    EXPECT_EQ(row.at("impl"), "flash");
+    EXPECT_EQ(row.at("backward_verified"), "yes") << where;
+    EXPECT_EQ(row.at("backward_oracle"), "reference-dq-rows+standard") << where;
+    EXPECT_GT(std::stod(row.at("backward_over_forward")), 0.0) << where;
+    // No timed standard path: no speed-up.
+    EXPECT_EQ(row.at("backward_ratio_standard"), "") << where;
+    expect_backward_checks(row, {"dq", "dk", "dv"}, where);
+  }
+
+  // The standard path alone: only its dQ rows have an oracle.
+  const Completed standard =
+      run({"bench", "--quick", "--backward", "--backward-reference-work", "1e-6", "--dtypes", "f32",
+           "--impls", "standard", "--seqlens", "128", "--causal", "--no-plot", "--out-dir",
+           (work_ / "standard").string()});
+  ASSERT_EQ(standard.exit_code, 0) << standard.out << standard.err;
+  EXPECT_NE(standard.out.find("against reference-dq-rows"), std::string::npos) << standard.out;
+}
+
 TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   expect_clean_failure({"--dtypes", "f64"}, 2, "--dtypes");
   expect_clean_failure({"--seqlens", "0"}, 2, "--seqlens");
   expect_clean_failure({"--seqlens", "12x"}, 2, "--seqlens");
   expect_clean_failure({"--head-dims", "-64"}, 2, "--head-dims");
   expect_clean_failure({"--impls", "reference"}, 2, "--impls");
+  // Both benchmarked paths have a backward; the reference is the oracle, not a timed path.
+  expect_clean_failure({"--backward", "--impls", "reference"}, 2, "--impls");
+  expect_clean_failure({"--backward", "--backward-reference-work", "0"}, 2,
+                       "--backward-reference-work");
   expect_clean_failure({"--causal", "--both"}, 2, "excludes");
   expect_clean_failure({"--repeat", "0"}, 2, "--repeat");
   expect_clean_failure({"--work", "0"}, 2, "--work");
@@ -256,7 +395,8 @@ TEST_F(BenchCliTest, HelpStatesTheSweepRule) {
   const Completed completed = run({"bench", "--help"});
   EXPECT_EQ(completed.exit_code, 0);
   for (const char* text : {"bench [OPTIONS]", "--seqlens", "--head-dims", "--dtypes", "--impls",
-                           "--out-dir", "--quick", "H = max(1, round(W / FLOPs of one head))"}) {
+                           "--out-dir", "--quick", "H = max(1, round(W / FLOPs of one head))",
+                           "--backward", "2.5x attention_flops", "--backward-reference-work"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

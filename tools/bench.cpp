@@ -1,7 +1,9 @@
 // `flashattn bench`: the FlashAttention path and the standard path on the same inputs and the same
 // threads, each verified against the fp64 reference before it is timed, next to the machine's
-// ceilings measured in the same run (DESIGN.md §5). Writes one CSV row per case and path, and a
-// plot of GFLOP/s against seqlen.
+// ceilings measured in the same run (DESIGN.md §5). With --backward, each path's backward follows
+// its forward on the same inputs, verified on one (batch, KV head) slice before it is timed.
+// Writes one CSV row per case and path, and a plot of GFLOP/s against seqlen (and one of the
+// backward's).
 
 #include <cblas.h>
 #include <fcntl.h>
@@ -20,6 +22,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -29,11 +32,15 @@
 #include <string>
 #include <vector>
 
+#include "api/memory.hpp"
+#include "api/params.hpp"
 #include "atomic_file.hpp"
+#include "backward_check.hpp"
 #include "ceilings.hpp"
 #include "cli_common.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
 #include "util/convert.hpp"
 #include "verify.hpp"
@@ -67,6 +74,8 @@ struct BenchOptions {
   std::string out_dir = "bench/results";
   bool no_plot = false;
   bool quick = false;
+  bool backward = false;
+  double backward_reference_gflop = kReferenceBackwardBudgetFlops * 1e-9;
 };
 
 // How long and how often each ceiling is measured.
@@ -92,6 +101,28 @@ struct Case {
   bool seed_shape = false;  // the seed's [2, 32, 1024, 128], not a sweep point
 };
 
+// One path's backward: verified then timed, failed (not timed), or skipped (not run, `reason`
+// says why).
+struct BackwardResult {
+  enum class Status { verified, failed, skipped };
+  Status status = Status::skipped;
+  std::string oracle, reason;
+  BackwardChecks checks;
+  std::optional<double> seconds, cpu_share;
+};
+
+const char* status_name(BackwardResult::Status status) {
+  switch (status) {
+    case BackwardResult::Status::verified:
+      return "yes";
+    case BackwardResult::Status::failed:
+      return "no";
+    case BackwardResult::Status::skipped:
+      return "skipped";
+  }
+  return "";
+}
+
 struct PathResult {
   AttentionImpl impl = AttentionImpl::flash;
   bool verified = false;
@@ -101,11 +132,13 @@ struct PathResult {
   // CPU time this process used during the timed calls over their wall time times the threads:
   // about 1 when the threads had the cores to themselves, less when another process took some.
   std::optional<double> cpu_share;
+  std::optional<BackwardResult> backward;  // with --backward
 };
 
 struct CaseResult {
   Case shape;
   double flops = 0.0;
+  double backward_flops = 0.0;    // 2.5 x flops, attention_backward_flops
   std::vector<PathResult> paths;  // the timed ones, in --impls order
 
   const PathResult* find(AttentionImpl impl) const {
@@ -118,6 +151,23 @@ struct CaseResult {
     const PathResult* path = find(impl);
     if (path == nullptr || !path->seconds || *path->seconds <= 0.0) return std::nullopt;
     return flops / *path->seconds * 1e-9;
+  }
+  std::optional<double> backward_gflops(AttentionImpl impl) const {
+    const PathResult* path = find(impl);
+    if (path == nullptr || !path->backward || !path->backward->seconds ||
+        *path->backward->seconds <= 0.0) {
+      return std::nullopt;
+    }
+    return backward_flops / *path->backward->seconds * 1e-9;
+  }
+  // Backward time over the same path's forward time.
+  std::optional<double> backward_over_forward(AttentionImpl impl) const {
+    const PathResult* path = find(impl);
+    if (path == nullptr || !path->seconds || *path->seconds <= 0.0 || !path->backward ||
+        !path->backward->seconds) {
+      return std::nullopt;
+    }
+    return *path->backward->seconds / *path->seconds;
   }
 };
 
@@ -265,9 +315,7 @@ double process_cpu_seconds() {
 
 // NaN everywhere, so that an element a path fails to write cannot pass verification.
 void poison(HostTensor& tensor, std::vector<float>& lse) {
-  std::fill(tensor.f32.begin(), tensor.f32.end(), std::numeric_limits<float>::quiet_NaN());
-  std::fill(tensor.bits16.begin(), tensor.bits16.end(),
-            tensor.dtype == DType::f16 ? std::uint16_t{0x7e00} : std::uint16_t{0x7fc0});
+  fill_nan(tensor);
   std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
 }
 
@@ -280,9 +328,102 @@ std::string case_label(const Case& shape) {
   return text;
 }
 
+struct Timing {
+  double seconds = 0.0;
+  std::optional<double> cpu_share;
+};
+
+// The median of `repeat` calls (the caller has run the warm-up), with the CPU share of the calls.
+Timing time_calls(int repeat, int threads, const std::function<void()>& call) {
+  const double cpu_before = process_cpu_seconds();
+  const auto start = std::chrono::steady_clock::now();
+  Timing timing;
+  timing.seconds = median_seconds(repeat, call);
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (wall > 0.0) timing.cpu_share = (process_cpu_seconds() - cpu_before) / (wall * threads);
+  return timing;
+}
+
+// The backward half of a case: a fixed random dO, the gradients and their oracle. Each path's
+// backward reads the out and lse of that path's own forward, which `out` and `lse` hold when run()
+// is called right after it.
+class BackwardRun {
+ public:
+  BackwardRun(const HostTensor& q, const HostTensor& k, const HostTensor& v, const HostTensor& out,
+              const std::vector<float>& lse, const AttentionOptions& options,
+              const std::vector<std::int64_t>& rows, double reference_budget_flops,
+              std::mt19937_64& rng)
+      : dout_(random_tensor(q.dtype, q.shape, rng)),
+        dq_(q.dtype, q.shape),
+        dk_(k.dtype, k.shape),
+        dv_(v.dtype, v.shape),
+        problem_{q, k, v, dout_, out, lse, options},
+        oracle_(problem_, rows, reference_budget_flops) {}
+
+  // Checks `impl`'s backward and, when it passes and `timed`, times it (median of `repeat`). The
+  // standard path runs even when not timed, on the slice only: its error is the baseline of the
+  // flash tolerance, and its dK, dV the oracle where the reference would cost too much.
+  BackwardResult run(AttentionImpl impl, bool timed, int repeat, int threads) {
+    BackwardResult result;
+    if (impl == AttentionImpl::standard) {
+      if (std::optional<std::string> refusal = standard_refusal()) {
+        result.reason = *refusal;
+        return result;
+      }
+      if (!timed) {
+        oracle_.check_standard(oracle_.run_on_slice(AttentionImpl::standard, threads));
+        return result;
+      }
+    }
+    auto call = [&] {
+      attention_backward(impl, dout_.view(), problem_.q.view(), problem_.k.view(),
+                         problem_.v.view(), problem_.out.view(), problem_.lse.data(), dq_.view(),
+                         dk_.view(), dv_.view(), problem_.options);
+    };
+    fill_nan(dq_);
+    fill_nan(dk_);
+    fill_nan(dv_);
+    call();
+    const SliceGradients slice = oracle_.slice_of(dq_, dk_, dv_);
+    result.checks = impl == AttentionImpl::standard ? oracle_.check_standard(slice)
+                                                    : oracle_.check_flash(slice);
+    result.oracle = oracle_.name(impl);
+    if (!result.checks.passes()) {
+      result.status = BackwardResult::Status::failed;
+      return result;
+    }
+    result.status = BackwardResult::Status::verified;
+    const Timing timing = time_calls(repeat, threads, call);
+    result.seconds = timing.seconds;
+    result.cpu_share = timing.cpu_share;
+    return result;
+  }
+
+ private:
+  // The standard backward holds two seqlen_q x seqlen_kv fp32 matrices per thread; where the
+  // library would refuse that for lack of memory, say so instead of stopping the sweep.
+  std::optional<std::string> standard_refusal() {
+    const detail::BackwardParams params =
+        detail::make_backward_params("bench", dout_.view(), problem_.q.view(), problem_.k.view(),
+                                     problem_.v.view(), problem_.out.view(), problem_.lse.data(),
+                                     dq_.view(), dk_.view(), dv_.view(), problem_.options);
+    const std::int64_t needed = detail::backward_scratch_bytes(AttentionImpl::standard, params);
+    const std::int64_t limit = detail::memory_limit_bytes();
+    if (needed <= limit) return std::nullopt;
+    return "the standard backward needs " + std::to_string(needed >> 20) + " MiB of scratch, " +
+           "more than the " + std::to_string(limit >> 20) + " MiB of this machine";
+  }
+
+  HostTensor dout_, dq_, dk_, dv_;
+  BackwardProblem problem_;
+  BackwardOracle oracle_;
+};
+
 // Runs one case: the standard path first (its error against the reference is the baseline of
 // the flash tolerance, so it runs even when only flash is timed), then flash; each path's first
-// call is verified and doubles as the warm-up of its timed calls.
+// call is verified and doubles as the warm-up of its timed calls. With --backward, each path's
+// backward runs right after its forward, while `out` and `lse` still hold that forward's outputs.
 CaseResult run_case(const Case& shape, const BenchOptions& options, int threads) {
   std::mt19937_64 rng(options.seed);
   const std::array<std::int64_t, 4> dims = {shape.batch, shape.seqlen, shape.heads, shape.head_dim};
@@ -297,11 +438,19 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
   result.shape = shape;
   result.flops = attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen,
                                  shape.head_dim, attention);
+  result.backward_flops = attention_backward_flops(shape.batch, shape.heads, shape.seqlen,
+                                                   shape.seqlen, shape.head_dim, attention);
   const std::vector<std::int64_t> rows = sample_rows(shape.seqlen, options.check_rows, rng);
   const ReferenceRows reference = reference_rows(q, k, v, attention, rows);
 
   HostTensor out(shape.dtype, dims);
   std::vector<float> lse(static_cast<std::size_t>(shape.batch * shape.heads * shape.seqlen));
+  // After the forward's draws, so that --backward leaves the forward's inputs and rows as they
+  // were.
+  std::optional<BackwardRun> backward;
+  if (options.backward)
+    backward.emplace(q, k, v, out, lse, attention, rows, options.backward_reference_gflop * 1e9,
+                     rng);
   PathErrors standard_errors;
   bool standard_verified = false;
   for (const AttentionImpl impl : {AttentionImpl::standard, AttentionImpl::flash}) {
@@ -326,16 +475,20 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
     if (impl == AttentionImpl::standard) standard_verified = path.verified;
     const bool timed = std::find(options.impls.begin(), options.impls.end(), impl_name(impl)) !=
                        options.impls.end();
-    if (!timed) continue;
-    if (path.verified) {
-      const double cpu_before = process_cpu_seconds();
-      const auto start = std::chrono::steady_clock::now();
-      path.seconds = median_seconds(options.repeat, call);
-      const double wall =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (wall > 0.0) path.cpu_share = (process_cpu_seconds() - cpu_before) / (wall * threads);
+    if (timed && path.verified) {
+      const Timing timing = time_calls(options.repeat, threads, call);
+      path.seconds = timing.seconds;
+      path.cpu_share = timing.cpu_share;
     }
-    result.paths.push_back(path);
+    if (backward) {
+      if (path.verified) {
+        path.backward = backward->run(impl, timed, options.repeat, threads);
+      } else {
+        path.backward.emplace();
+        path.backward->reason = "its forward failed verification";
+      }
+    }
+    if (timed) result.paths.push_back(path);
   }
   // --impls order.
   std::stable_sort(result.paths.begin(), result.paths.end(), [&](const auto& a, const auto& b) {
@@ -359,12 +512,17 @@ std::string csv_field(const std::string& text) {
   return quoted + "\"";
 }
 
-// Machine, case, result, ratios, ceilings.
+// Machine, case, result, ratios, ceilings; then the backward (empty without --backward):
+// backward_flops = 2.5 x flops, backward_over_forward = backward time / the same path's forward
+// time, backward_ratio_standard = flash backward GFLOP/s / standard backward GFLOP/s.
 constexpr const char* kCsvHeader =
     "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
     "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
     "cpu_share,verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,"
-    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps\n";
+    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps,"
+    "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
+    "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
+    "dv_tol\n";
 
 std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                      const std::vector<CaseResult>& results, int repeat) {
@@ -381,47 +539,74 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
     const double peak = peak_for(ceilings, shape.dtype);
     const double sgemm = ceilings.sgemm_gflops.at(shape.head_dim);
     const std::optional<double> standard = result.gflops(AttentionImpl::standard);
+    const std::optional<double> standard_backward = result.backward_gflops(AttentionImpl::standard);
     for (const PathResult& path : result.paths) {
       const std::optional<double> gflops = result.gflops(path.impl);
       auto ratio = [&](std::optional<double> ceiling) -> std::optional<double> {
         if (!gflops || !ceiling || *ceiling <= 0.0) return std::nullopt;
         return *gflops / *ceiling;
       };
-      append_row({machine.date,
-                  machine.host,
-                  machine.cpu_model,
-                  machine.simd_target,
-                  ceilings.fma_target,
-                  machine.openblas_core,
-                  machine.openblas_coretype,
-                  std::to_string(machine.threads),
-                  std::to_string(repeat),
-                  shape.seed_shape ? "seed" : "sweep",
-                  dtype_name(shape.dtype),
-                  std::to_string(shape.batch),
-                  std::to_string(shape.heads),
-                  std::to_string(shape.seqlen),
-                  std::to_string(shape.seqlen),
-                  std::to_string(shape.head_dim),
-                  shape.causal ? "true" : "false",
-                  impl_name(path.impl),
-                  format("%.0f", result.flops),
-                  optional_number("%.6f", path.seconds),
-                  optional_number("%.2f", gflops),
-                  optional_number("%.2f", path.cpu_share),
-                  path.verified ? "yes" : "no",
-                  format("%.3g", path.errors.out.max_abs),
-                  format("%.3g", path.tolerance.out),
-                  format("%.3g", path.errors.lse.max_abs),
-                  format("%.3g", path.tolerance.lse),
-                  optional_number("%.4f", ratio(peak)),
-                  optional_number("%.4f", ratio(sgemm)),
-                  path.impl == AttentionImpl::flash ? optional_number("%.4f", ratio(standard)) : "",
-                  format("%.1f", peak),
-                  format("%.1f", ceilings.fma_gflops),
-                  optional_number("%.1f", ceilings.bf16_dot_gflops),
-                  format("%.1f", sgemm),
-                  format("%.2f", ceilings.copy_gbps)});
+      std::vector<std::string> backward_fields(14);
+      if (path.backward) {
+        const BackwardResult& backward = *path.backward;
+        const std::optional<double> backward_gflops = result.backward_gflops(path.impl);
+        std::optional<double> speedup;
+        if (path.impl == AttentionImpl::flash && backward_gflops && standard_backward) {
+          speedup = *backward_gflops / *standard_backward;
+        }
+        backward_fields = {format("%.0f", result.backward_flops),
+                           optional_number("%.6f", backward.seconds),
+                           optional_number("%.2f", backward_gflops),
+                           optional_number("%.2f", backward.cpu_share),
+                           optional_number("%.4f", result.backward_over_forward(path.impl)),
+                           optional_number("%.4f", speedup),
+                           status_name(backward.status),
+                           backward.oracle,
+                           optional_number("%.3g", backward.checks.dq.error),
+                           optional_number("%.3g", backward.checks.dq.tolerance),
+                           optional_number("%.3g", backward.checks.dk.error),
+                           optional_number("%.3g", backward.checks.dk.tolerance),
+                           optional_number("%.3g", backward.checks.dv.error),
+                           optional_number("%.3g", backward.checks.dv.tolerance)};
+      }
+      std::vector<std::string> fields = {
+          machine.date,
+          machine.host,
+          machine.cpu_model,
+          machine.simd_target,
+          ceilings.fma_target,
+          machine.openblas_core,
+          machine.openblas_coretype,
+          std::to_string(machine.threads),
+          std::to_string(repeat),
+          shape.seed_shape ? "seed" : "sweep",
+          dtype_name(shape.dtype),
+          std::to_string(shape.batch),
+          std::to_string(shape.heads),
+          std::to_string(shape.seqlen),
+          std::to_string(shape.seqlen),
+          std::to_string(shape.head_dim),
+          shape.causal ? "true" : "false",
+          impl_name(path.impl),
+          format("%.0f", result.flops),
+          optional_number("%.6f", path.seconds),
+          optional_number("%.2f", gflops),
+          optional_number("%.2f", path.cpu_share),
+          path.verified ? "yes" : "no",
+          format("%.3g", path.errors.out.max_abs),
+          format("%.3g", path.tolerance.out),
+          format("%.3g", path.errors.lse.max_abs),
+          format("%.3g", path.tolerance.lse),
+          optional_number("%.4f", ratio(peak)),
+          optional_number("%.4f", ratio(sgemm)),
+          path.impl == AttentionImpl::flash ? optional_number("%.4f", ratio(standard)) : "",
+          format("%.1f", peak),
+          format("%.1f", ceilings.fma_gflops),
+          optional_number("%.1f", ceilings.bf16_dot_gflops),
+          format("%.1f", sgemm),
+          format("%.2f", ceilings.copy_gbps)};
+      fields.insert(fields.end(), backward_fields.begin(), backward_fields.end());
+      append_row(fields);
     }
   }
   return text;
@@ -437,11 +622,14 @@ std::string gnuplot_string(const std::string& text) {
   return quoted + "'";
 }
 
-// A gnuplot script that draws GFLOP/s against seqlen: one line per (path, dtype, head_dim, mask)
-// over the sweep points, one horizontal line per ceiling. The data are inline, so the script is
-// the only input.
+enum class Pass { forward, backward };
+
+// A gnuplot script that draws GFLOP/s of one pass against seqlen: one line per (path, dtype,
+// head_dim, mask) over the sweep points, one horizontal line per ceiling. The data are inline, so
+// the script is the only input. The backward gets a plot of its own: its lines would cross the
+// forward's and double their number.
 std::string plot_script(const fs::path& png, const Machine& machine, const Ceilings& ceilings,
-                        const std::vector<CaseResult>& results) {
+                        const std::vector<CaseResult>& results, Pass pass) {
   struct Series {
     std::string title;
     bool flash = true;
@@ -453,7 +641,8 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
   for (const CaseResult& result : results) {
     if (result.shape.seed_shape) continue;
     for (const PathResult& path : result.paths) {
-      const std::optional<double> gflops = result.gflops(path.impl);
+      const std::optional<double> gflops =
+          pass == Pass::forward ? result.gflops(path.impl) : result.backward_gflops(path.impl);
       if (!gflops) continue;
       const Case& shape = result.shape;
       char title[96];
@@ -477,13 +666,16 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
       "}\n";
   script += "set output " + gnuplot_string(png.string()) + "\n";
   char title[512];
-  std::snprintf(title, sizeof(title), "flashattn bench, %s, %s (%s), %d threads, %s",
-                machine.date.c_str(), machine.cpu_model.c_str(), machine.host.c_str(),
-                machine.threads, machine.simd_target.c_str());
+  std::snprintf(title, sizeof(title), "flashattn bench%s, %s, %s (%s), %d threads, %s",
+                pass == Pass::forward ? "" : " backward", machine.date.c_str(),
+                machine.cpu_model.c_str(), machine.host.c_str(), machine.threads,
+                machine.simd_target.c_str());
   script += "set title " + gnuplot_string(title) + "\n";
   script +=
-      "set xlabel 'sequence length (causal unless marked; FLOPs count unmasked pairs)'\n"
-      "set ylabel 'GFLOP/s (log scale)'\n"
+      "set xlabel 'sequence length (causal unless marked; FLOPs count unmasked pairs)'\n" +
+      std::string(pass == Pass::forward
+                      ? "set ylabel 'GFLOP/s (log scale)'\n"
+                      : "set ylabel 'backward GFLOP/s, 2.5x the forward FLOPs (log scale)'\n") +
       "set logscale xy 2\n"
       "set format x '%.0f'\n"
       "set format y '%.0f'\n"
@@ -594,13 +786,29 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
       options.repeat);
   std::printf(
       "cpu      CPU time / (wall time x threads) of the timed runs, flash/standard: under 1 when "
-      "another process took the cores (the row is noise) or the path left threads idle\n\n");
-  std::printf("%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %9s %s\n", "dtype", "mask", "B",
-              "H", "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "cpu", "verified");
+      "another process took the cores (the row is noise) or the path left threads idle\n");
+  if (options.backward) {
+    std::printf(
+        "backward GFLOP/s = 2.5 x attention_flops / time (the usual convention: five products of "
+        "the forward's size, S, dP, dV, dQ, dK, against its two);\n"
+        "         f b/f, s b/f = backward time / forward time of flash, of standard; bwd f/s = "
+        "flash backward speed-up over the standard backward\n"
+        "         verified on the last (batch, KV head) slice against the fp64 reference "
+        "(\"reference\"), or, where that slice's backward exceeds %g GFLOP,\n"
+        "         on fp64 dQ of the sampled rows and flash's dK, dV against the standard path's "
+        "(\"reference-dq-rows+standard\")\n",
+        options.backward_reference_gflop);
+  }
+  std::printf("\n%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %9s ", "dtype", "mask", "B", "H",
+              "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "cpu");
+  if (options.backward) {
+    std::printf("%10s %10s %6s %6s %8s ", "bwd flash", "bwd std", "f b/f", "s b/f", "bwd f/s");
+  }
+  std::printf("verified\n");
   std::fflush(stdout);
 }
 
-void print_case(const CaseResult& result, const Ceilings& ceilings) {
+void print_case(const CaseResult& result, const Ceilings& ceilings, bool backward) {
   const Case& shape = result.shape;
   const std::optional<double> flash = result.gflops(AttentionImpl::flash);
   const std::optional<double> standard = result.gflops(AttentionImpl::standard);
@@ -623,14 +831,44 @@ void print_case(const CaseResult& result, const Ceilings& ceilings) {
     verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
                 (path.verified ? "yes" : "NO");
   }
-  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %9s %s\n",
+  std::string backward_columns, skipped;
+  if (backward) {
+    const std::optional<double> flash_backward = result.backward_gflops(AttentionImpl::flash);
+    const std::optional<double> standard_backward = result.backward_gflops(AttentionImpl::standard);
+    std::optional<double> speedup;
+    if (flash_backward && standard_backward && *standard_backward > 0.0) {
+      speedup = *flash_backward / *standard_backward;
+    }
+    char text[64];
+    std::snprintf(text, sizeof(text), "%10s %10s %6s %6s %8s ",
+                  column(flash_backward, "%.1f").c_str(), column(standard_backward, "%.1f").c_str(),
+                  column(result.backward_over_forward(AttentionImpl::flash), "%.2f").c_str(),
+                  column(result.backward_over_forward(AttentionImpl::standard), "%.2f").c_str(),
+                  column(speedup, "%.2f").c_str());
+    backward_columns = text;
+    std::string statuses, oracle;
+    for (const PathResult& path : result.paths) {
+      if (!path.backward) continue;
+      const BackwardResult::Status status = path.backward->status;
+      statuses += std::string(statuses.empty() ? "" : ", ") + impl_name(path.impl) + " " +
+                  (status == BackwardResult::Status::failed ? "NO" : status_name(status));
+      if (oracle.empty() || path.impl == AttentionImpl::flash) oracle = path.backward->oracle;
+      if (status == BackwardResult::Status::skipped) {
+        skipped += std::string("         ") + impl_name(path.impl) +
+                   " backward skipped: " + path.backward->reason + "\n";
+      }
+    }
+    verified += "; backward " + statuses + (oracle.empty() ? "" : " against " + oracle);
+  }
+  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %9s %s%s\n%s",
               dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
               static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
               column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
               column(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
               column(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
-              column(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), verified.c_str());
+              column(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), backward_columns.c_str(),
+              verified.c_str(), skipped.c_str());
   std::fflush(stdout);
 }
 
@@ -668,7 +906,7 @@ int run_bench(BenchOptions options, const CLI::App& command) {
   Machine machine = describe_machine(threads);
   const std::string stem = machine.date + "-" + file_name_safe(machine.host);
   AtomicFile csv(out_dir / (stem + ".csv"));
-  std::unique_ptr<AtomicFile> png;
+  std::unique_ptr<AtomicFile> png, backward_png;
   std::optional<fs::path> gnuplot;
   std::string no_plot_reason;
   if (options.no_plot) {
@@ -678,6 +916,9 @@ int run_bench(BenchOptions options, const CLI::App& command) {
         "gnuplot is not on PATH; install gnuplot-nox (scripts/install-deps.sh) for the plot";
   } else {
     png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
+    if (options.backward) {
+      backward_png = std::make_unique<AtomicFile>(out_dir / (stem + "-backward.png"));
+    }
   }
 
   std::set<std::int64_t> head_dims;
@@ -691,28 +932,35 @@ int run_bench(BenchOptions options, const CLI::App& command) {
     std::fprintf(stderr, "flashattn bench: [%zu/%zu] %s\n", i + 1, cases.size(),
                  case_label(cases[i]).c_str());
     results.push_back(run_case(cases[i], options, threads));
-    for (const PathResult& path : results.back().paths) all_verified &= path.verified;
-    print_case(results.back(), ceilings);
+    for (const PathResult& path : results.back().paths) {
+      all_verified &= path.verified;
+      if (path.backward) all_verified &= path.backward->status != BackwardResult::Status::failed;
+    }
+    print_case(results.back(), ceilings, options.backward);
   }
 
   csv.append(csv_text(machine, ceilings, results, options.repeat));
   csv.commit();
   std::printf("\nwrote %s\n", fs::absolute(csv.path()).lexically_normal().c_str());
-  if (png) {
+  for (const auto& [file, pass] :
+       {std::pair{png.get(), Pass::forward}, std::pair{backward_png.get(), Pass::backward}}) {
+    if (file == nullptr) continue;
     // gnuplot writes the temporary file by name; the rename makes it appear whole.
     const std::optional<std::string> failure =
-        run_gnuplot(*gnuplot, plot_script(png->temp_path(), machine, ceilings, results));
-    if (!failure && fs::file_size(png->temp_path(), error) > 0 && !error) {
-      png->commit();
-      std::printf("wrote %s\n", fs::absolute(png->path()).lexically_normal().c_str());
+        run_gnuplot(*gnuplot, plot_script(file->temp_path(), machine, ceilings, results, pass));
+    if (!failure && fs::file_size(file->temp_path(), error) > 0 && !error) {
+      file->commit();
+      std::printf("wrote %s\n", fs::absolute(file->path()).lexically_normal().c_str());
     } else {
-      png->discard();
+      file->discard();
       no_plot_reason = failure.value_or("gnuplot wrote an empty file");
     }
   }
   if (!no_plot_reason.empty()) std::printf("no plot: %s\n", no_plot_reason.c_str());
   if (!all_verified) {
-    std::printf("verification FAILED for at least one path: it was not timed (verified = no)\n");
+    std::printf(
+        "verification FAILED for at least one path or backward: it was not timed (verified = no, "
+        "backward_verified = no)\n");
     return kExitMismatch;
   }
   return kExitOk;
@@ -742,10 +990,27 @@ Action add_bench_command(CLI::App& app) {
       "FLOPs: attention_flops, 4·D per unmasked (query, key) pair. Ratios: flash GFLOP/s over the\n"
       "dtype's peak (the f32 FMA peak; bf16: the larger of it and the bf16 dot peak), over sgemm\n"
       "at the same head_dim, and over the standard path.\n"
-      "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (a row per case and path) and .png (gnuplot),\n"
-      "each whole or not at all, and prints where. Progress goes to stderr.\n"
+      "--backward: after each path's forward, its backward on the same inputs, a fixed random dO\n"
+      "and the out and lse of that path's own forward; verified, then timed (median). FLOPs:\n"
+      "2.5x attention_flops, the usual convention (five products of the forward's size: S, dP,\n"
+      "dV, dQ, dK; the forward has two). Verified on the last (batch, KV head) slice, its GQA\n"
+      "group of query heads, against the fp64 reference backward; where that slice exceeds\n"
+      "--backward-reference-work (2^34 backward FLOPs: up to seqlen 4096 causal at D = 128,\n"
+      "about 6 s of the one-thread reference on the machine of bench/RESULTS.md), the reference\n"
+      "checks dQ on the sampled rows and flash's dK, dV are compared with the standard path's\n"
+      "(CSV column backward_oracle). Tolerances (as tests/test_backward.cpp), G = max|reference "
+      "grad| +\n"
+      "max|dO|·max|v|: standard within the first-order fp32 bound u·(4·scale·D·max|q|·max|k| +\n"
+      "2·(Skv + Sq) + 16)·G + 2 roundings of the dtype; flash within 4x the standard path's\n"
+      "error + (2 roundings of the dtype + 4 score roundings)·G; flash against standard within\n"
+      "5x the standard bound + the same floor. The standard backward holds two S x S fp32\n"
+      "matrices per thread: where the machine's memory cannot, it is skipped with the reason.\n"
+      "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (a row per case and path; backward columns empty\n"
+      "without --backward) and .png (gnuplot; with --backward also -backward.png), each whole or\n"
+      "not at all, and prints where. Progress goes to stderr.\n"
       "Exit codes: 0 every path verified, 1 invalid arguments or unwritable output, 2 bad\n"
-      "command line, 3 a path failed verification (then not timed; the CSV says which).");
+      "command line, 3 a path or its backward failed verification (then not timed; the CSV says\n"
+      "which).");
   command->option_defaults()->always_capture_default();
   command->add_option("--seqlens", options->seqlens, "Sweep sequence lengths")
       ->delimiter(',')
@@ -779,6 +1044,14 @@ Action add_bench_command(CLI::App& app) {
   command->add_option("--seed", options->seed, "Random seed of the inputs");
   command->add_option("--out-dir", options->out_dir, "Directory of the CSV and the plot");
   command->add_flag("--no-plot", options->no_plot, "Write the CSV only");
+  command->add_flag("--backward", options->backward,
+                    "Also verify and time each path's backward (GFLOP/s at 2.5x the forward's "
+                    "FLOPs, backward/forward time)");
+  command
+      ->add_option("--backward-reference-work", options->backward_reference_gflop,
+                   "GFLOP (backward) of the largest slice checked against the fp64 reference as a "
+                   "whole")
+      ->check(CLI::PositiveNumber);
   command->add_flag("--quick", options->quick,
                     "A tiny sweep (seqlens 128,256, head_dim 32, both masks, no seed shape, "
                     "short ceilings) for tests; explicit options still apply");

@@ -73,6 +73,12 @@ void Difference::add(double value, double reference) {
   if (std::isfinite(reference)) max_reference = std::max(max_reference, std::fabs(reference));
 }
 
+void fill_nan(HostTensor& tensor) {
+  std::fill(tensor.f32.begin(), tensor.f32.end(), std::numeric_limits<float>::quiet_NaN());
+  std::fill(tensor.bits16.begin(), tensor.bits16.end(),
+            tensor.dtype == DType::f16 ? std::uint16_t{0x7e00} : std::uint16_t{0x7fc0});
+}
+
 std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
                                       std::mt19937_64& rng) {
   const auto wanted = static_cast<std::size_t>(std::min(count, seqlen_q));
@@ -85,17 +91,11 @@ std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
   return {rows.begin(), rows.end()};
 }
 
-namespace {
-
-// Keys [0, visible) that query row `row` sees: with the causal mask the slice's last key is again
-// on the row's diagonal, so row `row` alone against the slice keeps its mask.
 std::int64_t visible_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
                           const AttentionOptions& options) {
   return options.causal ? std::clamp<std::int64_t>(row + 1 + seqlen_kv - seqlen_q, 0, seqlen_kv)
                         : seqlen_kv;
 }
-
-}  // namespace
 
 // The fp64 reference is O(seqlen_q * seqlen_kv * head_dim) scalar work, too slow for whole
 // tensors at benchmark shapes, so it runs on single query rows of every (batch, head).

@@ -44,6 +44,9 @@ HostTensor random_tensor(DType dtype, std::array<std::int64_t, 4> shape, std::mt
 // Largest |value| over finite elements.
 double max_abs(const HostTensor& tensor);
 
+// NaN in every element, so that an element a path fails to write cannot pass verification.
+void fill_nan(HostTensor& tensor);
+
 // Largest |a - b| and largest |b|; NaN or a one-sided infinity counts as an infinite difference,
 // and equal infinities (-inf lse of fully masked rows) as none.
 struct Difference {
@@ -58,6 +61,11 @@ struct Difference {
 // the middle one first, as the mask treats the edges differently, then random ones.
 std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
                                       std::mt19937_64& rng);
+
+// Keys [0, visible) that query row `row` sees: with the causal mask the slice's last key is again
+// on the row's diagonal, so row `row` alone against the slice keeps its mask.
+std::int64_t visible_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
+                          const AttentionOptions& options);
 
 // The fp64 reference on the query rows `rows` of every (batch, head), output rounded to the
 // input dtype as attention_reference does.
