@@ -8,8 +8,8 @@
 //   dV += Pᵀ·dO                            [Bc x D]   accumulate_pv_tile on Pᵀ
 //   dP = dO·Vᵀ                             [Br x Bc]  scores_tile
 //   dS = scale · P ∘ (dP − D_i)            [Br x Bc]  softmax_gradient_tile, D_i = rowsum(dO ∘ O)
-//   dQ += dS·K                             [Br x D]   accumulate_pv_tile, into the chunk's dQ buffer
-//   dK += dSᵀ·Q                            [Bc x D]   accumulate_pv_tile on dSᵀ
+//   dQ += dS·K                             [Br x D]   accumulate_pv_tile, into the chunk's dQ
+//   buffer dK += dSᵀ·Q                            [Bc x D]   accumulate_pv_tile on dSᵀ
 // Each task owns its dK and dV rows outright. dQ rows receive from every chunk, so each chunk
 // adds into its own fp32 buffer and the buffers are summed in chunk order at the end. The chunk
 // count depends only on the shape, never on the thread count: results are bitwise identical for
@@ -37,6 +37,7 @@
 #include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "standard/matrix.hpp"
+#include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
 
@@ -59,9 +60,9 @@ struct BackwardTiles {
 };
 
 struct Scratch {
-  std::vector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
-  std::vector<float> probabilities, dscores;            // [Br x Bc] each
-  std::vector<float> dk, dv;
+  AlignedVector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
+  AlignedVector<float> probabilities, dscores;            // [Br x Bc] each
+  AlignedVector<float> dk, dv;
 
   Scratch(const BackwardTiles& tiles, std::int64_t D)
       : k_packed_t(D * tiles.keys),
@@ -157,7 +158,7 @@ class QueryBlocks {
   BackwardTiles tiles_;
   std::int64_t blocks_per_head_;
   bool converted_;
-  std::vector<float> q_panels_, dout_panels_, q_rows_, dout_rows_, delta_;
+  AlignedVector<float> q_panels_, dout_panels_, q_rows_, dout_rows_, delta_;
 };
 
 struct Task {
@@ -259,7 +260,7 @@ void flash_backward(const BackwardParams& bp) {
                  std::max<std::int64_t>(kv_blocks, 1));
   // dQ buffers: [chunk][batch][heads_kv][group][seqlen_q][Dp]
   const std::int64_t group_floats = p.group_size() * p.seqlen_q * tiles.dims_padded;
-  std::vector<float> dq_buffers(static_cast<std::size_t>(chunks * groups * group_floats), 0.0f);
+  AlignedVector<float> dq_buffers(static_cast<std::size_t>(chunks * groups * group_floats), 0.0f);
   const QueryBlocks queries(bp, tiles);
 
   parallel_tasks(

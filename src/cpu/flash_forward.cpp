@@ -32,6 +32,7 @@
 #include "cpu/tile_kernels.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
+#include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
 
@@ -51,9 +52,9 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0.
 struct Scratch {
   std::int64_t dims_padded;
-  std::vector<float> q, k_packed, v_packed, scores, acc, row_max, row_sum;
+  AlignedVector<float> q, k_packed, v_packed, scores, acc, row_max, row_sum;
   // bf16 operands of the vdpbf16ps products (bf16 inputs on AVX512-BF16 CPUs only).
-  std::vector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
+  AlignedVector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
 
   // Q, acc, row_max and row_sum hold tiles.blocks_per_task blocks of tiles.rows rows.
   Scratch(FlashTiles tiles, std::int64_t D, bool bf16_products)
