@@ -34,5 +34,6 @@ struct FlashTiles {
   std::int64_t blocks_per_task = 1;
 };
 FlashTiles flash_tiles(std::int64_t head_dim);
+FlashTiles flash_backward_tiles(std::int64_t head_dim);
 
 }  // namespace flashattn::detail
