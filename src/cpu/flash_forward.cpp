@@ -167,6 +167,12 @@ void start_block(const AttentionParams& p, std::int64_t Dp, bool bf16_products,
   const TaskRows& task = block.rows;
   const std::int64_t rows = task.count();
   for (std::int64_t i = 0; i < rows; ++i) {
+    if (i + cpu::kRowsAhead < rows) {
+      const std::int64_t ahead = i + cpu::kRowsAhead;
+      cpu::prefetch_row(p.q, p.dtype,
+                        p.q_strides.offset(task.b, task.position(ahead), task.head(ahead)),
+                        p.head_dim);
+    }
     const std::int64_t offset = p.q_strides.offset(task.b, task.position(i), task.head(i));
     if (bf16_products) {
       std::copy_n(static_cast<const std::uint16_t*>(p.q) + offset, p.head_dim,

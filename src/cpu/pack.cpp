@@ -32,14 +32,10 @@ void with_loader(DType dtype, const void* base, Visitor&& visit) {
   visit(LoadF32{static_cast<const float*>(base)});
 }
 
-// Rows of one head lie a sequence stride apart (H·D elements in [B, S, H, D]), usually 4 KiB
-// or more, and the hardware prefetchers do not follow a stream across 4 KiB pages: each row's
-// first line waited for memory. Asking for the row kRowsAhead rows on while copying this one
-// overlaps those waits.
-constexpr std::int64_t kRowsAhead = 8;
-constexpr std::int64_t kLineBytes = 64;
+}  // namespace
 
 void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64_t head_dim) {
+  constexpr std::int64_t kLineBytes = 64;
   const std::int64_t element_bytes = static_cast<std::int64_t>(dtype_size(dtype));
   const char* first = static_cast<const char*>(base) + offset * element_bytes;
   for (std::int64_t byte = 0; byte < head_dim * element_bytes; byte += kLineBytes) {
@@ -47,8 +43,6 @@ void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64
   }
   __builtin_prefetch(first + head_dim * element_bytes - 1);
 }
-
-}  // namespace
 
 void pack_rows(float* panels, const void* base, DType dtype, const Strides& strides, std::int64_t b,
                std::int64_t h, std::int64_t row_begin, std::int64_t rows, std::int64_t head_dim,
