@@ -57,17 +57,25 @@ HWY_INLINE void RemainderRows(std::int64_t i, std::int64_t rows, const Block& bl
 // exp(x) for the softmax, whose arguments are scores minus a row max (or minus the row's lse
 // in the backward): x <= 0 up to rounding, -inf or NaN.
 // exp(x) = 2^n · 2^f with n = round(x·log2 e) and f in [-1/2, 1/2], 2^f by its degree-6 Taylor
-// polynomial (truncation below 1.3e-7 relative, about one ulp), 2^n added to the exponent bits.
-// Below -87.3 the result is flushed to 0 (exp(-87.3) ~ 1e-38 < FLT_MIN; masked -inf gives an
-// exact 0); NaN stays NaN. Half the operations of Highway's general Exp, which also handles
-// large positive arguments: the 256 x 128 online-softmax tile went from 17.4 to 14.8 us on one
-// AVX-512 core.
+// polynomial (truncation below 1.3e-7 relative, about one ulp), then 2^n applied. Masked -inf
+// gives an exact 0; NaN stays NaN. Half the operations of Highway's general Exp, which also
+// handles large positive arguments: the 256 x 128 online-softmax tile went from 17.4 to 14.8 us
+// on one AVX-512 core.
 HWY_INLINE Vec SoftmaxExp(Tag tag, Vec x) {
-  const hn::RebindToSigned<Tag> int_tag;
   const Vec kLog2e = hn::Set(tag, 1.44269504088896341f);
-  // Clamped to [-127, 127] so that n fits the exponent field whatever x is (the backward's x is
-  // a score minus a caller-provided lse).
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // AVX-512: vscalefps computes p·2^n in one instruction, with IEEE underflow (to denormals,
+  // then 0) and NaN propagation, which replaces the exponent-bit arithmetic, the upper clamp,
+  // the flush and the NaN select: 11 instead of 18 operations per vector, the softmax tile
+  // 15.7 -> 12.6-13.8 us. maxps returns its second operand when either is NaN, so a NaN x
+  // stays NaN through t; -inf becomes -200, whose 2^n underflows to an exact 0.
+  const Vec t{_mm512_max_ps(_mm512_set1_ps(-200.0f), hn::Mul(x, kLog2e).raw)};
+#else
+  // 2^n goes into the exponent bits: t is clamped to [-127, 127] so that n fits the field
+  // whatever x is (the backward's x is a score minus a caller-provided lse), and results below
+  // -87.3 are flushed to 0 (exp(-87.3) ~ 1e-38 < FLT_MIN).
   const Vec t = hn::Min(hn::Max(hn::Mul(x, kLog2e), hn::Set(tag, -127.0f)), hn::Set(tag, 127.0f));
+#endif
   const Vec n = hn::Round(t);
   const Vec f = hn::Sub(t, n);
   // Horner on ln2^k / k!, k = 6 .. 0
@@ -78,10 +86,15 @@ HWY_INLINE Vec SoftmaxExp(Tag tag, Vec x) {
   p = hn::MulAdd(p, f, hn::Set(tag, 2.4022650695910071e-1f));
   p = hn::MulAdd(p, f, hn::Set(tag, 6.9314718055994531e-1f));
   p = hn::MulAdd(p, f, hn::Set(tag, 1.0f));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  return Vec{_mm512_scalef_ps(p.raw, n.raw)};
+#else
+  const hn::RebindToSigned<Tag> int_tag;
   const auto exponent = hn::ShiftLeft<23>(hn::NearestInt(n));
   const Vec scaled = hn::BitCast(tag, hn::Add(hn::BitCast(int_tag, p), exponent));
   const Vec flushed = hn::IfThenZeroElse(hn::Lt(x, hn::Set(tag, -87.3f)), scaled);
   return hn::IfThenElse(hn::IsNaN(x), x, flushed);
+#endif
 }
 
 // scores[R x C·N] = q[R x D] · k_packed[D x C·N]. Unscaled: with a scale vector live across the
