@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "flashattn/attention.hpp"
 
@@ -24,6 +25,17 @@ struct KeyRange {
   std::int64_t begin = 0, end = 0;
   bool empty() const { return begin >= end; }
 };
+
+// One row of a score tile holding keys [key_begin, key_begin + width): -inf on every key the
+// row does not see (those before and after its one visible interval).
+inline void mask_invisible(float* scores, KeyRange row_keys, std::int64_t key_begin,
+                           std::int64_t width) {
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  const std::int64_t visible_begin = std::clamp(row_keys.begin - key_begin, std::int64_t{0}, width);
+  const std::int64_t visible_end = std::clamp(row_keys.end - key_begin, visible_begin, width);
+  std::fill(scores, scores + visible_begin, kMasked);
+  std::fill(scores + visible_end, scores + width, kMasked);
+}
 
 struct AttentionParams {
   const void* q = nullptr;

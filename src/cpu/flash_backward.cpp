@@ -202,13 +202,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
                          keys_padded, D);
         for (std::int64_t i = 0; i < rows; ++i) {
           float* s = t.probabilities.data() + i * ld_s;
-          const KeyRange row_keys = p.key_range(row_begin + i);
-          const std::int64_t visible_begin =
-              std::clamp(row_keys.begin - key_begin, std::int64_t{0}, keys);
-          const std::int64_t visible_end =
-              std::clamp(row_keys.end - key_begin, visible_begin, keys);
-          std::fill(s, s + visible_begin, kNegativeInfinity);
-          std::fill(s + visible_end, s + keys_padded, kNegativeInfinity);
+          mask_invisible(s, p.key_range(row_begin + i), key_begin, keys);
+          std::fill(s + keys, s + keys_padded, kNegativeInfinity);
         }
         cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.scale,
                                          p.lse + p.lse_index(b, h, row_begin), rows, keys_padded);
