@@ -22,7 +22,7 @@
 // 2 threads: 0.150 s before).
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
-// accumulators: 0.75 MiB at D = 128); the packed Q and dO, 2 x batch x heads_q x seqlen_q x Dp
+// accumulators: 0.4 MiB at D = 128); the packed Q and dO, 2 x batch x heads_q x seqlen_q x Dp
 // floats (twice that for f16/bf16); the fp32 dQ buffers, chunks x batch x heads_q x seqlen_q x Dp
 // floats: proportional to seqlen_q, never to seqlen_q x seqlen_kv.
 
@@ -242,10 +242,9 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
 FlashTiles flash_backward_tiles(std::int64_t head_dim) {
   // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
   // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block.
-  // Bc twice the forward's halves how often every row block's Q, dO and dQ stream past each
-  // K/V block: measured, 2 threads, [1,4096,4,128] causal 0.196 -> 0.181 s, the seed shape
-  // unchanged (its causal diagonal blocks waste more); 4x was slower on both.
-  return {64, 2 * flash_tiles(head_dim).keys, 1};
+  // Bc as in the forward: measured (2 threads), twice the forward's Bc was 5-10% slower on the
+  // seed shape and [1,4096,4,128] causal; Br = 128 no faster than 64.
+  return {64, flash_tiles(head_dim).keys, 1};
 }
 
 void flash_backward(const BackwardParams& bp) {
