@@ -77,6 +77,10 @@ inline void store_f32(void* base, DType dtype, std::int64_t index, float value) 
   }
 }
 
+// dst[0, n) = src[0, n) of an f16 (dtype f16) or bf16 (dtype bf16) row widened to fp32, with
+// SIMD where the CPU has it (util/widen.cpp); exactly the floats of f32_from_f16/bf16.
+void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n);
+
 // dst[0, n) = src[offset, offset + n) widened to fp32.
 inline void load_row_f32(float* dst, const void* src, DType dtype, std::int64_t offset,
                          std::int64_t n) {
@@ -84,7 +88,7 @@ inline void load_row_f32(float* dst, const void* src, DType dtype, std::int64_t 
     std::memcpy(dst, static_cast<const float*>(src) + offset, sizeof(float) * n);
     return;
   }
-  for (std::int64_t i = 0; i < n; ++i) dst[i] = load_f32(src, dtype, offset + i);
+  widen_row(dst, static_cast<const std::uint16_t*>(src) + offset, dtype, n);
 }
 
 // dst[offset, offset + n) = src[0, n) rounded to dtype.
