@@ -26,11 +26,13 @@
 // floats (twice that for f16/bf16); the fp32 dQ buffers, chunks x batch x heads_q x seqlen_q x Dp
 // floats: proportional to seqlen_q, never to seqlen_q x seqlen_kv.
 
+#include <hwy/aligned_allocator.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -49,6 +51,14 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // Enough tasks to keep every thread busy when batch x heads_kv is small; a function of the
 // shape only (see the determinism note above).
 constexpr std::int64_t kMinimumTasks = 8;
+
+// Storage whose every element is written before it is read. A zero-filled std::vector was a
+// serial pass on the calling thread before the parallel work: ~100 MiB on the seed shape.
+hwy::AlignedFreeUniquePtr<float[]> uninitialized_floats(std::int64_t n) {
+  auto buffer = hwy::AllocateAligned<float>(static_cast<std::size_t>(std::max<std::int64_t>(n, 1)));
+  if (!buffer) throw std::bad_alloc();
+  return buffer;
+}
 
 struct BackwardTiles {
   std::int64_t rows, keys, dims_padded;
@@ -89,13 +99,13 @@ class QueryBlocks {
         converted_(p_.dtype != DType::f32) {
     const std::int64_t row_floats =
         p_.batch * p_.heads_q * blocks_per_head_ * tiles.rows * tiles.dims_padded;
-    q_panels_.resize(row_floats);
-    dout_panels_.resize(row_floats);
+    q_panels_ = uninitialized_floats(row_floats);
+    dout_panels_ = uninitialized_floats(row_floats);
     if (converted_) {
-      q_rows_.resize(row_floats);
-      dout_rows_.resize(row_floats);
+      q_rows_ = uninitialized_floats(row_floats);
+      dout_rows_ = uninitialized_floats(row_floats);
     }
-    delta_.resize(p_.batch * p_.heads_q * p_.seqlen_q);
+    delta_ = uninitialized_floats(p_.batch * p_.heads_q * p_.seqlen_q);
 
     const std::int64_t blocks = p_.batch * p_.heads_q * blocks_per_head_;
 #pragma omp parallel for num_threads(p_.num_threads) schedule(static)
@@ -104,18 +114,18 @@ class QueryBlocks {
       const std::int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
       const std::int64_t row_begin = n * tiles.rows, rows = this->rows(n);
       const std::int64_t offset = index * tiles.rows * tiles.dims_padded;
-      cpu::pack_rows(q_panels_.data() + offset, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows,
+      cpu::pack_rows(q_panels_.get() + offset, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows,
                      p_.head_dim, tiles.dims_padded);
-      cpu::pack_rows(dout_panels_.data() + offset, bp.dout, p_.dtype, bp.dout_strides, b, h,
+      cpu::pack_rows(dout_panels_.get() + offset, bp.dout, p_.dtype, bp.dout_strides, b, h,
                      row_begin, rows, p_.head_dim, tiles.dims_padded);
       for (std::int64_t i = 0; converted_ && i < rows; ++i) {
         const std::int64_t row = offset + i * tiles.dims_padded;
-        load_row_f32(q_rows_.data() + row, p_.q, p_.dtype, p_.q_strides.offset(b, row_begin + i, h),
+        load_row_f32(q_rows_.get() + row, p_.q, p_.dtype, p_.q_strides.offset(b, row_begin + i, h),
                      p_.head_dim);
-        load_row_f32(dout_rows_.data() + row, bp.dout, p_.dtype,
+        load_row_f32(dout_rows_.get() + row, bp.dout, p_.dtype,
                      bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim);
       }
-      row_deltas(delta_.data() + p_.lse_index(b, h, row_begin), bp.dout, bp.dout_strides, p_.out,
+      row_deltas(delta_.get() + p_.lse_index(b, h, row_begin), bp.dout, bp.dout_strides, p_.out,
                  p_.out_strides, p_.dtype, b, h, row_begin, rows, p_.head_dim);
     }
   }
@@ -124,23 +134,23 @@ class QueryBlocks {
     return std::min(tiles_.rows, p_.seqlen_q - n * tiles_.rows);
   }
   const float* q_panels(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return q_panels_.data() + offset(b, h, n);
+    return q_panels_.get() + offset(b, h, n);
   }
   const float* dout_panels(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return dout_panels_.data() + offset(b, h, n);
+    return dout_panels_.get() + offset(b, h, n);
   }
   RowMajor q(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    if (converted_) return {q_rows_.data() + offset(b, h, n), tiles_.dims_padded};
+    if (converted_) return {q_rows_.get() + offset(b, h, n), tiles_.dims_padded};
     return {static_cast<const float*>(p_.q) + p_.q_strides.offset(b, n * tiles_.rows, h),
             p_.q_strides.seq};
   }
   RowMajor dout(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    if (converted_) return {dout_rows_.data() + offset(b, h, n), tiles_.dims_padded};
+    if (converted_) return {dout_rows_.get() + offset(b, h, n), tiles_.dims_padded};
     return {static_cast<const float*>(bp_.dout) + bp_.dout_strides.offset(b, n * tiles_.rows, h),
             bp_.dout_strides.seq};
   }
   const float* delta(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return delta_.data() + p_.lse_index(b, h, n * tiles_.rows);
+    return delta_.get() + p_.lse_index(b, h, n * tiles_.rows);
   }
 
  private:
@@ -153,7 +163,7 @@ class QueryBlocks {
   BackwardTiles tiles_;
   std::int64_t blocks_per_head_;
   bool converted_;
-  AlignedVector<float> q_panels_, dout_panels_, q_rows_, dout_rows_, delta_;
+  hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, q_rows_, dout_rows_, delta_;
 };
 
 struct Task {
@@ -257,9 +267,12 @@ void flash_backward(const BackwardParams& bp) {
   const std::int64_t chunks =
       std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1), std::int64_t{1},
                  std::max<std::int64_t>(kv_blocks, 1));
-  // dQ buffers: [chunk][batch][heads_kv][group][seqlen_q][Dp]
+  // dQ buffers: [chunk][batch][heads_kv][group][seqlen_q][Dp], each zeroed by the task that
+  // owns it, in parallel. (Adding straight into an f32 caller's dq when there is one chunk was
+  // no faster: its rows lie a sequence stride apart.)
   const std::int64_t group_floats = p.group_size() * p.seqlen_q * tiles.dims_padded;
-  AlignedVector<float> dq_buffers(static_cast<std::size_t>(chunks * groups * group_floats), 0.0f);
+  const hwy::AlignedFreeUniquePtr<float[]> dq_buffers =
+      uninitialized_floats(chunks * groups * group_floats);
   const QueryBlocks queries(bp, tiles);
 
   parallel_tasks(
@@ -268,7 +281,8 @@ void flash_backward(const BackwardParams& bp) {
         const std::int64_t group = index / chunks, chunk = index % chunks;
         const Task task{group / p.heads_kv, group % p.heads_kv, chunk * kv_blocks / chunks,
                         (chunk + 1) * kv_blocks / chunks,
-                        dq_buffers.data() + (chunk * groups + group) * group_floats};
+                        dq_buffers.get() + (chunk * groups + group) * group_floats};
+        std::fill_n(task.dq, group_floats, 0.0f);
         backward_task(bp, tiles, queries, scratch, task);
       });
 
@@ -278,7 +292,7 @@ void flash_backward(const BackwardParams& bp) {
     const std::int64_t group = index / (p.group_size() * p.seqlen_q);
     const std::int64_t within = index % (p.group_size() * p.seqlen_q);
     const std::int64_t g = within / p.seqlen_q, position = within % p.seqlen_q;
-    float* row = dq_buffers.data() + group * group_floats + within * tiles.dims_padded;
+    float* row = dq_buffers.get() + group * group_floats + within * tiles.dims_padded;
     for (std::int64_t chunk = 1; chunk < chunks; ++chunk) {
       const float* partial = row + chunk * groups * group_floats;
       for (std::int64_t d = 0; d < D; ++d) row[d] += partial[d];
