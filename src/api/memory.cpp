@@ -88,13 +88,13 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
   switch (impl) {
     case AttentionImpl::flash: {
       // dQ partial sums for up to 8 key chunks [chunk x rows x Dp]; Q and dO packed once
-      // (row blocks of Br, f16/bf16 also converted row-major) and D_i; per thread the K and V
+      // (row blocks of Br) and D_i; per thread the K and V
       // panels, two score-sized tiles and dK, dV accumulators.
       const FlashTiles tiles = flash_backward_tiles(p.head_dim);
       const __int128 tile_rows = tiles.rows, keys = tiles.keys;
       const __int128 padded_rows = static_cast<__int128>(p.batch) * p.heads_q *
                                    ((Sq + tile_rows - 1) / tile_rows) * tile_rows;
-      const __int128 query_floats = (p.dtype == DType::f32 ? 2 : 4) * padded_rows * D_padded + rows;
+      const __int128 query_floats = 2 * padded_rows * D_padded + rows;
       const __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;
       return saturate((8 * rows * D_padded + query_floats + threads * per_thread) * 4);
     }

@@ -16,14 +16,13 @@
 // any number of threads.
 //
 // Before the K/V loop, one parallel pass lays out every query row block once: Q and dO as the
-// column panels the dK and dV products stream (and row-major fp32 copies for f16/bf16 inputs),
-// and D_i. Packed inside the loop instead, each row block was re-read and re-packed once per K/V
-// block it sees: 8 times at seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal,
-// 2 threads: 0.150 s before).
+// column panels that S, dP, dK and dV stream, and D_i. Packed inside the loop instead, each row
+// block was re-read and re-packed once per K/V block it sees: 8 times at seqlen 1024, ~20% of the
+// backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
 // accumulators: 0.4 MiB at D = 128); the packed Q and dO, 2 x batch x heads_q x seqlen_q x Dp
-// floats (twice that for f16/bf16); the fp32 dQ buffers, chunks x batch x heads_q x seqlen_q x Dp
+// floats; the fp32 dQ buffers, chunks x batch x heads_q x seqlen_q x Dp
 // floats: proportional to seqlen_q, never to seqlen_q x seqlen_kv.
 
 #include <hwy/aligned_allocator.h>
@@ -79,32 +78,20 @@ struct Scratch {
         dv(tiles.keys * tiles.dims_padded) {}
 };
 
-// A row-major fp32 view of some rows: the caller's memory for f32 inputs, else a converted copy.
-struct RowMajor {
-  const float* data;
-  std::int64_t ld;
-};
-
 // Every query row block of every query head, laid out once for all the K/V blocks that read it.
 // Block (b, h, n) holds rows [n·Br, n·Br + rows) of head h: Q and dO as column panels
-// ([rows x Dp], cpu::packed_index), the row-major fp32 view the scores kernel reads (the caller's
-// memory for f32, else a converted copy), and D_i = rowsum(dO_i ∘ O_i).
+// ([rows x Dp], cpu::packed_index), which all four products that read them stream (the scores
+// kernel too, panel by panel), and D_i = rowsum(dO_i ∘ O_i).
 class QueryBlocks {
  public:
   QueryBlocks(const BackwardParams& bp, const BackwardTiles& tiles)
-      : bp_(bp),
-        p_(bp.forward),
+      : p_(bp.forward),
         tiles_(tiles),
-        blocks_per_head_((p_.seqlen_q + tiles.rows - 1) / tiles.rows),
-        converted_(p_.dtype != DType::f32) {
+        blocks_per_head_((p_.seqlen_q + tiles.rows - 1) / tiles.rows) {
     const std::int64_t row_floats =
         p_.batch * p_.heads_q * blocks_per_head_ * tiles.rows * tiles.dims_padded;
     q_panels_ = uninitialized_floats(row_floats);
     dout_panels_ = uninitialized_floats(row_floats);
-    if (converted_) {
-      q_rows_ = uninitialized_floats(row_floats);
-      dout_rows_ = uninitialized_floats(row_floats);
-    }
     delta_ = uninitialized_floats(p_.batch * p_.heads_q * p_.seqlen_q);
 
     const std::int64_t blocks = p_.batch * p_.heads_q * blocks_per_head_;
@@ -118,13 +105,6 @@ class QueryBlocks {
                      p_.head_dim, tiles.dims_padded);
       cpu::pack_rows(dout_panels_.get() + offset, bp.dout, p_.dtype, bp.dout_strides, b, h,
                      row_begin, rows, p_.head_dim, tiles.dims_padded);
-      for (std::int64_t i = 0; converted_ && i < rows; ++i) {
-        const std::int64_t row = offset + i * tiles.dims_padded;
-        load_row_f32(q_rows_.get() + row, p_.q, p_.dtype, p_.q_strides.offset(b, row_begin + i, h),
-                     p_.head_dim);
-        load_row_f32(dout_rows_.get() + row, bp.dout, p_.dtype,
-                     bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim);
-      }
       row_deltas(delta_.get() + p_.lse_index(b, h, row_begin), bp.dout, bp.dout_strides, p_.out,
                  p_.out_strides, p_.dtype, b, h, row_begin, rows, p_.head_dim);
     }
@@ -139,16 +119,6 @@ class QueryBlocks {
   const float* dout_panels(std::int64_t b, std::int64_t h, std::int64_t n) const {
     return dout_panels_.get() + offset(b, h, n);
   }
-  RowMajor q(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    if (converted_) return {q_rows_.get() + offset(b, h, n), tiles_.dims_padded};
-    return {static_cast<const float*>(p_.q) + p_.q_strides.offset(b, n * tiles_.rows, h),
-            p_.q_strides.seq};
-  }
-  RowMajor dout(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    if (converted_) return {dout_rows_.get() + offset(b, h, n), tiles_.dims_padded};
-    return {static_cast<const float*>(bp_.dout) + bp_.dout_strides.offset(b, n * tiles_.rows, h),
-            bp_.dout_strides.seq};
-  }
   const float* delta(std::int64_t b, std::int64_t h, std::int64_t n) const {
     return delta_.get() + p_.lse_index(b, h, n * tiles_.rows);
   }
@@ -158,12 +128,10 @@ class QueryBlocks {
     return ((b * p_.heads_q + h) * blocks_per_head_ + n) * tiles_.rows * tiles_.dims_padded;
   }
 
-  const BackwardParams& bp_;
   const AttentionParams& p_;
   BackwardTiles tiles_;
   std::int64_t blocks_per_head_;
-  bool converted_;
-  hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, q_rows_, dout_rows_, delta_;
+  hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_;
 };
 
 struct Task {
@@ -205,10 +173,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
       const std::int64_t h = h_kv * p.group_size() + g;
       for (std::int64_t n = first_block; n < end_block; ++n) {
         const std::int64_t row_begin = n * tiles.rows, rows = queries.rows(n);
-        const RowMajor q = queries.q(b, h, n), dout = queries.dout(b, h, n);
+        const float* q = queries.q_panels(b, h, n);
+        const float* dout = queries.dout_panels(b, h, n);
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
-        cpu::scores_tile(t.probabilities.data(), ld_s, q.data, q.ld, t.k_packed_t.data(), rows,
+        cpu::scores_tile(t.probabilities.data(), ld_s, {q, Dp, rows}, t.k_packed_t.data(), rows,
                          keys_padded, D);
         for (std::int64_t i = 0; i < rows; ++i) {
           float* s = t.probabilities.data() + i * ld_s;
@@ -219,11 +188,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
                                          p.lse + p.lse_index(b, h, row_begin), rows, keys_padded);
 
         // dV += Pᵀ·dO                                                     [keys x Dp]
-        cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s,
-                                           queries.dout_panels(b, h, n), rows, keys, Dp);
+        cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, dout,
+                                           rows, keys, Dp);
 
         // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
-        cpu::scores_tile(t.dscores.data(), ld_s, dout.data, dout.ld, t.v_packed_t.data(), rows,
+        cpu::scores_tile(t.dscores.data(), ld_s, {dout, Dp, rows}, t.v_packed_t.data(), rows,
                          keys_padded, D);
         cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                                    queries.delta(b, h, n), p.scale, rows, keys_padded);
@@ -233,8 +202,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
         cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
                                 rows, Dp);
         // dK += dSᵀ·Q                                                      [keys x Dp]
-        cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s,
-                                           queries.q_panels(b, h, n), rows, keys, Dp);
+        cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s, q, rows, keys,
+                                           Dp);
       }
     }
 

@@ -239,7 +239,7 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_produ
       cpu::scores_tile_bf16(scores, ld_scores, block.q_bf16 + row_lo * Dp, Dp, t.k_bf16.data(),
                             rows, keys_padded, Dp, 1.0f);
     } else {
-      cpu::scores_tile(scores, ld_scores, block.q + row_lo * Dp, Dp, t.k_packed.data(), rows,
+      cpu::scores_tile(scores, ld_scores, {block.q + row_lo * Dp, Dp}, t.k_packed.data(), rows,
                        keys_padded, p.head_dim);
     }
     for (std::int64_t i = 0; i < rows; ++i) {

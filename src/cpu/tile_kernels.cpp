@@ -104,21 +104,31 @@ HWY_INLINE Vec SoftmaxExp(Tag tag, Vec x) {
 // scores[R x C·N] = q[R x D] · k_packed[D x C·N]. Unscaled: with a scale vector live across the
 // loop, GCC ran out of the 32 zmm registers (24 sums, 4 keys, a broadcast) and spilled a key
 // vector: 160 instead of 195 GFLOP/s on one core. The softmax steps apply the scale.
+// q is read in segments of dims that each lie row-major: the whole row for a row-major q, one
+// column panel at a time for a packed one.
 template <int R, int C>
 HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
-                            const float* HWY_RESTRICT q, std::int64_t ld_q,
+                            const RowsOperand& q, std::int64_t row,
                             const float* HWY_RESTRICT k_packed, std::int64_t ld_k,
                             std::int64_t head_dim) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(tag);
-  for (std::int64_t d = 0; d < head_dim; ++d) {
-    Vec keys[C];
-    for (int c = 0; c < C; ++c) keys[c] = hn::LoadU(tag, k_packed + d * ld_k + c * N);
-    for (int r = 0; r < R; ++r) {
-      const Vec query = hn::Set(tag, q[r * ld_q + d]);
-      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(query, keys[c], acc[r][c]);
+  const std::int64_t segment = q.packed_rows > 0 ? kPanelWidth : head_dim;
+  for (std::int64_t d0 = 0; d0 < head_dim; d0 += segment) {
+    // Element (row, d) of this segment at rows[row · ld + d].
+    const std::int64_t ld = q.packed_rows > 0 ? std::min(kPanelWidth, q.ld - d0) : q.ld;
+    const float* HWY_RESTRICT rows =
+        (q.packed_rows > 0 ? q.data + d0 * q.packed_rows - d0 : q.data) + row * ld;
+    const std::int64_t d_end = std::min(d0 + segment, head_dim);
+    for (std::int64_t d = d0; d < d_end; ++d) {
+      Vec keys[C];
+      for (int c = 0; c < C; ++c) keys[c] = hn::LoadU(tag, k_packed + d * ld_k + c * N);
+      for (int r = 0; r < R; ++r) {
+        const Vec query = hn::Set(tag, rows[r * ld + d]);
+        for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(query, keys[c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -131,44 +141,41 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
 // streamed a 128-key Kᵀ with 512-byte row stride (set conflicts halve the usable L1), 121 with
 // panels of that strided layout, 170+ with contiguous panels.
 HWY_INLINE void ScoresPanel(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
-                            const float* HWY_RESTRICT q, std::int64_t ld_q,
-                            const float* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
-                            std::int64_t head_dim) {
+                            const RowsOperand& q, const float* HWY_RESTRICT panel,
+                            std::int64_t width, std::int64_t rows, std::int64_t head_dim) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t j = 0;
   for (; j + kBlockVectors * N <= width; j += kBlockVectors * N) {
     std::int64_t i = 0;
     for (; i + kBlockRows <= rows; i += kBlockRows) {
-      ScoresBlock<kBlockRows, kBlockVectors>(tag, scores + i * ld_scores + j, ld_scores,
-                                             q + i * ld_q, ld_q, panel + j, width, head_dim);
+      ScoresBlock<kBlockRows, kBlockVectors>(tag, scores + i * ld_scores + j, ld_scores, q, i,
+                                             panel + j, width, head_dim);
     }
     RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
-      ScoresBlock<decltype(block_rows)::value, kBlockVectors>(tag, scores + row * ld_scores + j,
-                                                              ld_scores, q + row * ld_q, ld_q,
-                                                              panel + j, width, head_dim);
+      ScoresBlock<decltype(block_rows)::value, kBlockVectors>(
+          tag, scores + row * ld_scores + j, ld_scores, q, row, panel + j, width, head_dim);
     });
   }
   for (; j < width; j += N) {
     std::int64_t i = 0;
     for (; i + kBlockRows <= rows; i += kBlockRows) {
-      ScoresBlock<kBlockRows, 1>(tag, scores + i * ld_scores + j, ld_scores, q + i * ld_q, ld_q,
-                                 panel + j, width, head_dim);
+      ScoresBlock<kBlockRows, 1>(tag, scores + i * ld_scores + j, ld_scores, q, i, panel + j, width,
+                                 head_dim);
     }
     RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
-      ScoresBlock<decltype(block_rows)::value, 1>(tag, scores + row * ld_scores + j, ld_scores,
-                                                  q + row * ld_q, ld_q, panel + j, width, head_dim);
+      ScoresBlock<decltype(block_rows)::value, 1>(tag, scores + row * ld_scores + j, ld_scores, q,
+                                                  row, panel + j, width, head_dim);
     });
   }
 }
 
-void ScoresTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, const float* HWY_RESTRICT q,
-                std::int64_t ld_q, const float* HWY_RESTRICT k_packed, std::int64_t rows,
-                std::int64_t keys_padded, std::int64_t head_dim) {
+void ScoresTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, const RowsOperand& q,
+                const float* HWY_RESTRICT k_packed, std::int64_t rows, std::int64_t keys_padded,
+                std::int64_t head_dim) {
   const Tag tag;
   for (std::int64_t j = 0; j < keys_padded; j += kPanelWidth) {
     const std::int64_t width = std::min(kPanelWidth, keys_padded - j);
-    ScoresPanel(tag, scores + j, ld_scores, q, ld_q, k_packed + j * head_dim, width, rows,
-                head_dim);
+    ScoresPanel(tag, scores + j, ld_scores, q, k_packed + j * head_dim, width, rows, head_dim);
   }
 }
 
@@ -349,11 +356,9 @@ HWY_EXPORT(AccumulateTransposedPvTile);
 HWY_EXPORT(ProbabilitiesFromLseTile);
 HWY_EXPORT(SoftmaxGradientTile);
 
-void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
-                 const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
-                 std::int64_t head_dim) {
-  HWY_DYNAMIC_DISPATCH(ScoresTile)
-  (scores, ld_scores, q, ld_q, k_packed, rows, keys_padded, head_dim);
+void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
+                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim) {
+  HWY_DYNAMIC_DISPATCH(ScoresTile)(scores, ld_scores, q, k_packed, rows, keys_padded, head_dim);
 }
 
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,

@@ -4,7 +4,7 @@
 // that one can be replaced without touching the driver. Each is compiled once per SIMD target
 // (Highway: SSSE3, SSE4, AVX2, AVX-512 and a portable fallback) and picked at run time for the
 // CPU at hand. Tiles are fp32:
-//   q        [rows x ld_q]            the query block, row-major (first head_dim columns used)
+//   q        [rows x head_dim]        the query block, row-major or in column panels (RowsOperand)
 //   k_packed Kᵀ [head_dim x keys_padded] in column panels (packed_index), keys zero-padded
 //   v_packed V [keys x dims_padded] in column panels (packed_index), dims zero-padded
 //   scores   [rows x ld_scores]       scores, then probabilities, in place, row-major
@@ -40,11 +40,19 @@ constexpr std::int64_t packed_index(std::int64_t row, std::int64_t col, std::int
   return panel_begin * rows + row * width + (col - panel_begin);
 }
 
+// The left operand of scores_tile, rows of head_dim floats: row-major (row r at data + r·ld,
+// packed_rows = 0), or the column panels of a [packed_rows x ld] matrix (packed_index,
+// ld = its padded width), as the backward packs Q and dO for its other products.
+struct RowsOperand {
+  const float* data;
+  std::int64_t ld;
+  std::int64_t packed_rows = 0;
+};
+
 // scores[:, :keys_padded] = q · Kᵀ, unscaled: the softmax steps below take the scale
 //                                                                     [rows x keys_padded]
-void scores_tile(float* scores, std::int64_t ld_scores, const float* q, std::int64_t ld_q,
-                 const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
-                 std::int64_t head_dim);
+void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
+                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim);
 
 // Online softmax over one tile of unscaled scores s (Milakov & Gimelshein 2018;
 // FlashAttention-2, Alg. 1): per row m_new = max(m, scale·rowmax(s)); p = exp(scale·s - m_new);
