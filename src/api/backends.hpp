@@ -35,5 +35,8 @@ struct FlashTiles {
 };
 FlashTiles flash_tiles(std::int64_t head_dim);
 FlashTiles flash_backward_tiles(std::int64_t head_dim);
+// How many chunks of K/V blocks the flash backward cuts each (batch, KV head) group into: a
+// function of the shape only.
+std::int64_t flash_backward_chunks(const AttentionParams& p);
 
 }  // namespace flashattn::detail

@@ -87,16 +87,24 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
   const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
   switch (impl) {
     case AttentionImpl::flash: {
-      // dQ partial sums for up to 8 key chunks [chunk x rows x Dp]; Q and dO packed once
-      // (row blocks of Br) and D_i; per thread the K and V
-      // panels, two score-sized tiles and dK, dV accumulators.
+      // Per thread the K and V panels, two score-sized tiles and dK, dV accumulators. The
+      // query side (Q and dO packed in row blocks of Br, D_i, the dQ sums): with one chunk of
+      // K/V blocks per group, per thread for one GQA group; with several, shared by all groups
+      // with one dQ buffer per chunk.
       const FlashTiles tiles = flash_backward_tiles(p.head_dim);
       const __int128 tile_rows = tiles.rows, keys = tiles.keys;
-      const __int128 padded_rows = static_cast<__int128>(p.batch) * p.heads_q *
-                                   ((Sq + tile_rows - 1) / tile_rows) * tile_rows;
-      const __int128 query_floats = 2 * padded_rows * D_padded + rows;
-      const __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;
-      return saturate((8 * rows * D_padded + query_floats + threads * per_thread) * 4);
+      const __int128 padded_sq = (Sq + tile_rows - 1) / tile_rows * tile_rows;
+      __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;
+      __int128 shared = 0;
+      const __int128 chunks = flash_backward_chunks(p);
+      const __int128 groups = static_cast<__int128>(p.batch) * p.heads_kv;
+      const __int128 group_rows = p.group_size();
+      if (chunks == 1) {
+        per_thread += group_rows * (padded_sq * (2 * D_padded + 1) + Sq * D_padded);
+      } else {
+        shared = groups * group_rows * (padded_sq * (2 * D_padded + 1) + chunks * Sq * D_padded);
+      }
+      return saturate((shared + threads * per_thread) * 4);
     }
     case AttentionImpl::standard: {
       // Per KV head in flight: P and dS [Sq x pad(Skv)], dK, dV, dQ, and fp32 copies.

@@ -5,25 +5,28 @@
 // head of the GQA group, that see it (inner loop):
 //   S  = Q·Kᵀ                              [Br x Bc]  scores_tile
 //   P  = exp(scale · S − lse), masked → 0  [Br x Bc]  probabilities_from_lse_tile
-//   dV += Pᵀ·dO                            [Bc x D]   accumulate_pv_tile on Pᵀ
+//   dV += Pᵀ·dO                            [Bc x D]   accumulate_transposed_pv_tile
 //   dP = dO·Vᵀ                             [Br x Bc]  scores_tile
-//   dS = scale · P ∘ (dP − D_i)            [Br x Bc]  softmax_gradient_tile, D_i = rowsum(dO ∘ O)
-//   dQ += dS·K                             [Br x D]   accumulate_pv_tile, into the chunk's dQ
-//   buffer dK += dSᵀ·Q                            [Bc x D]   accumulate_pv_tile on dSᵀ
+//   dS = scale · P ∘ (dP − D_i)            [Br x Bc]  softmax_gradient_tile
+//   dQ += dS·K                             [Br x D]   accumulate_pv_tile
+//   dK += dSᵀ·Q                            [Bc x D]   accumulate_transposed_pv_tile
+// with D_i = rowsum(dO_i ∘ O_i). dQ goes into the fp32 sums of the task's chunk.
 // Each task owns its dK and dV rows outright. dQ rows receive from every chunk, so each chunk
 // adds into its own fp32 buffer and the buffers are summed in chunk order at the end. The chunk
 // count depends only on the shape, never on the thread count: results are bitwise identical for
 // any number of threads.
 //
-// Before the K/V loop, one parallel pass lays out every query row block once: Q and dO as the
-// column panels that S, dP, dK and dV stream, and D_i. Packed inside the loop instead, each row
-// block was re-read and re-packed once per K/V block it sees: 8 times at seqlen 1024, ~20% of the
-// backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
+// Every query row block is laid out once before the K/V blocks that read it: Q and dO as the
+// column panels that S, dP, dK and dV stream, and D_i (by the task that owns the group's rows,
+// or, when several chunks share them, in one parallel pass before the tasks). Packed inside the
+// loop instead, each row block was re-read and re-packed once per K/V block it sees: 8 times at
+// seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
-// accumulators: 0.4 MiB at D = 128); the packed Q and dO, 2 x batch x heads_q x seqlen_q x Dp
-// floats; the fp32 dQ buffers, chunks x batch x heads_q x seqlen_q x Dp
-// floats: proportional to seqlen_q, never to seqlen_q x seqlen_kv.
+// accumulators: 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ sums,
+// 3 x seqlen_q x Dp floats per query head: per thread for one GQA group when each task owns its
+// group, else for all heads (and one dQ buffer per chunk). Proportional to seqlen_q, never to
+// seqlen_q x seqlen_kv.
 
 #include <hwy/aligned_allocator.h>
 #include <omp.h>
@@ -32,6 +35,7 @@
 #include <cmath>
 #include <limits>
 #include <new>
+#include <optional>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -63,69 +67,54 @@ struct BackwardTiles {
   std::int64_t rows, keys, dims_padded;
 };
 
-struct Scratch {
-  AlignedVector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
-  AlignedVector<float> probabilities, dscores;            // [Br x Bc] each
-  AlignedVector<float> dk, dv;
-
-  Scratch(const BackwardTiles& tiles, std::int64_t D)
-      : k_packed_t(D * tiles.keys),
-        k_packed(tiles.keys * tiles.dims_padded),
-        v_packed_t(D * tiles.keys),
-        probabilities(tiles.rows * tiles.keys),
-        dscores(tiles.rows * tiles.keys),
-        dk(tiles.keys * tiles.dims_padded),
-        dv(tiles.keys * tiles.dims_padded) {}
-};
-
-// Every query row block of every query head, laid out once for all the K/V blocks that read it.
-// Block (b, h, n) holds rows [n·Br, n·Br + rows) of head h: Q and dO as column panels
-// ([rows x Dp], cpu::packed_index), which all four products that read them stream (the scores
-// kernel too, panel by panel), and D_i = rowsum(dO_i ∘ O_i).
+// Query row blocks of `groups` GQA groups (batch, KV head), laid out once for all the K/V blocks
+// that read them. Block (slot, g, n) holds rows [n·Br, n·Br + rows) of query head g of the
+// group in `slot`: Q and dO as column panels ([rows x Dp], cpu::packed_index), which all four
+// products that read them stream (the scores kernel too, panel by panel), and
+// D_i = rowsum(dO_i ∘ O_i).
 class QueryBlocks {
  public:
-  QueryBlocks(const BackwardParams& bp, const BackwardTiles& tiles)
-      : p_(bp.forward),
-        tiles_(tiles),
-        blocks_per_head_((p_.seqlen_q + tiles.rows - 1) / tiles.rows) {
-    const std::int64_t row_floats =
-        p_.batch * p_.heads_q * blocks_per_head_ * tiles.rows * tiles.dims_padded;
-    q_panels_ = uninitialized_floats(row_floats);
-    dout_panels_ = uninitialized_floats(row_floats);
-    delta_ = uninitialized_floats(p_.batch * p_.heads_q * p_.seqlen_q);
-
-    const std::int64_t blocks = p_.batch * p_.heads_q * blocks_per_head_;
-#pragma omp parallel for num_threads(p_.num_threads) schedule(static)
-    for (std::int64_t index = 0; index < blocks; ++index) {
-      const std::int64_t bh = index / blocks_per_head_, n = index % blocks_per_head_;
-      const std::int64_t b = bh / p_.heads_q, h = bh % p_.heads_q;
-      const std::int64_t row_begin = n * tiles.rows, rows = this->rows(n);
-      const std::int64_t offset = index * tiles.rows * tiles.dims_padded;
-      cpu::pack_rows(q_panels_.get() + offset, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows,
-                     p_.head_dim, tiles.dims_padded);
-      cpu::pack_rows(dout_panels_.get() + offset, bp.dout, p_.dtype, bp.dout_strides, b, h,
-                     row_begin, rows, p_.head_dim, tiles.dims_padded);
-      row_deltas(delta_.get() + p_.lse_index(b, h, row_begin), bp.dout, bp.dout_strides, p_.out,
-                 p_.out_strides, p_.dtype, b, h, row_begin, rows, p_.head_dim);
-    }
+  QueryBlocks(const AttentionParams& p, const BackwardTiles& tiles, std::int64_t groups)
+      : p_(p), tiles_(tiles), blocks_per_head_((p.seqlen_q + tiles.rows - 1) / tiles.rows) {
+    const std::int64_t heads = groups * p.group_size();
+    q_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
+    dout_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
+    delta_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
   }
 
+  std::int64_t blocks_per_head() const { return blocks_per_head_; }
   std::int64_t rows(std::int64_t n) const {
     return std::min(tiles_.rows, p_.seqlen_q - n * tiles_.rows);
   }
-  const float* q_panels(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return q_panels_.get() + offset(b, h, n);
+
+  // Lays out block (slot, g, n) from the group of batch b, KV head h_kv.
+  void pack(const BackwardParams& bp, std::int64_t slot, std::int64_t b, std::int64_t h_kv,
+            std::int64_t g, std::int64_t n) {
+    const std::int64_t h = h_kv * p_.group_size() + g, row_begin = n * tiles_.rows;
+    const std::int64_t index = block_index(slot, g, n);
+    float* q = q_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
+    float* dout = dout_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
+    cpu::pack_rows(q, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows(n), p_.head_dim,
+                   tiles_.dims_padded);
+    cpu::pack_rows(dout, bp.dout, p_.dtype, bp.dout_strides, b, h, row_begin, rows(n), p_.head_dim,
+                   tiles_.dims_padded);
+    row_deltas(delta_.get() + index * tiles_.rows, bp.dout, bp.dout_strides, p_.out, p_.out_strides,
+               p_.dtype, b, h, row_begin, rows(n), p_.head_dim);
   }
-  const float* dout_panels(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return dout_panels_.get() + offset(b, h, n);
+
+  const float* q_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return q_panels_.get() + block_index(slot, g, n) * tiles_.rows * tiles_.dims_padded;
   }
-  const float* delta(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return delta_.get() + p_.lse_index(b, h, n * tiles_.rows);
+  const float* dout_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return dout_panels_.get() + block_index(slot, g, n) * tiles_.rows * tiles_.dims_padded;
+  }
+  const float* delta(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return delta_.get() + block_index(slot, g, n) * tiles_.rows;
   }
 
  private:
-  std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t n) const {
-    return ((b * p_.heads_q + h) * blocks_per_head_ + n) * tiles_.rows * tiles_.dims_padded;
+  std::int64_t block_index(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return (slot * p_.group_size() + g) * blocks_per_head_ + n;
   }
 
   const AttentionParams& p_;
@@ -134,16 +123,42 @@ class QueryBlocks {
   hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_;
 };
 
-struct Task {
-  std::int64_t b, h_kv, block_begin, block_end;  // K/V blocks [block_begin, block_end)
-  float* dq;  // this chunk's fp32 dQ buffer for (b, h_kv): [group x seqlen_q x dims_padded]
+struct Scratch {
+  AlignedVector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
+  AlignedVector<float> probabilities, dscores;            // [Br x Bc] each
+  AlignedVector<float> dk, dv;
+  // With one chunk per group: the task's own query rows and dQ sums, [group x seqlen_q x Dp].
+  std::optional<QueryBlocks> queries;
+  hwy::AlignedFreeUniquePtr<float[]> dq;
+
+  Scratch(const AttentionParams& p, const BackwardTiles& tiles, bool task_owns_queries)
+      : k_packed_t(p.head_dim * tiles.keys),
+        k_packed(tiles.keys * tiles.dims_padded),
+        v_packed_t(p.head_dim * tiles.keys),
+        probabilities(tiles.rows * tiles.keys),
+        dscores(tiles.rows * tiles.keys),
+        dk(tiles.keys * tiles.dims_padded),
+        dv(tiles.keys * tiles.dims_padded) {
+    if (task_owns_queries) {
+      queries.emplace(p, tiles, 1);
+      dq = uninitialized_floats(p.group_size() * p.seqlen_q * tiles.dims_padded);
+    }
+  }
 };
 
-void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const QueryBlocks& queries,
-                   Scratch& t, const Task& task) {
+struct Task {
+  std::int64_t b, h_kv, block_begin, block_end;  // K/V blocks [block_begin, block_end)
+  const QueryBlocks* queries;                    // holding the group's row blocks
+  std::int64_t slot;                             // at this slot
+  float* dq;  // the fp32 dQ sums this task adds into, [group x seqlen_q x dims_padded]
+};
+
+void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
+                   const Task& task) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
   const std::int64_t ld_s = tiles.keys;
+  const QueryBlocks& queries = *task.queries;
 
   for (std::int64_t block = task.block_begin; block < task.block_end; ++block) {
     const std::int64_t key_begin = block * tiles.keys;
@@ -173,8 +188,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
       const std::int64_t h = h_kv * p.group_size() + g;
       for (std::int64_t n = first_block; n < end_block; ++n) {
         const std::int64_t row_begin = n * tiles.rows, rows = queries.rows(n);
-        const float* q = queries.q_panels(b, h, n);
-        const float* dout = queries.dout_panels(b, h, n);
+        const float* q = queries.q_panels(task.slot, g, n);
+        const float* dout = queries.dout_panels(task.slot, g, n);
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
         cpu::scores_tile(t.probabilities.data(), ld_s, {q, Dp, rows}, t.k_packed_t.data(), rows,
@@ -195,7 +210,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, const Q
         cpu::scores_tile(t.dscores.data(), ld_s, {dout, Dp, rows}, t.v_packed_t.data(), rows,
                          keys_padded, D);
         cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
-                                   queries.delta(b, h, n), p.scale, rows, keys_padded);
+                                   queries.delta(task.slot, g, n), p.scale, rows, keys_padded);
 
         // dQ += dS·K                                                       [rows x Dp]
         float* dq = task.dq + (g * p.seqlen_q + row_begin) * Dp;
@@ -226,6 +241,14 @@ FlashTiles flash_backward_tiles(std::int64_t head_dim) {
   return {64, flash_tiles(head_dim).keys, 1};
 }
 
+std::int64_t flash_backward_chunks(const AttentionParams& p) {
+  const std::int64_t keys = flash_backward_tiles(p.head_dim).keys;
+  const std::int64_t kv_blocks = (p.seqlen_kv + keys - 1) / keys;
+  const std::int64_t groups = p.batch * p.heads_kv;
+  return std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1),
+                    std::int64_t{1}, std::max<std::int64_t>(kv_blocks, 1));
+}
+
 void flash_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim;
@@ -233,29 +256,66 @@ void flash_backward(const BackwardParams& bp) {
   const BackwardTiles tiles{sizes.rows, sizes.keys, cpu::pad_to_lanes(D)};
   const std::int64_t kv_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
   const std::int64_t groups = p.batch * p.heads_kv;
-  const std::int64_t chunks =
-      std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1), std::int64_t{1},
-                 std::max<std::int64_t>(kv_blocks, 1));
-  // dQ buffers: [chunk][batch][heads_kv][group][seqlen_q][Dp], each zeroed by the task that
-  // owns it, in parallel. (Adding straight into an f32 caller's dq when there is one chunk was
-  // no faster: its rows lie a sequence stride apart.)
+  const std::int64_t chunks = flash_backward_chunks(p);
   const std::int64_t group_floats = p.group_size() * p.seqlen_q * tiles.dims_padded;
-  const hwy::AlignedFreeUniquePtr<float[]> dq_buffers =
-      uninitialized_floats(chunks * groups * group_floats);
-  const QueryBlocks queries(bp, tiles);
+
+  // With one chunk per group (at least kMinimumTasks groups) a task owns its group's query
+  // rows: it lays out their Q, dO and D_i and sums their dQ in its thread's scratch, and writes
+  // dQ at its end. Laid out and summed in shared buffers instead, the seed shape's backward
+  // spent ~13% of its time faulting in and streaming ~100 MiB of them (2 threads: 0.245 -> 0.213
+  // s). Several chunks share a group's rows: then those are laid out once before the tasks, each
+  // chunk adds into its own dQ buffer ([chunk][batch][heads_kv][group][seqlen_q][Dp], zeroed by
+  // its task), and the buffers are summed in chunk order after them.
+  const bool task_owns_queries = chunks == 1;
+  std::optional<QueryBlocks> shared_queries;
+  hwy::AlignedFreeUniquePtr<float[]> dq_buffers;
+  if (!task_owns_queries) {
+    shared_queries.emplace(p, tiles, groups);
+    dq_buffers = uninitialized_floats(chunks * groups * group_floats);
+    const std::int64_t blocks = shared_queries->blocks_per_head();
+    const std::int64_t count = groups * p.group_size() * blocks;
+#pragma omp parallel for num_threads(p.num_threads) schedule(static)
+    for (std::int64_t index = 0; index < count; ++index) {
+      const std::int64_t group = index / (p.group_size() * blocks);
+      const std::int64_t g = index / blocks % p.group_size(), n = index % blocks;
+      shared_queries->pack(bp, group, group / p.heads_kv, group % p.heads_kv, g, n);
+    }
+  }
 
   parallel_tasks(
-      p.num_threads, groups * chunks, [&] { return Scratch(tiles, D); },
+      p.num_threads, groups * chunks, [&] { return Scratch(p, tiles, task_owns_queries); },
       [&](Scratch& scratch, std::int64_t index) {
         const std::int64_t group = index / chunks, chunk = index % chunks;
-        const Task task{group / p.heads_kv, group % p.heads_kv, chunk * kv_blocks / chunks,
-                        (chunk + 1) * kv_blocks / chunks,
-                        dq_buffers.get() + (chunk * groups + group) * group_floats};
+        const std::int64_t b = group / p.heads_kv, h_kv = group % p.heads_kv;
+        Task task{b, h_kv,   chunk * kv_blocks / chunks, (chunk + 1) * kv_blocks / chunks, nullptr,
+                  0, nullptr};
+        if (task_owns_queries) {
+          for (std::int64_t g = 0; g < p.group_size(); ++g) {
+            for (std::int64_t n = 0; n < scratch.queries->blocks_per_head(); ++n) {
+              scratch.queries->pack(bp, 0, b, h_kv, g, n);
+            }
+          }
+          task.queries = &*scratch.queries;
+          task.dq = scratch.dq.get();
+        } else {
+          task.queries = &*shared_queries;
+          task.slot = group;
+          task.dq = dq_buffers.get() + (chunk * groups + group) * group_floats;
+        }
         std::fill_n(task.dq, group_floats, 0.0f);
-        backward_task(bp, tiles, queries, scratch, task);
+        backward_task(bp, tiles, scratch, task);
+        if (!task_owns_queries) return;
+        for (std::int64_t g = 0; g < p.group_size(); ++g) {
+          const std::int64_t h = h_kv * p.group_size() + g;
+          for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
+            store_row_f32(bp.dq, p.dtype, bp.dq_strides.offset(b, position, h),
+                          task.dq + (g * p.seqlen_q + position) * tiles.dims_padded, D);
+          }
+        }
       });
+  if (task_owns_queries) return;
 
-  // dQ = Σ over chunks in chunk order, summed into chunk 0's buffer and written once.
+    // dQ = Σ over chunks in chunk order, summed into chunk 0's buffer and written once.
 #pragma omp parallel for num_threads(p.num_threads) schedule(static)
   for (std::int64_t index = 0; index < groups * p.group_size() * p.seqlen_q; ++index) {
     const std::int64_t group = index / (p.group_size() * p.seqlen_q);
