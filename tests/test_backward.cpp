@@ -184,6 +184,14 @@ std::vector<BackwardCase> backward_grid() {
   bf16.dtype = DType::bf16;
   grid.push_back(f16);
   grid.push_back(bf16);
+  // At least 8 (batch, KV head) groups: each task owns its group's query rows and dQ sums
+  // (flash_backward.cpp) instead of sharing them with the other chunks of its group.
+  BackwardCase owned{2, 97, 131, 8, 4, 40, true};
+  owned.threads = 3;
+  BackwardCase owned_window{3, 70, 61, 6, 3, 64, false, 20, 5};
+  owned_window.dtype = DType::bf16;
+  grid.push_back(owned);
+  grid.push_back(owned_window);
   return grid;
 }
 
@@ -261,29 +269,35 @@ TEST(Backward, FullyMaskedRowsGiveZeroGradients) {
   }
 }
 
-// No keys at all: every row is fully masked, dq is 0 and dk, dv are empty.
+// No keys at all: every row is fully masked, dq is 0 and dk, dv are empty. With 2 and with 8
+// (batch, KV head) groups: the flash path's shared and task-owned query rows.
 TEST(Backward, EmptyKeySequence) {
-  const BackwardCase c{1, 5, 0, 2, 2, 16, false};
-  const Problem p(c, test_seed());
-  for (AttentionImpl impl :
-       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
-    const auto g = p.run(impl, 2);
-    g.dq.for_each_index([&](auto a, auto b, auto cc, auto d) {
-      EXPECT_EQ(g.dq.at(a, b, cc, d), 0.0f) << impl_name(impl);
-    });
+  for (const BackwardCase& c :
+       {BackwardCase{1, 5, 0, 2, 2, 16, false}, BackwardCase{2, 5, 0, 8, 4, 16, false}}) {
+    const Problem p(c, test_seed());
+    for (AttentionImpl impl :
+         {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+      const auto g = p.run(impl, 2);
+      g.dq.for_each_index([&](auto a, auto b, auto cc, auto d) {
+        EXPECT_EQ(g.dq.at(a, b, cc, d), 0.0f) << impl_name(impl) << " " << describe(c);
+      });
+    }
   }
 }
 
 // The chunks' dQ partial sums are added in a fixed order and every dK, dV row has one owner.
+// 2 groups of 4 chunks each, and 8 groups whose tasks own their query rows.
 TEST(Backward, FlashIsBitwiseIdenticalForAnyThreadCount) {
-  const BackwardCase c{1, 301, 517, 4, 2, 72, true};
-  const Problem p(c, test_seed());
-  const auto first = p.run(AttentionImpl::flash, 1);
-  for (int threads : {2, 3, 7}) {
-    const auto other = p.run(AttentionImpl::flash, threads);
-    EXPECT_EQ(other.dq.bytes, first.dq.bytes) << threads << " threads";
-    EXPECT_EQ(other.dk.bytes, first.dk.bytes) << threads << " threads";
-    EXPECT_EQ(other.dv.bytes, first.dv.bytes) << threads << " threads";
+  for (const BackwardCase& c :
+       {BackwardCase{1, 301, 517, 4, 2, 72, true}, BackwardCase{2, 150, 200, 8, 4, 40, true}}) {
+    const Problem p(c, test_seed());
+    const auto first = p.run(AttentionImpl::flash, 1);
+    for (int threads : {2, 3, 7}) {
+      const auto other = p.run(AttentionImpl::flash, threads);
+      EXPECT_EQ(other.dq.bytes, first.dq.bytes) << threads << " threads, " << describe(c);
+      EXPECT_EQ(other.dk.bytes, first.dk.bytes) << threads << " threads, " << describe(c);
+      EXPECT_EQ(other.dv.bytes, first.dv.bytes) << threads << " threads, " << describe(c);
+    }
   }
 }
 
