@@ -220,7 +220,7 @@ struct KeyBlock {
 };
 
 // One Q block against one packed K/V block:
-//   S = scale·Q·Kᵀ, mask, online softmax, acc += P·V
+//   S = Q·Kᵀ, mask, online softmax of scale·S, acc += P·V
 void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
                      const QueryBlock& block, const KeyBlock& kv) {
   const TaskRows& task = block.rows;
