@@ -1,17 +1,20 @@
-// The SIMD widening of f16 and bf16 rows (util/widen.cpp) gives exactly the floats of the
-// scalar conversions, on every SIMD target this CPU runs: every one of the 65536 bit patterns,
-// in a row whose length leaves a scalar tail. NaN stays NaN (F16C quiets a signaling NaN, the
-// scalar path keeps its payload; both are NaN, which is all the library promises).
+// The SIMD row helpers on every SIMD target this CPU runs. Widening f16 and bf16 rows
+// (util/widen.cpp) gives exactly the floats of the scalar conversions: every one of the 65536
+// bit patterns, in a row whose length leaves a scalar tail. NaN stays NaN (F16C quiets a
+// signaling NaN, the scalar path keeps its payload; both are NaN, which is all the library
+// promises). dot_f32 (util/dot.cpp) matches an fp64 sum within fp32 summation error.
 
 #include <gtest/gtest.h>
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "cpu/tile_kernels.hpp"
 #include "util/convert.hpp"
+#include "util/dot.hpp"
 
 namespace flashattn::testing {
 namespace {
@@ -40,6 +43,32 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
                         << ", want " << want;
         }
       }
+    }
+  }
+  detail::cpu::force_simd_target(0);
+}
+
+// |Σ a·b - fp64| <= n·u·Σ|a·b| (u = 2^-24), the worst case of any summation order, for lengths
+// with and without vector tails.
+TEST(DotF32, MatchesFp64OnEveryTarget) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal;
+  for (const auto& target : detail::cpu::supported_simd_targets()) {
+    detail::cpu::force_simd_target(target.id);
+    for (const std::int64_t n : {0, 1, 7, 16, 31, 32, 33, 111, 128, 1000}) {
+      std::vector<float> a(static_cast<std::size_t>(n)), b(a.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        a[i] = normal(rng);
+        b[i] = normal(rng);
+      }
+      double exact = 0.0, magnitude = 0.0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        exact += static_cast<double>(a[i]) * b[i];
+        magnitude += std::abs(static_cast<double>(a[i]) * b[i]);
+      }
+      const double got = detail::dot_f32(a.data(), b.data(), n);
+      EXPECT_LE(std::abs(got - exact), n * 0x1p-24 * magnitude)
+          << target.name << " n " << n << ": got " << got << ", fp64 " << exact;
     }
   }
   detail::cpu::force_simd_target(0);

@@ -2,12 +2,14 @@
 
 // fp32 matrices for the standard paths' sgemm calls.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "api/params.hpp"
 #include "util/convert.hpp"
+#include "util/dot.hpp"
 
 namespace flashattn::detail {
 
@@ -54,15 +56,26 @@ inline void scatter_rows(void* base, DType dtype, const Strides& strides, std::i
 }
 
 // rowsum(dO ∘ O) of each of `rows` query rows of head h: the D_i of the softmax gradient.
+// f16/bf16 rows are widened kChunk elements at a time.
 inline void row_deltas(float* delta, const void* dout, const Strides& dout_strides, const void* out,
                        const Strides& out_strides, DType dtype, std::int64_t b, std::int64_t h,
                        std::int64_t row_begin, std::int64_t rows, std::int64_t head_dim) {
+  constexpr std::int64_t kChunk = 256;
+  float dout_row[kChunk], out_row[kChunk];
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t dout_offset = dout_strides.offset(b, row_begin + r, h);
     const std::int64_t out_offset = out_strides.offset(b, row_begin + r, h);
+    if (dtype == DType::f32) {
+      delta[r] = dot_f32(static_cast<const float*>(dout) + dout_offset,
+                         static_cast<const float*>(out) + out_offset, head_dim);
+      continue;
+    }
     float sum = 0.0f;
-    for (std::int64_t d = 0; d < head_dim; ++d) {
-      sum += load_f32(dout, dtype, dout_offset + d) * load_f32(out, dtype, out_offset + d);
+    for (std::int64_t d = 0; d < head_dim; d += kChunk) {
+      const std::int64_t n = std::min(kChunk, head_dim - d);
+      load_row_f32(dout_row, dout, dtype, dout_offset + d, n);
+      load_row_f32(out_row, out, dtype, out_offset + d, n);
+      sum += dot_f32(dout_row, out_row, n);
     }
     delta[r] = sum;
   }
