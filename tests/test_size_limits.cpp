@@ -249,5 +249,57 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, AllocationFailureDeathTest,
                          ::testing::ValuesIn(kAllocationCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The same for the backward: flash, with one K/V chunk per group, lays out a whole GQA group of
+// 2^17 query heads (Q and dO panels, 1 GiB) in each thread's scratch; standard holds P and dS of
+// a 4096 x 2^16 head (2 GiB). out and the gradients are real memory, allocated before the cap.
+constexpr AllocationCase kBackwardAllocationCases[] = {
+    {"flash", AttentionImpl::flash, 1, 4, std::int64_t{1} << 17},
+    {"standard", AttentionImpl::standard, 4096, 1 << 16, 1},
+};
+
+class BackwardAllocationFailureDeathTest : public ::testing::TestWithParam<AllocationCase> {};
+
+TEST_P(BackwardAllocationFailureDeathTest, RaisesErrorNotTerminate) {
+#ifdef FLASHATTN_TEST_SANITIZED
+  GTEST_SKIP() << "RLIMIT_AS cannot cap a sanitized process";
+#else
+  const AllocationCase& c = GetParam();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  std::vector<float> row(8, 0.25f);
+  std::vector<float> lse(static_cast<std::size_t>(c.seqlen_q * c.heads_q), 0.0f);
+  Tensor out(DType::f32, {1, c.seqlen_q, c.heads_q, 8});  // a forward's output: real memory
+  Tensor dq(DType::f32, {1, c.seqlen_q, c.heads_q, 8});
+  Tensor dk(DType::f32, {1, c.seqlen_kv, 1, 8}), dv(DType::f32, {1, c.seqlen_kv, 1, 8});
+  AttentionOptions options;
+  options.num_threads = 2;
+  auto capped_call = [&] {
+    Tensor q(DType::f32, {1, 4, 1, 8}), o(DType::f32, {1, 4, 1, 8});
+    Tensor small_dq(DType::f32, {1, 4, 1, 8}), small_dk(DType::f32, {1, 4, 1, 8}),
+        small_dv(DType::f32, {1, 4, 1, 8});
+    std::vector<float> small_lse(4, 0.0f);
+    attention_backward(c.impl, q.view, q.view, q.view, q.view, o.view, small_lse.data(),
+                       small_dq.view, small_dk.view, small_dv.view, options);
+    const rlimit cap{static_cast<rlim_t>(address_space_in_use() + (256 << 20)), RLIM_INFINITY};
+    ::setrlimit(RLIMIT_AS, &cap);
+    const ConstTensorView q_shaped = broadcast(row, {1, c.seqlen_q, c.heads_q, 8});
+    const ConstTensorView kv_shaped = broadcast(row, {1, c.seqlen_kv, 1, 8});
+    try {
+      attention_backward(c.impl, q_shaped, q_shaped, kv_shaped, kv_shaped, out.view, lse.data(),
+                         dq.view, dk.view, dv.view, options);
+    } catch (const Error& error) {
+      std::_Exit(std::string(error.what()).find("out of memory") != std::string::npos ? 0 : 4);
+    } catch (...) {
+      std::_Exit(2);
+    }
+    std::_Exit(3);
+  };
+  EXPECT_EXIT(capped_call(), ::testing::ExitedWithCode(0), "");
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(BothPaths, BackwardAllocationFailureDeathTest,
+                         ::testing::ValuesIn(kBackwardAllocationCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 }  // namespace
 }  // namespace flashattn::testing
