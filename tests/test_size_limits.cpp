@@ -210,30 +210,22 @@ std::int64_t address_space_in_use() {
 // In a child process with the address space capped 256 MiB above what it already uses, the
 // failed scratch allocation must raise Error, not std::bad_alloc and not std::terminate.
 // Sanitizer runtimes reserve terabytes of address space and abort on allocation failure, so
-// this test needs a plain build.
-class AllocationFailureDeathTest : public ::testing::TestWithParam<AllocationCase> {};
-
-TEST_P(AllocationFailureDeathTest, RaisesErrorNotTerminate) {
+// these tests need a plain build. The child runs warm_up() first, which starts the thread pools
+// (OpenMP, OpenBLAS), then caps itself and runs call(); its exit status says what happened.
+template <class WarmUp, class Call>
+void expect_out_of_memory_error(WarmUp&& warm_up, Call&& call) {
 #ifdef FLASHATTN_TEST_SANITIZED
+  (void)warm_up;
+  (void)call;
   GTEST_SKIP() << "RLIMIT_AS cannot cap a sanitized process";
 #else
-  const AllocationCase& c = GetParam();
   GTEST_FLAG_SET(death_test_style, "threadsafe");
-  std::vector<float> row(8, 0.25f);
-  std::vector<float> out_buffer(static_cast<std::size_t>(c.seqlen_q * c.heads_q * 8), NAN);
-  const TensorView out = contiguous_view(out_buffer.data(), {1, c.seqlen_q, c.heads_q, 8});
-  AttentionOptions options;
-  options.num_threads = 2;
-  // The child: start the thread pools (OpenMP, OpenBLAS) before the cap, then the call.
   auto capped_call = [&] {
-    Tensor q(DType::f32, {1, 4, 1, 8}), o(DType::f32, {1, 4, 1, 8});
-    attention_forward(c.impl, q.view, q.view, q.view, o.view, nullptr, options);
+    warm_up();
     const rlimit cap{static_cast<rlim_t>(address_space_in_use() + (256 << 20)), RLIM_INFINITY};
     ::setrlimit(RLIMIT_AS, &cap);
     try {
-      attention_forward(c.impl, broadcast(row, {1, c.seqlen_q, c.heads_q, 8}),
-                        broadcast(row, {1, c.seqlen_kv, 1, 8}),
-                        broadcast(row, {1, c.seqlen_kv, 1, 8}), out, nullptr, options);
+      call();
     } catch (const Error& error) {
       std::_Exit(std::string(error.what()).find("out of memory") != std::string::npos ? 0 : 4);
     } catch (...) {
@@ -243,6 +235,27 @@ TEST_P(AllocationFailureDeathTest, RaisesErrorNotTerminate) {
   };
   EXPECT_EXIT(capped_call(), ::testing::ExitedWithCode(0), "");
 #endif
+}
+
+class AllocationFailureDeathTest : public ::testing::TestWithParam<AllocationCase> {};
+
+TEST_P(AllocationFailureDeathTest, RaisesErrorNotTerminate) {
+  const AllocationCase& c = GetParam();
+  std::vector<float> row(8, 0.25f);
+  std::vector<float> out_buffer(static_cast<std::size_t>(c.seqlen_q * c.heads_q * 8), NAN);
+  const TensorView out = contiguous_view(out_buffer.data(), {1, c.seqlen_q, c.heads_q, 8});
+  AttentionOptions options;
+  options.num_threads = 2;
+  expect_out_of_memory_error(
+      [&] {
+        Tensor q(DType::f32, {1, 4, 1, 8}), o(DType::f32, {1, 4, 1, 8});
+        attention_forward(c.impl, q.view, q.view, q.view, o.view, nullptr, options);
+      },
+      [&] {
+        attention_forward(c.impl, broadcast(row, {1, c.seqlen_q, c.heads_q, 8}),
+                          broadcast(row, {1, c.seqlen_kv, 1, 8}),
+                          broadcast(row, {1, c.seqlen_kv, 1, 8}), out, nullptr, options);
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(AllPaths, AllocationFailureDeathTest,
@@ -260,11 +273,7 @@ constexpr AllocationCase kBackwardAllocationCases[] = {
 class BackwardAllocationFailureDeathTest : public ::testing::TestWithParam<AllocationCase> {};
 
 TEST_P(BackwardAllocationFailureDeathTest, RaisesErrorNotTerminate) {
-#ifdef FLASHATTN_TEST_SANITIZED
-  GTEST_SKIP() << "RLIMIT_AS cannot cap a sanitized process";
-#else
   const AllocationCase& c = GetParam();
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
   std::vector<float> row(8, 0.25f);
   std::vector<float> lse(static_cast<std::size_t>(c.seqlen_q * c.heads_q), 0.0f);
   Tensor out(DType::f32, {1, c.seqlen_q, c.heads_q, 8});  // a forward's output: real memory
@@ -272,29 +281,21 @@ TEST_P(BackwardAllocationFailureDeathTest, RaisesErrorNotTerminate) {
   Tensor dk(DType::f32, {1, c.seqlen_kv, 1, 8}), dv(DType::f32, {1, c.seqlen_kv, 1, 8});
   AttentionOptions options;
   options.num_threads = 2;
-  auto capped_call = [&] {
-    Tensor q(DType::f32, {1, 4, 1, 8}), o(DType::f32, {1, 4, 1, 8});
-    Tensor small_dq(DType::f32, {1, 4, 1, 8}), small_dk(DType::f32, {1, 4, 1, 8}),
-        small_dv(DType::f32, {1, 4, 1, 8});
-    std::vector<float> small_lse(4, 0.0f);
-    attention_backward(c.impl, q.view, q.view, q.view, q.view, o.view, small_lse.data(),
-                       small_dq.view, small_dk.view, small_dv.view, options);
-    const rlimit cap{static_cast<rlim_t>(address_space_in_use() + (256 << 20)), RLIM_INFINITY};
-    ::setrlimit(RLIMIT_AS, &cap);
-    const ConstTensorView q_shaped = broadcast(row, {1, c.seqlen_q, c.heads_q, 8});
-    const ConstTensorView kv_shaped = broadcast(row, {1, c.seqlen_kv, 1, 8});
-    try {
-      attention_backward(c.impl, q_shaped, q_shaped, kv_shaped, kv_shaped, out.view, lse.data(),
-                         dq.view, dk.view, dv.view, options);
-    } catch (const Error& error) {
-      std::_Exit(std::string(error.what()).find("out of memory") != std::string::npos ? 0 : 4);
-    } catch (...) {
-      std::_Exit(2);
-    }
-    std::_Exit(3);
-  };
-  EXPECT_EXIT(capped_call(), ::testing::ExitedWithCode(0), "");
-#endif
+  expect_out_of_memory_error(
+      [&] {
+        Tensor q(DType::f32, {1, 4, 1, 8}), o(DType::f32, {1, 4, 1, 8});
+        Tensor small_dq(DType::f32, {1, 4, 1, 8}), small_dk(DType::f32, {1, 4, 1, 8}),
+            small_dv(DType::f32, {1, 4, 1, 8});
+        std::vector<float> small_lse(4, 0.0f);
+        attention_backward(c.impl, q.view, q.view, q.view, q.view, o.view, small_lse.data(),
+                           small_dq.view, small_dk.view, small_dv.view, options);
+      },
+      [&] {
+        const ConstTensorView q_shaped = broadcast(row, {1, c.seqlen_q, c.heads_q, 8});
+        const ConstTensorView kv_shaped = broadcast(row, {1, c.seqlen_kv, 1, 8});
+        attention_backward(c.impl, q_shaped, q_shaped, kv_shaped, kv_shaped, out.view, lse.data(),
+                           dq.view, dk.view, dv.view, options);
+      });
 }
 
 INSTANTIATE_TEST_SUITE_P(BothPaths, BackwardAllocationFailureDeathTest,
