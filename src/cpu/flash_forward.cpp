@@ -213,6 +213,13 @@ KeyRange block_keys(const AttentionParams& p, const TaskRows& task) {
   return p.key_range(task.position_begin, task.position_begin + task.positions);
 }
 
+// Whether every row of the block sees every key of [key_begin, key_end): then nothing is masked.
+bool sees_all_keys(const AttentionParams& p, const TaskRows& task, std::int64_t key_begin,
+                   std::int64_t key_end) {
+  return p.key_range(task.position_begin + task.positions - 1).begin <= key_begin &&
+         p.key_range(task.position_begin).end >= key_end;
+}
+
 // The packed K/V block [key_begin, key_begin + keys) that a task's Q blocks read in turn.
 struct KeyBlock {
   std::int64_t begin, end, keys_padded, keys_even;
@@ -226,9 +233,7 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_produ
   const TaskRows& task = block.rows;
   const std::int64_t Dp = t.dims_padded, ld_scores = tiles.keys;
   const std::int64_t keys = kv.end - kv.begin, keys_padded = kv.keys_padded;
-  const KeyRange first_row = p.key_range(task.position_begin),
-                 last_row = p.key_range(task.position_begin + task.positions - 1);
-  const bool fully_visible = last_row.begin <= kv.begin && first_row.end >= kv.end;
+  const bool fully_visible = sees_all_keys(p, task, kv.begin, kv.end);
 
   // Tile rows [row_lo, row_hi); the scores tile's row i holds the block's row row_lo + i.
   auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi) {
@@ -313,9 +318,7 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, 
       const KeyRange seen = block_keys(p, block.rows);
       if (seen.begin >= kv.end || seen.end <= kv.begin) continue;
       visitors.push_back(&block);
-      const KeyRange first = p.key_range(block.rows.position_begin);
-      const KeyRange last = p.key_range(block.rows.position_begin + block.rows.positions - 1);
-      all_visible = all_visible && last.begin <= kv.begin && first.end >= kv.end;
+      all_visible = all_visible && sees_all_keys(p, block.rows, kv.begin, kv.end);
     }
     if (visitors.empty()) continue;
 
