@@ -199,8 +199,9 @@ void check_against_reference(const Case& c) {
   const MaxError flash_error = max_error(flash_out, ref.out);
   const double score_rounding =
       u32 * scale * std::sqrt(static_cast<double>(c.head_dim)) * max_abs(q) * max_abs(k);
-  const double flash_bound =
-      4.0 * standard_error.value + 2.0 * u_out * max_out + 4.0 * score_rounding * max_abs(v);
+  const double flash_bound = 4.0 * standard_error.value + 2.0 * u_out * max_out +
+                             4.0 * score_rounding * max_abs(v) +
+                             probability_rounding_bound(c.dtype, max_abs(v));
   const std::string context = describe(c) + " seed " + std::to_string(seed);
 
   EXPECT_LE(standard_error.value, standard_bound)
@@ -264,14 +265,12 @@ TEST(AttentionVsReferencePerTarget, EveryCompiledTargetMatches) {
   detail::cpu::force_simd_target(0);
 }
 
-// bf16 inputs run through vdpbf16ps products where the CPU has AVX512-BF16 and through the
-// widening fp32 kernels elsewhere: check the path the grid did not take, too.
-TEST(AttentionVsReferenceBf16, BothProductPathsMatch) {
-  const bool default_enabled = detail::cpu::bf16_products_enabled();
-  for (bool enabled : {false, true}) {
-    detail::cpu::set_bf16_products_enabled(enabled);
-    if (enabled && !detail::cpu::bf16_products_supported()) continue;
-    SCOPED_TRACE(enabled ? "vdpbf16ps products" : "widening fp32 products");
+// bf16 inputs run through AMX tiles, vdpbf16ps or the widening fp32 kernels, whichever this CPU
+// supports (the grid above takes the default): check every one.
+TEST(AttentionVsReferenceBf16, EveryProductPathMatches) {
+  for (detail::cpu::Bf16Products products : detail::cpu::supported_bf16_products()) {
+    detail::cpu::force_bf16_products(products);
+    SCOPED_TRACE(detail::cpu::bf16_products_name(products));
     Case ragged{2, 131, 203, 4, 2, 59};
     ragged.causal = true;
     ragged.dtype = DType::bf16;
@@ -283,14 +282,22 @@ TEST(AttentionVsReferenceBf16, BothProductPathsMatch) {
     windowed.dtype = DType::bf16;
     windowed.layout = Layout::bhsd;
     check_against_reference(windowed);
+    // head_dim 80 and 17 keys: reductions that are not whole AMX tile rows (32 bf16), a last
+    // row block of 1..16 rows, and keys that end inside a 16-column tile.
+    Case ragged_tiles{1, 49, 17, 3, 1, 80};
+    ragged_tiles.dtype = DType::bf16;
+    check_against_reference(ragged_tiles);
+    Case long_keys{1, 33, 301, 1, 1, 96};
+    long_keys.dtype = DType::bf16;
+    long_keys.causal = true;
+    check_against_reference(long_keys);
   }
-  detail::cpu::set_bf16_products_enabled(default_enabled);
+  detail::cpu::force_bf16_products(std::nullopt);
 }
 
-// An infinite value poisons only the rows that see its key, on both bf16 product paths (the
+// An infinite value poisons only the rows that see its key, on every bf16 product path (the
 // masked blocks of the others must not compute 0 · inf).
 TEST(AttentionVsReferenceBf16, InfiniteValueReachesOnlyRowsThatSeeIt) {
-  const bool default_enabled = detail::cpu::bf16_products_enabled();
   std::mt19937_64 rng(test_seed());
   const std::int64_t S = 300, D = 32, bad_key = 140;
   Tensor q(DType::bf16, {1, S, 1, D}), k(DType::bf16, {1, S, 1, D}), v(DType::bf16, {1, S, 1, D});
@@ -300,18 +307,110 @@ TEST(AttentionVsReferenceBf16, InfiniteValueReachesOnlyRowsThatSeeIt) {
   v.set(0, bad_key, 0, 3, INFINITY);
   AttentionOptions options;
   options.causal = true;
-  for (bool enabled : {false, true}) {
-    detail::cpu::set_bf16_products_enabled(enabled);
+  for (detail::cpu::Bf16Products products : detail::cpu::supported_bf16_products()) {
+    detail::cpu::force_bf16_products(products);
     Tensor out(DType::bf16, {1, S, 1, D});
     out.poison();
     flash_attention_forward(q.view, k.view, v.view, out.view, nullptr, options);
     for (std::int64_t row = 0; row < S; ++row) {
       EXPECT_EQ(std::isfinite(out.at(0, row, 0, 3)), row < bad_key)
-          << "row " << row << (enabled ? " (vdpbf16ps)" : " (widening)");
+          << "row " << row << " (" << detail::cpu::bf16_products_name(products) << ")";
       EXPECT_TRUE(std::isfinite(out.at(0, row, 0, 4))) << "row " << row;
     }
   }
-  detail::cpu::set_bf16_products_enabled(default_enabled);
+  detail::cpu::force_bf16_products(std::nullopt);
+}
+
+// The bf16 products (AMX, vdpbf16ps) count a subnormal bf16 as zero; the flash path multiplies
+// each pair of a Q block and a K/V block where either holds one in fp32 instead, so denormals
+// are used (README). Here only some blocks hold them, so both kinds of tiles meet in one call:
+//  * v subnormal on keys [256, 384) and 0 elsewhere: the outputs are denormal, 0 if flushed
+//    (384 positions: no later K/V block follows whose bf16 products would flush the
+//    accumulator's denormal sums, which README allows);
+//  * q subnormal at positions [300, 340) against k near 2^125 (q elsewhere near 2^-120, so no
+//    score overflows): scores of order 1 there, uniform weights if flushed.
+// Every product path, against the reference, and bitwise identical for 1, 2, 3, 7 threads.
+TEST(AttentionVsReferenceBf16, SubnormalsInSomeBlocksAreNotFlushed) {
+  std::mt19937_64 rng(test_seed() ^ 31);
+  std::uniform_int_distribution<int> integer(-100, 100);
+  const std::int64_t S = 700, H = 2, D = 64;
+  const double smallest_subnormal = 0x1p-133;
+  Tensor q(DType::bf16, {1, S, H, D}), k(DType::bf16, {1, S, H, D}), v(DType::bf16, {1, S, H, D});
+  Tensor q_scaled(DType::bf16, {1, S, H, D}), k_scaled(DType::bf16, {1, S, H, D});
+  Tensor v_subnormal(DType::bf16, {1, S, H, D});
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  q.for_each_index([&](auto a, auto pos, auto h, auto d) {
+    const bool subnormal = pos >= 300 && pos < 340;
+    q_scaled.set(a, pos, h, d,
+                 subnormal ? static_cast<float>(integer(rng) * smallest_subnormal)
+                           : std::ldexp(q.at(a, pos, h, d), -120));
+    k_scaled.set(a, pos, h, d, std::ldexp(k.at(a, pos, h, d), 125));
+    v_subnormal.set(
+        a, pos, h, d,
+        pos >= 256 && pos < 384 ? static_cast<float>(integer(rng) * smallest_subnormal) : 0.0f);
+  });
+  struct Problem {
+    const Tensor &q, &k, &v;
+    const char* what;
+  };
+  const std::int64_t S_v = 384;
+  Tensor q_short(DType::bf16, {1, S_v, H, D}), k_short(DType::bf16, {1, S_v, H, D}),
+      v_short(DType::bf16, {1, S_v, H, D});
+  q_short.for_each_index([&](auto a, auto pos, auto h, auto d) {
+    q_short.set(a, pos, h, d, q.at(a, pos, h, d));
+    k_short.set(a, pos, h, d, k.at(a, pos, h, d));
+    v_short.set(a, pos, h, d, v_subnormal.at(a, pos, h, d));
+  });
+  const Problem problems[] = {{q_short, k_short, v_short, "subnormal v"},
+                              {q_scaled, k_scaled, v, "subnormal q"}};
+  AttentionOptions options;
+  options.causal = true;
+  for (const Problem& problem : problems) {
+    const ReferenceResult ref = reference(problem.q, problem.k, problem.v, options);
+    double max_q = 0.0, max_k = 0.0, max_v = 0.0;
+    for (auto [tensor, largest] :
+         {std::pair{&problem.q, &max_q}, {&problem.k, &max_k}, {&problem.v, &max_v}}) {
+      tensor->for_each_index([&, t = tensor, m = largest](auto a, auto b, auto h, auto d) {
+        *m = std::max<double>(*m, std::abs(t->at(a, b, h, d)));
+      });
+    }
+    const double u32 = unit_roundoff(DType::f32), u_out = unit_roundoff(DType::bf16);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    const double Skv = static_cast<double>(problem.k.view.shape[1]);
+    const double bound = u32 * max_v * (4.0 * scale * D * max_q * max_k + 2.0 * Skv + 16.0) +
+                         probability_rounding_bound(DType::bf16, max_v) +
+                         (Skv + D + 16.0) * 0x1p-149 + 0x1p-134;  // fp32 and bf16 denormal floors
+    for (detail::cpu::Bf16Products products : detail::cpu::supported_bf16_products()) {
+      detail::cpu::force_bf16_products(products);
+      std::vector<float> first;
+      for (int threads : {1, 2, 3, 7}) {
+        options.num_threads = threads;
+        Tensor out(DType::bf16, problem.q.view.shape);
+        out.poison();
+        flash_attention_forward(problem.q.view, problem.k.view, problem.v.view, out.view, nullptr,
+                                options);
+        std::vector<float> got;
+        std::int64_t flat = 0, mismatches = 0;
+        out.for_each_index([&](auto a, auto b, auto h, auto d) {
+          const double want = ref.out[flat++];
+          got.push_back(out.at(a, b, h, d));
+          if (!(std::abs(got.back() - want) <= bound + u_out * std::abs(want)) &&
+              ++mismatches <= 3) {
+            ADD_FAILURE() << problem.what << " (" << detail::cpu::bf16_products_name(products)
+                          << ", " << threads << " threads): out[" << flat - 1
+                          << "] = " << got.back() << ", reference " << want;
+          }
+        });
+        if (first.empty()) first = got;
+        EXPECT_EQ(0, std::memcmp(got.data(), first.data(), got.size() * sizeof(float)))
+            << problem.what << " (" << detail::cpu::bf16_products_name(products) << "): " << threads
+            << " threads differ from 1";
+      }
+    }
+  }
+  detail::cpu::force_bf16_products(std::nullopt);
 }
 
 // A task of the flash path holds up to 4 Q blocks that share each packed K/V block; with one

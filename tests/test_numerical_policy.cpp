@@ -98,7 +98,8 @@ Bounds derive_bounds(AttentionImpl impl, const Tensor& q, const Tensor& k, const
   const double scores =
       exact_scores ? 0.0 : 4.0 * scale * D * max_abs_finite(q) * max_abs_finite(k);
   const double mixing = u32 * (scores + 2.0 * Skv + 16.0);
-  return {mixing * max_abs_finite(v) + floor, mixing, 4.0 * u32};
+  return {mixing * max_abs_finite(v) + probability_rounding_bound(dtype, max_abs_finite(v)) + floor,
+          mixing, 4.0 * u32};
 }
 
 enum class Kind { nan, plus_inf, minus_inf, finite };

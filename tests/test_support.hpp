@@ -90,6 +90,13 @@ inline double unit_roundoff(DType dtype) {
   return 0.0;
 }
 
+// DESIGN.md §2 lets the probabilities be rounded to the input dtype as the operand of P·V (the
+// bf16 products of the flash path do): that moves an output element by at most
+// sum_j |p~_j - p_j|·|v_j| / l <= u_in · max|v|.
+inline double probability_rounding_bound(DType dtype, double max_abs_v) {
+  return dtype == DType::f32 ? 0.0 : unit_roundoff(dtype) * max_abs_v;
+}
+
 struct ReferenceResult {
   std::vector<double> out;  // contiguous [B, Sq, Hq, D]
   std::vector<double> lse;  // contiguous [B, Hq, Sq]

@@ -64,7 +64,8 @@ std::string checked_call(int user_thread, int call_index) {
   std::int64_t flat = 0;
   out.for_each_index([&](auto a, auto b, auto h, auto d) {
     const double got = out.at(a, b, h, d), want = ref.out[flat++];
-    if (!(std::abs(got - want) <= mixing * max_v + u_out * std::abs(want)) &&
+    if (!(std::abs(got - want) <=
+          mixing * max_v + probability_rounding_bound(dtype, max_v) + u_out * std::abs(want)) &&
         failure.tellp() == 0) {
       failure << "out[" << flat - 1 << "] = " << got << ", reference " << want;
     }

@@ -30,6 +30,7 @@
 #include "api/backends.hpp"
 #include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_amx.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
@@ -51,75 +52,40 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // Per-thread tiles. Row widths are padded to whole vectors (cpu::pad_to_lanes) with zeros, so
 // the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0.
 struct Scratch {
+  cpu::Bf16Products products;  // widened unless the inputs are bf16
   std::int64_t dims_padded;
+  // bf16 products: the reductions of Q·Kᵀ (dims) and P·V (keys) zero-padded to a whole AMX tile
+  // row, the row widths of Q, P and the packed K and V (tile_kernels_amx.hpp).
+  std::int64_t bf16_dims, bf16_keys;
   AlignedVector<float> q, k_packed, v_packed, scores, acc, row_max, row_sum;
-  // bf16 operands of the vdpbf16ps products (bf16 inputs on AVX512-BF16 CPUs only).
+  // bf16 operands of the vdpbf16ps or AMX products (bf16 inputs only). The fp32 tiles above
+  // then serve the tiles whose bf16 inputs hold a subnormal (cpu::copy_row_bf16).
   AlignedVector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
 
   // Q, acc, row_max and row_sum hold tiles.blocks_per_task blocks of tiles.rows rows.
-  Scratch(FlashTiles tiles, std::int64_t D, bool bf16_products)
-      : dims_padded(cpu::pad_to_lanes(D)),
-        q(bf16_products ? 0 : tiles.blocks_per_task * tiles.rows * dims_padded),
-        k_packed(bf16_products ? 0 : D * tiles.keys),
+  Scratch(FlashTiles tiles, std::int64_t D, cpu::Bf16Products bf16_products)
+      : products(bf16_products),
+        dims_padded(cpu::pad_to_lanes(D)),
+        bf16_dims(cpu::pad_to_amx_reduction(D)),
+        bf16_keys(cpu::pad_to_amx_reduction(tiles.keys)),
+        q(tiles.blocks_per_task * tiles.rows * dims_padded),
+        k_packed(D * tiles.keys),
         v_packed(tiles.keys * dims_padded),
         scores(tiles.rows * tiles.keys),
         acc(tiles.blocks_per_task * tiles.rows * dims_padded),
         row_max(tiles.blocks_per_task * tiles.rows),
         row_sum(tiles.blocks_per_task * tiles.rows) {
-    if (bf16_products) {
-      q_bf16.assign(tiles.blocks_per_task * tiles.rows * dims_padded, 0);
-      k_bf16.assign(tiles.keys * dims_padded, 0);
-      v_bf16.assign(tiles.keys * dims_padded, 0);
-      p_bf16.assign(tiles.rows * tiles.keys, 0);
+    if (bf16_operands()) {
+      q_bf16.assign(tiles.blocks_per_task * tiles.rows * bf16_dims, 0);
+      k_bf16.assign(tiles.keys * bf16_dims, 0);
+      v_bf16.assign(bf16_keys * dims_padded, 0);
+      p_bf16.assign(tiles.rows * bf16_keys, 0);
     }
   }
+
+  // Whether Q, K, V and P are bf16 operands of bf16 products rather than fp32 tiles.
+  bool bf16_operands() const { return products != cpu::Bf16Products::widened; }
 };
-
-// bf16 inputs for the vdpbf16ps kernels: bit patterns copied, no rounding. Kᵀ goes into
-// panels of 64 keys, each d-pair of a key as one 32-bit word (cpu::bf16_key_index).
-void pack_keys_bf16(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
-                    std::int64_t key_begin, std::int64_t keys, std::int64_t keys_padded) {
-  const std::int64_t D = p.head_dim, pairs = t.dims_padded / 2;
-  const auto* k = static_cast<const std::uint16_t*>(p.k);
-  auto* words = reinterpret_cast<std::uint32_t*>(t.k_bf16.data());
-  for (std::int64_t panel = 0; panel < keys_padded; panel += cpu::kPanelWidth) {
-    const std::int64_t width = std::min(cpu::kPanelWidth, keys_padded - panel);
-    std::uint32_t* panel_words = words + panel * pairs;
-    for (std::int64_t j = panel; j < panel + width; ++j) {
-      std::uint16_t row[2] = {0, 0};
-      const std::uint16_t* src =
-          j < keys ? k + p.k_strides.offset(b, key_begin + j, h_kv) : nullptr;
-      for (std::int64_t m = 0; m < pairs; ++m) {
-        row[0] = src && 2 * m < D ? src[2 * m] : 0;
-        row[1] = src && 2 * m + 1 < D ? src[2 * m + 1] : 0;
-        std::memcpy(panel_words + m * width + (j - panel), row, sizeof(row));
-      }
-    }
-  }
-}
-
-// V into panels of 64 dims, the same dim of two consecutive keys as one 32-bit word
-// (cpu::bf16_value_index); an odd last key is paired with zeros.
-void pack_values_bf16(const AttentionParams& p, Scratch& t, std::int64_t b, std::int64_t h_kv,
-                      std::int64_t key_begin, std::int64_t keys, std::int64_t keys_even) {
-  const std::int64_t D = p.head_dim, Dp = t.dims_padded;
-  const auto* v = static_cast<const std::uint16_t*>(p.v);
-  for (std::int64_t pair = 0; pair < keys_even / 2; ++pair) {
-    const std::int64_t j = 2 * pair;
-    const std::uint16_t* first = v + p.v_strides.offset(b, key_begin + j, h_kv);
-    const std::uint16_t* second =
-        j + 1 < keys ? v + p.v_strides.offset(b, key_begin + j + 1, h_kv) : nullptr;
-    for (std::int64_t panel = 0; panel < Dp; panel += cpu::kPanelWidth) {
-      const std::int64_t width = std::min(cpu::kPanelWidth, Dp - panel);
-      std::uint16_t* dst = t.v_bf16.data() + panel * keys_even + pair * width * 2;
-      for (std::int64_t d = 0; d < width; ++d) {
-        const bool inside = panel + d < D;
-        dst[2 * d] = inside ? first[panel + d] : 0;
-        dst[2 * d + 1] = inside && second ? second[panel + d] : 0;
-      }
-    }
-  }
-}
 
 // Whether no element of values[0, n) is an infinity or NaN (exponent bits all ones). Integer
 // arithmetic so that the loop vectorizes.
@@ -156,14 +122,25 @@ struct QueryBlock {
   TaskRows rows;
   float* q;
   std::uint16_t* q_bf16;
+  bool bf16_exact;  // whether q_bf16 holds no subnormal
+  bool fp32_rows;   // whether q holds the rows (always for widened products; else on demand)
   float* acc;
   float* row_max;
   float* row_sum;
 };
 
+// The Q block's rows into block.q as fp32.
+void load_fp32_rows(const AttentionParams& p, const Scratch& t, QueryBlock& block) {
+  const TaskRows& task = block.rows;
+  for (std::int64_t i = 0; i < task.count(); ++i) {
+    load_row_f32(block.q + i * t.dims_padded, p.q, p.dtype,
+                 p.q_strides.offset(task.b, task.position(i), task.head(i)), p.head_dim);
+  }
+  block.fp32_rows = true;
+}
+
 // Prologue of one Q block: load its Q rows, reset the running statistics.
-void start_block(const AttentionParams& p, std::int64_t Dp, bool bf16_products,
-                 const QueryBlock& block) {
+void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) {
   const TaskRows& task = block.rows;
   const std::int64_t rows = task.count();
   for (std::int64_t i = 0; i < rows; ++i) {
@@ -174,14 +151,16 @@ void start_block(const AttentionParams& p, std::int64_t Dp, bool bf16_products,
                         p.head_dim);
     }
     const std::int64_t offset = p.q_strides.offset(task.b, task.position(i), task.head(i));
-    if (bf16_products) {
-      std::copy_n(static_cast<const std::uint16_t*>(p.q) + offset, p.head_dim,
-                  block.q_bf16 + i * Dp);
+    if (t.bf16_operands()) {
+      block.bf16_exact &=
+          !cpu::copy_row_bf16(block.q_bf16 + i * t.bf16_dims,
+                              static_cast<const std::uint16_t*>(p.q) + offset, p.head_dim);
     } else {
-      load_row_f32(block.q + i * Dp, p.q, p.dtype, offset, p.head_dim);
+      load_row_f32(block.q + i * t.dims_padded, p.q, p.dtype, offset, p.head_dim);
     }
   }
-  std::fill_n(block.acc, rows * Dp, 0.0f);
+  block.fp32_rows = !t.bf16_operands();
+  std::fill_n(block.acc, rows * t.dims_padded, 0.0f);
   std::fill_n(block.row_max, rows, kNegativeInfinity);
   std::fill_n(block.row_sum, rows, 0.0f);
 }
@@ -222,27 +201,34 @@ bool sees_all_keys(const AttentionParams& p, const TaskRows& task, std::int64_t 
 
 // The packed K/V block [key_begin, key_begin + keys) that a task's Q blocks read in turn.
 struct KeyBlock {
-  std::int64_t begin, end, keys_padded, keys_even;
+  std::int64_t begin, end, keys_padded;
+  std::int64_t bf16_reduction;  // bf16 products: keys zero-padded to a whole AMX tile row
+  bool bf16_exact;              // whether the bf16 K and V hold no subnormal
   bool blocked_pv;  // whether masked rows may go through the blocked P·V kernel (see below)
 };
 
 // One Q block against one packed K/V block:
 //   S = Q·Kᵀ, mask, online softmax of scale·S, acc += P·V
-void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
+void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
                      const QueryBlock& block, const KeyBlock& kv) {
   const TaskRows& task = block.rows;
   const std::int64_t Dp = t.dims_padded, ld_scores = tiles.keys;
   const std::int64_t keys = kv.end - kv.begin, keys_padded = kv.keys_padded;
   const bool fully_visible = sees_all_keys(p, task, kv.begin, kv.end);
+  const cpu::Bf16Products products =
+      block.bf16_exact && kv.bf16_exact ? t.products : cpu::Bf16Products::widened;
 
   // Tile rows [row_lo, row_hi); the scores tile's row i holds the block's row row_lo + i.
   auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi) {
     const std::int64_t rows = row_hi - row_lo;
     float* scores = t.scores.data();
     float* acc = block.acc + row_lo * Dp;
-    if (bf16_products) {
-      cpu::scores_tile_bf16(scores, ld_scores, block.q_bf16 + row_lo * Dp, Dp, t.k_bf16.data(),
-                            rows, keys_padded, Dp, 1.0f);
+    if (products == cpu::Bf16Products::amx) {
+      cpu::amx_product(scores, ld_scores, false, block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims,
+                       t.k_bf16.data(), rows, keys_padded, t.bf16_dims);
+    } else if (products == cpu::Bf16Products::avx512_bf16) {
+      cpu::scores_tile_bf16(scores, ld_scores, block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims,
+                            t.k_bf16.data(), rows, keys_padded, t.bf16_dims, 1.0f);
     } else {
       cpu::scores_tile(scores, ld_scores, {block.q + row_lo * Dp, Dp}, t.k_packed.data(), rows,
                        keys_padded, p.head_dim);
@@ -255,12 +241,17 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_produ
     }
     cpu::online_softmax_tile(scores, ld_scores, p.scale, block.row_max + row_lo,
                              block.row_sum + row_lo, acc, Dp, rows, keys_padded, Dp);
-    if (kv.blocked_pv && bf16_products) {
+    if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
       // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
-      cpu::round_probabilities_bf16(t.p_bf16.data(), ld_scores, scores, ld_scores, rows,
-                                    keys_padded);
-      cpu::accumulate_pv_tile_bf16(acc, Dp, t.p_bf16.data(), ld_scores, t.v_bf16.data(),
-                                   kv.keys_even, rows, Dp);
+      cpu::round_probabilities_bf16(t.p_bf16.data(), t.bf16_keys, scores, ld_scores, rows,
+                                    keys_padded, kv.bf16_reduction);
+      if (products == cpu::Bf16Products::amx) {
+        cpu::amx_product(acc, Dp, true, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(), rows, Dp,
+                         kv.bf16_reduction);
+      } else {
+        cpu::accumulate_pv_tile_bf16(acc, Dp, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(),
+                                     kv.bf16_reduction, rows, Dp);
+      }
       return;
     }
     if (kv.blocked_pv) {
@@ -297,24 +288,25 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, bool bf16_produ
 
 // A task: consecutive Q blocks of one (batch, KV head). Each K/V block is packed once and then
 // visited by every Q block of the task that sees some of it.
-void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, Scratch& t,
-                const std::vector<QueryBlock>& blocks) {
+void flash_task(const AttentionParams& p, FlashTiles tiles, Scratch& t,
+                std::vector<QueryBlock>& blocks) {
   const std::int64_t Dp = t.dims_padded, b = blocks.front().rows.b;
   const std::int64_t h_kv = blocks.front().rows.h_kv;
-  for (const QueryBlock& block : blocks) start_block(p, Dp, bf16_products, block);
+  for (QueryBlock& block : blocks) start_block(p, t, block);
 
-  // K/V blocks start at multiples of Bc whatever Q blocks share a task, so every row sees the
-  // same blocks, and the same result, however the Q blocks are grouped.
+  // K/V blocks are the keys [n·Bc, (n + 1)·Bc) whatever Q blocks share a task, so every row
+  // sees the same blocks, and the same result, however the Q blocks are grouped (the keys of a
+  // block that no row of the task sees are masked).
   const KeyRange task_keys{block_keys(p, blocks.front().rows).begin,
                            block_keys(p, blocks.back().rows).end};
-  std::vector<const QueryBlock*> visitors;
+  std::vector<QueryBlock*> visitors;
   visitors.reserve(blocks.size());
   for (std::int64_t key_begin = task_keys.begin / tiles.keys * tiles.keys;
        key_begin < task_keys.end; key_begin += tiles.keys) {
-    KeyBlock kv{key_begin, std::min(key_begin + tiles.keys, task_keys.end), 0, 0, true};
+    KeyBlock kv{key_begin, std::min(key_begin + tiles.keys, p.seqlen_kv), 0, 0, true, true};
     visitors.clear();
     bool all_visible = true;
-    for (const QueryBlock& block : blocks) {
+    for (QueryBlock& block : blocks) {
       const KeyRange seen = block_keys(p, block.rows);
       if (seen.begin >= kv.end || seen.end <= kv.begin) continue;
       visitors.push_back(&block);
@@ -324,11 +316,26 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, 
 
     const std::int64_t keys = kv.end - kv.begin;
     kv.keys_padded = cpu::pad_to_lanes(keys);
-    kv.keys_even = keys + keys % 2;
-    if (bf16_products) {
-      pack_keys_bf16(p, t, b, h_kv, key_begin, keys, kv.keys_padded);
-      pack_values_bf16(p, t, b, h_kv, key_begin, keys, kv.keys_even);
-    } else {
+    kv.bf16_reduction = cpu::pad_to_amx_reduction(keys);
+    // fp32 products for every visitor with widened inputs, and for the pairs of a Q block and
+    // this block where either holds a bf16 subnormal.
+    bool fp32_products = !t.bf16_operands();
+    if (t.bf16_operands()) {
+      const bool subnormal_keys =
+          cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, key_begin,
+                                         keys, kv.keys_padded, p.head_dim, t.bf16_dims);
+      const bool subnormal_values =
+          cpu::pack_row_pairs_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin, keys,
+                                   kv.bf16_reduction, p.head_dim, Dp);
+      kv.bf16_exact = !subnormal_keys && !subnormal_values;
+      for (const QueryBlock* block : visitors) {
+        fp32_products = fp32_products || !(block->bf16_exact && kv.bf16_exact);
+      }
+    }
+    if (fp32_products) {
+      for (QueryBlock* block : visitors) {
+        if (!block->fp32_rows) load_fp32_rows(p, t, *block);
+      }
       cpu::pack_rows_transposed(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
                                 keys, kv.keys_padded, p.head_dim);
       cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
@@ -338,15 +345,15 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool bf16_products, 
     // through the blocked P·V kernel with the same result as skipping the masked keys. Otherwise
     // the fp32 kernel takes each row's visible keys on their own.
     if (!all_visible) {
-      kv.blocked_pv = bf16_products ? all_finite_bf16(t.v_bf16.data(), kv.keys_even * Dp)
-                                    : all_finite(t.v_packed.data(), keys * Dp);
-      if (!kv.blocked_pv && bf16_products) {
+      kv.blocked_pv = fp32_products ? all_finite(t.v_packed.data(), keys * Dp)
+                                    : all_finite_bf16(t.v_bf16.data(), kv.bf16_reduction * Dp);
+      if (!kv.blocked_pv && !fp32_products) {
         cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
                        p.head_dim, Dp);
       }
     }
     for (const QueryBlock* block : visitors) {
-      visit_key_block(p, tiles, bf16_products, t, *block, kv);
+      visit_key_block(p, tiles, t, *block, kv);
     }
   }
 
@@ -373,7 +380,8 @@ void flash_forward(const AttentionParams& p) {
   const std::int64_t tasks_per_head = (q_blocks + blocks_per_task - 1) / blocks_per_task;
   const FlashTiles scratch_tiles{group * positions, tiles.keys, blocks_per_task};
 
-  const bool bf16_products = p.dtype == DType::bf16 && cpu::bf16_products_enabled();
+  const cpu::Bf16Products bf16_products =
+      p.dtype == DType::bf16 ? cpu::active_bf16_products() : cpu::Bf16Products::widened;
 
   // Dynamic schedule, last Q blocks first: under a causal mask the last blocks see the most
   // keys, so the long tasks start early and the short ones fill the gaps at the end.
@@ -387,19 +395,20 @@ void flash_forward(const AttentionParams& p) {
             (tasks_per_head - 1 - index % tasks_per_head) * blocks_per_task;
         const std::int64_t end_block = std::min(first_block + blocks_per_task, q_blocks);
         const std::int64_t block_floats = scratch_tiles.rows * t.dims_padded;
+        const std::int64_t block_bf16 = scratch_tiles.rows * t.bf16_dims;
         std::vector<QueryBlock> blocks;
         for (std::int64_t n = first_block; n < end_block; ++n) {
           const std::int64_t position_begin = n * positions, slot = n - first_block;
           const TaskRows rows{
               b,     h_kv,           h_kv * group,
               group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
-          blocks.push_back({rows, bf16_products ? nullptr : t.q.data() + slot * block_floats,
-                            bf16_products ? t.q_bf16.data() + slot * block_floats : nullptr,
-                            t.acc.data() + slot * block_floats,
+          blocks.push_back({rows, t.q.data() + slot * block_floats,
+                            t.bf16_operands() ? t.q_bf16.data() + slot * block_bf16 : nullptr, true,
+                            false, t.acc.data() + slot * block_floats,
                             t.row_max.data() + slot * scratch_tiles.rows,
                             t.row_sum.data() + slot * scratch_tiles.rows});
         }
-        flash_task(p, scratch_tiles, bf16_products, t, blocks);
+        flash_task(p, scratch_tiles, t, blocks);
       });
 }
 

@@ -74,4 +74,99 @@ void pack_rows_transposed(float* panels, const void* base, DType dtype, const St
   }
 }
 
+namespace {
+
+// Whether any of values[0, n) is a subnormal bf16 (exponent bits 0, mantissa not). Branch-free
+// so that the loop vectorizes.
+bool has_subnormal_bf16(const std::uint16_t* values, std::int64_t n) {
+  constexpr std::uint16_t kExponent = 0x7f80, kMantissa = 0x007f;
+  unsigned found = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    found |= static_cast<unsigned>((values[i] & kExponent) == 0) &
+             static_cast<unsigned>((values[i] & kMantissa) != 0);
+  }
+  return found != 0;
+}
+
+}  // namespace
+
+bool copy_row_bf16(std::uint16_t* dst, const std::uint16_t* src, std::int64_t n) {
+  std::copy_n(src, n, dst);
+  return has_subnormal_bf16(dst, n);
+}
+
+bool pack_rows_transposed_bf16(std::uint16_t* panels, const void* base, const Strides& strides,
+                               std::int64_t b, std::int64_t h, std::int64_t row_begin,
+                               std::int64_t rows, std::int64_t rows_padded, std::int64_t head_dim,
+                               std::int64_t reduction) {
+  // As pack_rows_transposed: kTileLanes rows at a time, each copied (zero-padded) into `staged`,
+  // kPanelWidth dim pairs at a time, then written out one panel row of 16 words per pair.
+  const auto* source = static_cast<const std::uint16_t*>(base);
+  const std::int64_t pairs = reduction / 2;
+  std::uint16_t staged[kTileLanes][2 * kPanelWidth];
+  std::int64_t offsets[kTileLanes];
+  bool subnormal = false;
+  for (std::int64_t j0 = 0; j0 < rows_padded; j0 += kTileLanes) {
+    const std::int64_t panel_begin = j0 / kPanelWidth * kPanelWidth;
+    const std::int64_t width = std::min(kPanelWidth, rows_padded - panel_begin);
+    std::uint16_t* columns = panels + (panel_begin * pairs + (j0 - panel_begin)) * 2;
+    const std::int64_t loaded = std::clamp(rows - j0, std::int64_t{0}, kTileLanes);
+    for (std::int64_t jj = 0; jj < loaded; ++jj) {
+      offsets[jj] = strides.offset(b, row_begin + j0 + jj, h);
+      if (j0 + kTileLanes + jj < rows) {
+        prefetch_row(base, DType::bf16, strides.offset(b, row_begin + j0 + kTileLanes + jj, h),
+                     head_dim);
+      }
+    }
+    for (std::int64_t m0 = 0; m0 < pairs; m0 += kPanelWidth) {
+      const std::int64_t chunk = std::min(kPanelWidth, pairs - m0);
+      const std::int64_t dims = std::clamp(head_dim - 2 * m0, std::int64_t{0}, 2 * chunk);
+      for (std::int64_t jj = 0; jj < kTileLanes; ++jj) {
+        std::uint16_t* row = staged[jj];
+        const std::int64_t copied = jj < loaded ? dims : 0;
+        if (copied > 0) subnormal |= copy_row_bf16(row, source + offsets[jj] + 2 * m0, copied);
+        std::fill(row + copied, row + 2 * chunk, std::uint16_t{0});
+      }
+      for (std::int64_t m = 0; m < chunk; ++m) {
+        std::uint16_t* dst = columns + (m0 + m) * width * 2;
+        for (std::int64_t jj = 0; jj < kTileLanes; ++jj) {
+          dst[2 * jj] = staged[jj][2 * m];
+          dst[2 * jj + 1] = staged[jj][2 * m + 1];
+        }
+      }
+    }
+  }
+  return subnormal;
+}
+
+bool pack_row_pairs_bf16(std::uint16_t* panels, const void* base, const Strides& strides,
+                         std::int64_t b, std::int64_t h, std::int64_t row_begin, std::int64_t rows,
+                         std::int64_t reduction, std::int64_t head_dim, std::int64_t dims_padded) {
+  const auto* source = static_cast<const std::uint16_t*>(base);
+  bool subnormal = false;
+  for (std::int64_t pair = 0; pair < reduction / 2; ++pair) {
+    const std::uint16_t* pair_rows[2];
+    for (std::int64_t e = 0; e < 2; ++e) {
+      const std::int64_t row = 2 * pair + e;
+      pair_rows[e] = row < rows ? source + strides.offset(b, row_begin + row, h) : nullptr;
+      if (pair_rows[e]) subnormal |= has_subnormal_bf16(pair_rows[e], head_dim);
+      if (row + 2 * kRowsAhead < rows) {
+        prefetch_row(base, DType::bf16, strides.offset(b, row_begin + row + 2 * kRowsAhead, h),
+                     head_dim);
+      }
+    }
+    for (std::int64_t d0 = 0; d0 < dims_padded; d0 += kPanelWidth) {
+      const std::int64_t width = std::min(kPanelWidth, dims_padded - d0);
+      const std::int64_t loaded = std::clamp(head_dim - d0, std::int64_t{0}, width);
+      std::uint16_t* dst = panels + d0 * reduction + pair * width * 2;
+      for (std::int64_t e = 0; e < 2; ++e) {
+        const std::uint16_t* src = pair_rows[e];
+        for (std::int64_t d = 0; d < loaded; ++d) dst[2 * d + e] = src ? src[d0 + d] : 0;
+        for (std::int64_t d = loaded; d < width; ++d) dst[2 * d + e] = 0;
+      }
+    }
+  }
+  return subnormal;
+}
+
 }  // namespace flashattn::detail::cpu

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <string_view>
 
+#include "cpu/tile_kernels_amx.hpp"
+
 #define FLASHATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace flashattn::detail::cpu {
@@ -97,24 +99,56 @@ bool bf16_products_supported() {
   return supported;
 }
 
-namespace {
-// Off unless FLASHATTN_BF16_DOT=1: on the AVX512-BF16 machine we measure on (a Sapphire
-// Rapids-class VM), a 512-bit vdpbf16ps retires at half the FLOP rate of an fp32 FMA (dependent
-// chains, 16 accumulators: ~105 vs ~215 GFLOP/s per core), and the flash forward at
-// [1, 1024, 8, 128] ran at 0.65-0.7x of the widening fp32 path with these kernels. CPUs that
-// execute it at full rate (2 x the fp32 MACs) should switch it on.
-std::atomic<bool> bf16_products_switch{[] {
-  const char* setting = std::getenv("FLASHATTN_BF16_DOT");
-  return setting != nullptr && std::string_view(setting) == "1";
-}()};
-}  // namespace
-
-bool bf16_products_enabled() {
-  return bf16_products_switch.load(std::memory_order_relaxed) && bf16_products_supported();
+const char* bf16_products_name(Bf16Products products) {
+  switch (products) {
+    case Bf16Products::widened:
+      return "widened";
+    case Bf16Products::avx512_bf16:
+      return "avx512_bf16";
+    case Bf16Products::amx:
+      return "amx";
+  }
+  return "unknown";
 }
 
-void set_bf16_products_enabled(bool enabled) {
-  bf16_products_switch.store(enabled, std::memory_order_relaxed);
+std::vector<Bf16Products> supported_bf16_products() {
+  std::vector<Bf16Products> supported{Bf16Products::widened};
+  if (bf16_products_supported()) supported.push_back(Bf16Products::avx512_bf16);
+  if (amx_supported()) supported.push_back(Bf16Products::amx);
+  return supported;
+}
+
+namespace {
+
+// AMX where the CPU has it: the seed shape in bf16 runs ~2x faster than widened to fp32 there
+// (bench/RESULTS.md). vdpbf16ps only on request: on the AVX512-BF16 machine we measure on (a
+// Sapphire Rapids-class VM), a 512-bit vdpbf16ps retires at half the FLOP rate of an fp32 FMA
+// (~105 vs ~215 GFLOP/s per core), and the flash forward at [1, 1024, 8, 128] ran at 0.65-0.7x
+// of the widening path with it.
+Bf16Products default_bf16_products() {
+  const std::vector<Bf16Products> supported = supported_bf16_products();
+  if (const char* setting = std::getenv("FLASHATTN_BF16_PRODUCTS")) {
+    for (Bf16Products products : supported) {
+      if (std::string_view(setting) == bf16_products_name(products)) return products;
+    }
+  }
+  return supported.back() == Bf16Products::amx ? Bf16Products::amx : Bf16Products::widened;
+}
+
+constexpr int kDefault = -1;
+std::atomic<int> forced_bf16_products{kDefault};
+
+}  // namespace
+
+Bf16Products active_bf16_products() {
+  static const Bf16Products default_products = default_bf16_products();
+  const int forced = forced_bf16_products.load(std::memory_order_relaxed);
+  return forced == kDefault ? default_products : static_cast<Bf16Products>(forced);
+}
+
+void force_bf16_products(std::optional<Bf16Products> products) {
+  forced_bf16_products.store(products ? static_cast<int>(*products) : kDefault,
+                             std::memory_order_relaxed);
 }
 
 FLASHATTN_BF16_TARGET void scores_tile_bf16(float* scores, std::int64_t ld_scores,
@@ -131,12 +165,15 @@ FLASHATTN_BF16_TARGET void scores_tile_bf16(float* scores, std::int64_t ld_score
 
 FLASHATTN_BF16_TARGET void round_probabilities_bf16(std::uint16_t* p_bf16, std::int64_t ld_p_bf16,
                                                     const float* p, std::int64_t ld_p,
-                                                    std::int64_t rows, std::int64_t keys_padded) {
+                                                    std::int64_t rows, std::int64_t keys_padded,
+                                                    std::int64_t reduction) {
   for (std::int64_t i = 0; i < rows; ++i) {
+    std::uint16_t* row = p_bf16 + i * ld_p_bf16;
     for (std::int64_t j = 0; j < keys_padded; j += kLanes) {
       const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(p + i * ld_p + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_bf16 + i * ld_p_bf16 + j), (__m256i)rounded);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), (__m256i)rounded);
     }
+    std::fill(row + keys_padded, row + reduction, std::uint16_t{0});
   }
 }
 

@@ -14,16 +14,29 @@
 // Accumulation is fp32 throughout.
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace flashattn::detail::cpu {
 
 bool bf16_products_supported();
 
-// Whether bf16 inputs use these kernels: when supported and switched on, by the environment
-// variable FLASHATTN_BF16_DOT=1 or by tests (not thread-safe against concurrent attention
-// calls). Otherwise bf16 inputs are widened to fp32 when packed.
-bool bf16_products_enabled();
-void set_bf16_products_enabled(bool enabled);
+// How the tile products of bf16 inputs run: widened to fp32 when packed and multiplied by the
+// fp32 kernels (any CPU), with vdpbf16ps (these kernels), or on AMX tiles (tile_kernels_amx.hpp).
+enum class Bf16Products { widened, avx512_bf16, amx };
+
+const char* bf16_products_name(Bf16Products products);
+
+// The ways this CPU supports, `widened` first.
+std::vector<Bf16Products> supported_bf16_products();
+
+// The way bf16 inputs use now: AMX where supported, else widened; the environment variable
+// FLASHATTN_BF16_PRODUCTS=widened|avx512_bf16|amx picks another supported one (read once), and
+// tests pin one with force_bf16_products (std::nullopt restores the default; not thread-safe
+// against concurrent attention calls). vdpbf16ps is never the default: on the AVX512-BF16 CPU
+// we measure on it retires half the FLOPs of an fp32 FMA (bench/RESULTS.md).
+Bf16Products active_bf16_products();
+void force_bf16_products(std::optional<Bf16Products> products);
 
 // Index of k(key, d) in k_packed for a tile of keys_padded keys and dims_padded (even) dims.
 constexpr std::int64_t bf16_key_index(std::int64_t key, std::int64_t d, std::int64_t keys_padded,
@@ -46,9 +59,12 @@ void scores_tile_bf16(float* scores, std::int64_t ld_scores, const std::uint16_t
                       std::int64_t ld_q, const std::uint16_t* k_packed, std::int64_t rows,
                       std::int64_t keys_padded, std::int64_t dims_padded, float scale);
 
-// p_bf16[:, :keys_padded] = bf16(p[:, :keys_padded]), rounded to nearest even
+// p_bf16[:, :keys_padded] = bf16(p[:, :keys_padded]), rounded to nearest even, and
+// p_bf16[:, keys_padded:reduction] = 0 (the zero padding of the P·V reduction); both multiples
+// of 16.
 void round_probabilities_bf16(std::uint16_t* p_bf16, std::int64_t ld_p_bf16, const float* p,
-                              std::int64_t ld_p, std::int64_t rows, std::int64_t keys_padded);
+                              std::int64_t ld_p, std::int64_t rows, std::int64_t keys_padded,
+                              std::int64_t reduction);
 
 // acc[:, :dims_padded] += p · V over keys [0, keys_even)
 void accumulate_pv_tile_bf16(float* acc, std::int64_t ld_acc, const std::uint16_t* p,
