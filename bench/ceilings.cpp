@@ -53,6 +53,7 @@ HWY_AFTER_NAMESPACE();
 
 #include <cblas.h>
 #include <omp.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -111,6 +112,45 @@ __attribute__((target("avx512f,avx512bf16"))) float Bf16DotChains(std::int64_t i
   float sum = 0.0f;
   for (const float lane : lanes) sum += lane;
   return sum;
+}
+
+constexpr int kAmxAccumulators = 4;
+constexpr std::int64_t kAmxStepsPerUnit = 1 << 12;
+
+// The 64-byte LDTILECFG operand: palette 1, every tile 16 rows of 64 bytes.
+struct AmxTileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t bytes_per_row[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// tmm0..3 += tmm4·tmm6, tmm4·tmm7, tmm5·tmm6, tmm5·tmm7: four independent accumulators, as the
+// library's kernel uses them. Operands of bf16 0.001; returns one accumulator element.
+__attribute__((target("amx-tile,amx-bf16"))) float AmxChains(std::int64_t steps) {
+  const AmxTileConfig config;
+  alignas(64) std::uint16_t operand[16 * 32];
+  std::fill(std::begin(operand), std::end(operand), std::uint16_t{0x3a83});
+  alignas(64) float result[16 * 16];
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  for (std::int64_t i = 0; i < steps; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, result, 64);
+  _tile_release();
+  return result[0];
 }
 #endif
 
@@ -172,6 +212,39 @@ void Bf16DotPeak::run([[maybe_unused]] std::int64_t count) {
 #pragma omp parallel num_threads(threads_) reduction(+ : sum)
   sum += Bf16DotChains(count * kIterationsPerUnit);
   sink_ += sum;
+#endif
+}
+
+AmxPeak::AmxPeak(int threads) : threads_(threads) {}
+
+bool AmxPeak::supported() {
+#ifdef FLASHATTN_HAVE_BF16_DOT
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  static const bool supported = __builtin_cpu_supports("amx-tile") &&
+                                __builtin_cpu_supports("amx-bf16") &&
+                                syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return supported;
+#else
+  return false;
+#endif
+}
+
+void AmxPeak::run([[maybe_unused]] std::int64_t count) {
+#ifdef FLASHATTN_HAVE_BF16_DOT
+  float sum = 0.0f;
+#pragma omp parallel num_threads(threads_) reduction(+ : sum)
+  sum += AmxChains(count * kAmxStepsPerUnit);
+  sink_ += sum;
+#endif
+}
+
+double AmxPeak::work_per_unit() const {
+  // 16 x 16 fp32 elements, 32 products and 32 additions each, per instruction.
+#ifdef FLASHATTN_HAVE_BF16_DOT
+  return 16.0 * 16.0 * 64.0 * kAmxAccumulators * kAmxStepsPerUnit * threads_;
+#else
+  return 0.0;
 #endif
 }
 

@@ -59,6 +59,22 @@ class Bf16DotPeak final : public Workload {
   float sink_ = 0.0f;
 };
 
+// As FmaPeak, with AMX tiles: TDPBF16PS into four independent 16 x 16 fp32 accumulator tiles
+// from operand tiles held in registers (16·16·32 bf16 products per instruction). One unit: 2^12
+// instructions per accumulator per thread.
+class AmxPeak final : public Workload {
+ public:
+  explicit AmxPeak(int threads);
+  // Whether this CPU has AMX-BF16 and Linux lets the process use the tiles (asked for here).
+  static bool supported();
+  void run(std::int64_t count) override;
+  double work_per_unit() const override;
+
+ private:
+  int threads_;
+  float sink_ = 0.0f;
+};
+
 // The two products of standard attention for one head, by OpenBLAS sgemm on each thread's own
 // buffers: S = Q·Kᵀ ([seqlen x head_dim]·[head_dim x seqlen]) and O = S·V ([seqlen x seqlen]·
 // [seqlen x head_dim]), the way the standard path calls it (one head per thread; the OpenMP

@@ -2,7 +2,8 @@
 // (util/widen.cpp) gives exactly the floats of the scalar conversions: every one of the 65536
 // bit patterns, in a row whose length leaves a scalar tail. NaN stays NaN (F16C quiets a
 // signaling NaN, the scalar path keeps its payload; both are NaN, which is all the library
-// promises). dot_f32 (util/dot.cpp) matches an fp64 sum within fp32 summation error.
+// promises). Narrowing to bf16 matches the scalar rounding bit for bit. dot_f32 (util/dot.cpp)
+// matches an fp64 sum within fp32 summation error.
 
 #include <gtest/gtest.h>
 
@@ -42,6 +43,38 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
           ADD_FAILURE() << "pattern 0x" << std::hex << patterns[i] << ": got " << widened[i]
                         << ", want " << want;
         }
+      }
+    }
+  }
+  detail::cpu::force_simd_target(0);
+}
+
+// Narrowing fp32 rows to bf16 gives exactly the bits of the scalar bf16_from_f32 (round to
+// nearest even, NaN kept NaN and quiet), on every target: the floats of every bf16 pattern and
+// their neighbours half an ulp away and in between (ties both ways), infinities, NaNs and
+// subnormals, in a row whose length leaves a scalar tail.
+TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
+  std::vector<float> values;
+  for (std::uint32_t pattern = 0; pattern < 65536; ++pattern) {
+    for (std::uint32_t low : {0x0000u, 0x0001u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
+      values.push_back(std::bit_cast<float>(pattern << 16 | low));
+    }
+  }
+  values.push_back(1.0f);
+  std::vector<std::uint16_t> narrowed(values.size());
+  for (const auto& target : detail::cpu::supported_simd_targets()) {
+    detail::cpu::force_simd_target(target.id);
+    std::fill(narrowed.begin(), narrowed.end(), std::uint16_t{0x1234});
+    detail::narrow_row_bf16(narrowed.data(), values.data(),
+                            static_cast<std::int64_t>(values.size()));
+    int mismatches = 0;
+    for (std::size_t i = 0; i < values.size() && mismatches < 5; ++i) {
+      const std::uint16_t want = detail::bf16_from_f32(values[i]);
+      if (narrowed[i] != want) {
+        ++mismatches;
+        ADD_FAILURE() << target.name << ": 0x" << std::hex
+                      << std::bit_cast<std::uint32_t>(values[i]) << " -> 0x" << narrowed[i]
+                      << ", want 0x" << want;
       }
     }
   }

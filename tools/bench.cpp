@@ -39,6 +39,7 @@
 #include "ceilings.hpp"
 #include "cli_common.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
@@ -89,6 +90,7 @@ struct CeilingBudget {
 struct Ceilings {
   double fma_gflops = 0.0;
   std::optional<double> bf16_dot_gflops;
+  std::optional<double> amx_gflops;
   std::map<std::int64_t, double> sgemm_gflops;  // by head_dim
   double copy_gbps = 0.0;
   std::string fma_target;
@@ -172,7 +174,7 @@ struct CaseResult {
 };
 
 struct Machine {
-  std::string date, host, cpu_model, simd_target, openblas_core, openblas_coretype;
+  std::string date, host, cpu_model, simd_target, bf16_products, openblas_core, openblas_coretype;
   int threads = 0;
 };
 
@@ -223,6 +225,7 @@ Machine describe_machine(int threads) {
           .host = host_name(),
           .cpu_model = cpu_model(),
           .simd_target = detail::cpu::active_simd_target(),
+          .bf16_products = detail::cpu::bf16_products_name(detail::cpu::active_bf16_products()),
           .openblas_core = core != nullptr ? core : "none (OpenBLAS not linked)",
           .openblas_coretype = coretype != nullptr ? coretype : "",
           .threads = threads};
@@ -238,14 +241,15 @@ std::string optional_number(const char* pattern, std::optional<double> value) {
   return value ? format(pattern, *value) : "";
 }
 
-// The peak that bounds a dtype's tile products: the f32 FMA peak, and for bf16 the larger of that
-// and the vdpbf16ps peak, as bf16 products may run either way (widened to f32, or vdpbf16ps, which
-// on some CPUs retires fewer FLOPs per cycle than the FMA).
+// The peak that bounds a dtype's tile products: the f32 FMA peak, and for bf16 the largest of
+// that, the vdpbf16ps peak and the AMX peak, as bf16 products may run any of those ways.
 double peak_for(const Ceilings& ceilings, DType dtype) {
-  if (dtype == DType::bf16 && ceilings.bf16_dot_gflops) {
-    return std::max(ceilings.fma_gflops, *ceilings.bf16_dot_gflops);
+  double peak = ceilings.fma_gflops;
+  if (dtype == DType::bf16) {
+    peak =
+        std::max({peak, ceilings.bf16_dot_gflops.value_or(0.0), ceilings.amx_gflops.value_or(0.0)});
   }
-  return ceilings.fma_gflops;
+  return peak;
 }
 
 Ceilings measure_ceilings(int threads, const std::set<std::int64_t>& head_dims,
@@ -260,6 +264,11 @@ Ceilings measure_ceilings(int threads, const std::set<std::int64_t>& head_dims,
     std::fprintf(stderr, "flashattn bench: ceilings: bf16 dot peak (vdpbf16ps)\n");
     bench::Bf16DotPeak bf16(threads);
     ceilings.bf16_dot_gflops = bench::best_rate(bf16, budget.seconds, budget.trials) * 1e-9;
+  }
+  if (bench::AmxPeak::supported()) {
+    std::fprintf(stderr, "flashattn bench: ceilings: AMX bf16 peak (tdpbf16ps)\n");
+    bench::AmxPeak amx(threads);
+    ceilings.amx_gflops = bench::best_rate(amx, budget.seconds, budget.trials) * 1e-9;
   }
   for (const std::int64_t head_dim : head_dims) {
     std::fprintf(stderr, "flashattn bench: ceilings: sgemm pairs %lld x %lld x %lld\n",
@@ -516,10 +525,11 @@ std::string csv_field(const std::string& text) {
 // backward_flops = 2.5 x flops, backward_over_forward = backward time / the same path's forward
 // time, backward_ratio_standard = flash backward GFLOP/s / standard backward GFLOP/s.
 constexpr const char* kCsvHeader =
-    "date,host,cpu_model,simd_target,fma_target,openblas_core,openblas_coretype_env,threads,"
+    "date,host,cpu_model,simd_target,bf16_products,fma_target,openblas_core,openblas_coretype_env,"
+    "threads,"
     "repeat,case,dtype,batch,heads,seqlen_q,seqlen_kv,head_dim,causal,impl,flops,seconds,gflops,"
     "cpu_share,verified,out_err,out_tol,lse_err,lse_tol,ratio_peak,ratio_sgemm,ratio_standard,"
-    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,sgemm_gflops,copy_gbps,"
+    "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
     "dv_tol\n";
@@ -574,6 +584,7 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
           machine.host,
           machine.cpu_model,
           machine.simd_target,
+          machine.bf16_products,
           ceilings.fma_target,
           machine.openblas_core,
           machine.openblas_coretype,
@@ -603,6 +614,7 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
           format("%.1f", peak),
           format("%.1f", ceilings.fma_gflops),
           optional_number("%.1f", ceilings.bf16_dot_gflops),
+          optional_number("%.1f", ceilings.amx_gflops),
           format("%.1f", sgemm),
           format("%.2f", ceilings.copy_gbps)};
       fields.insert(fields.end(), backward_fields.begin(), backward_fields.end());
@@ -704,6 +716,9 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
   if (ceilings.bf16_dot_gflops && dtypes.count(DType::bf16) > 0) {
     ceiling(*ceilings.bf16_dot_gflops, "bf16 dot peak");
   }
+  if (ceilings.amx_gflops && dtypes.count(DType::bf16) > 0) {
+    ceiling(*ceilings.amx_gflops, "AMX bf16 peak");
+  }
   for (const std::int64_t head_dim : head_dims) {
     ceiling(ceilings.sgemm_gflops.at(head_dim),
             "sgemm " + std::to_string(head_dim) + "-dim attention products");
@@ -765,8 +780,9 @@ std::optional<std::string> run_gnuplot(const fs::path& gnuplot, const std::strin
 
 void print_header(const Machine& machine, const Ceilings& ceilings, const BenchOptions& options) {
   std::printf("flashattn bench: flash and standard attention against the machine's ceilings\n");
-  std::printf("machine  %s, %s; %d threads; library SIMD target %s\n", machine.host.c_str(),
-              machine.cpu_model.c_str(), machine.threads, machine.simd_target.c_str());
+  std::printf("machine  %s, %s; %d threads; library SIMD target %s, bf16 products %s\n",
+              machine.host.c_str(), machine.cpu_model.c_str(), machine.threads,
+              machine.simd_target.c_str(), machine.bf16_products.c_str());
   std::printf("openblas core %s%s%s\n", machine.openblas_core.c_str(),
               machine.openblas_coretype.empty() ? "" : ", OPENBLAS_CORETYPE=",
               machine.openblas_coretype.c_str());
@@ -775,6 +791,7 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
   if (ceilings.bf16_dot_gflops) {
     std::printf(", bf16 dot peak %.1f GFLOP/s", *ceilings.bf16_dot_gflops);
   }
+  if (ceilings.amx_gflops) std::printf(", AMX bf16 peak %.1f GFLOP/s", *ceilings.amx_gflops);
   std::printf(", memory copy %.1f GB/s\n", ceilings.copy_gbps);
   for (const auto& [head_dim, gflops] : ceilings.sgemm_gflops) {
     std::printf("         sgemm attention products at head_dim %lld: %.1f GFLOP/s\n",
@@ -976,6 +993,7 @@ Action add_bench_command(CLI::App& app) {
       "Ceilings, measured first on the same threads:\n"
       "  f32 FMA peak     independent FMA chains, best SIMD target (Highway dispatch)\n"
       "  bf16 dot peak    vdpbf16ps chains, on CPUs with AVX512-BF16\n"
+      "  AMX bf16 peak    tdpbf16ps on four accumulator tiles, on CPUs with AMX-BF16\n"
       "  sgemm            OpenBLAS, per head_dim: on every thread Q·Kᵀ and P·V of one\n"
       "                   1024-token head (4·1024²·D FLOPs), as the standard path calls it\n"
       "  memory copy      memcpy of buffers beyond the last-level cache, GB/s read + written\n"
@@ -988,7 +1006,8 @@ Action add_bench_command(CLI::App& app) {
       "verified against the fp64 reference on sampled query rows (flash: within 4x the standard\n"
       "path's error + 1 ulp; standard: within a worst-case fp32 bound), then timed (median).\n"
       "FLOPs: attention_flops, 4·D per unmasked (query, key) pair. Ratios: flash GFLOP/s over the\n"
-      "dtype's peak (the f32 FMA peak; bf16: the larger of it and the bf16 dot peak), over sgemm\n"
+      "dtype's peak (the f32 FMA peak; bf16: the largest of it, the bf16 dot and AMX peaks), over\n"
+      "sgemm\n"
       "at the same head_dim, and over the standard path.\n"
       "--backward: after each path's forward, its backward on the same inputs, a fixed random dO\n"
       "and the out and lse of that path's own forward; verified, then timed (median). FLOPs:\n"

@@ -7,16 +7,6 @@
 
 namespace flashattn::detail::cpu {
 
-void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64_t head_dim) {
-  constexpr std::int64_t kLineBytes = 64;
-  const std::int64_t element_bytes = static_cast<std::int64_t>(dtype_size(dtype));
-  const char* first = static_cast<const char*>(base) + offset * element_bytes;
-  for (std::int64_t byte = 0; byte < head_dim * element_bytes; byte += kLineBytes) {
-    __builtin_prefetch(first + byte);
-  }
-  __builtin_prefetch(first + head_dim * element_bytes - 1);
-}
-
 void pack_rows(float* panels, const void* base, DType dtype, const Strides& strides, std::int64_t b,
                std::int64_t h, std::int64_t row_begin, std::int64_t rows, std::int64_t head_dim,
                std::int64_t dims_padded) {

@@ -81,6 +81,9 @@ inline void store_f32(void* base, DType dtype, std::int64_t index, float value) 
 // SIMD where the CPU has it (util/widen.cpp); exactly the floats of f32_from_f16/bf16.
 void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n);
 
+// dst[0, n) = bf16_from_f32(src[0, n)), with SIMD where the CPU has it (util/widen.cpp).
+void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
+
 // dst[0, n) = src[offset, offset + n) widened to fp32.
 inline void load_row_f32(float* dst, const void* src, DType dtype, std::int64_t offset,
                          std::int64_t n) {
@@ -96,6 +99,10 @@ inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const flo
                           std::int64_t n) {
   if (dtype == DType::f32) {
     std::memcpy(static_cast<float*>(dst) + offset, src, sizeof(float) * n);
+    return;
+  }
+  if (dtype == DType::bf16) {
+    narrow_row_bf16(static_cast<std::uint16_t*>(dst) + offset, src, n);
     return;
   }
   for (std::int64_t i = 0; i < n; ++i) store_f32(dst, dtype, offset + i, src[i]);
