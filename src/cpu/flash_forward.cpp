@@ -10,7 +10,9 @@
 //   online softmax of scale·S: m, l, rescale acc   [Br], [Br x D]  online_softmax_tile
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
 // and finally out = acc / l, lse = m + log(l). Blocks that the causal mask or the window hide
-// from every row of a Q block are never visited by it.
+// from every row of a Q block are never visited by it. bf16 inputs multiply as bf16 on AMX tiles
+// or with vdpbf16ps where the CPU has them (cpu::active_bf16_products), P rounded to bf16 for
+// P·V; every other input is widened to fp32 when packed.
 //
 // Memory: per thread, for each Q block of a task Q and acc (2·Br·D floats) and m, l (2·Br);
 // once Kᵀ (D·Bc), V (Bc·D), S (Br·Bc): 1.3 MiB at D = 128 with Br = 256, Bc = 128 and 4 blocks
