@@ -1,5 +1,7 @@
 #include "cpu/pack.hpp"
 
+#include <immintrin.h>
+
 #include <algorithm>
 
 #include "cpu/tile_kernels.hpp"
@@ -129,17 +131,31 @@ bool pack_rows_transposed_bf16(std::uint16_t* panels, const void* base, const St
   return subnormal;
 }
 
-bool pack_row_pairs_bf16(std::uint16_t* panels, const void* base, const Strides& strides,
-                         std::int64_t b, std::int64_t h, std::int64_t row_begin, std::int64_t rows,
-                         std::int64_t reduction, std::int64_t head_dim, std::int64_t dims_padded) {
+// With AVX512-BW, which every CPU with bf16 products has (tile_kernels_bf16.hpp): per pair of
+// rows, 32 dims of each in one register, interleaved by one permute per 16 dims, and the
+// subnormal test on the same registers. Element by element this took ~6% of the bf16 forward
+// on AMX.
+__attribute__((target("avx512f,avx512bw"))) bool pack_row_pairs_bf16(
+    std::uint16_t* panels, const void* base, const Strides& strides, std::int64_t b, std::int64_t h,
+    std::int64_t row_begin, std::int64_t rows, std::int64_t reduction, std::int64_t head_dim,
+    std::int64_t dims_padded) {
+  constexpr std::int64_t kChunk = 32;  // bf16 per register
   const auto* source = static_cast<const std::uint16_t*>(base);
-  bool subnormal = false;
+  // Word 2i of the low half takes dim i of the first row, word 2i + 1 dim i of the second; the
+  // high half the same for dims 16..31.
+  alignas(64) std::uint16_t low_index[kChunk], high_index[kChunk];
+  for (int i = 0; i < kChunk; ++i) {
+    low_index[i] = static_cast<std::uint16_t>(i / 2 + (i % 2) * kChunk);
+    high_index[i] = static_cast<std::uint16_t>(low_index[i] + kChunk / 2);
+  }
+  const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
+  const __m512i exponent = _mm512_set1_epi16(0x7f80), mantissa = _mm512_set1_epi16(0x007f);
+  __mmask32 subnormal = 0;
   for (std::int64_t pair = 0; pair < reduction / 2; ++pair) {
     const std::uint16_t* pair_rows[2];
     for (std::int64_t e = 0; e < 2; ++e) {
       const std::int64_t row = 2 * pair + e;
       pair_rows[e] = row < rows ? source + strides.offset(b, row_begin + row, h) : nullptr;
-      if (pair_rows[e]) subnormal |= has_subnormal_bf16(pair_rows[e], head_dim);
       if (row + 2 * kRowsAhead < rows) {
         prefetch_row(base, DType::bf16, strides.offset(b, row_begin + row + 2 * kRowsAhead, h),
                      head_dim);
@@ -147,16 +163,27 @@ bool pack_row_pairs_bf16(std::uint16_t* panels, const void* base, const Strides&
     }
     for (std::int64_t d0 = 0; d0 < dims_padded; d0 += kPanelWidth) {
       const std::int64_t width = std::min(kPanelWidth, dims_padded - d0);
-      const std::int64_t loaded = std::clamp(head_dim - d0, std::int64_t{0}, width);
       std::uint16_t* dst = panels + d0 * reduction + pair * width * 2;
-      for (std::int64_t e = 0; e < 2; ++e) {
-        const std::uint16_t* src = pair_rows[e];
-        for (std::int64_t d = 0; d < loaded; ++d) dst[2 * d + e] = src ? src[d0 + d] : 0;
-        for (std::int64_t d = loaded; d < width; ++d) dst[2 * d + e] = 0;
+      for (std::int64_t c = 0; c < width; c += kChunk) {
+        const std::int64_t valid = std::clamp(head_dim - d0 - c, std::int64_t{0}, kChunk);
+        const __mmask32 lanes = static_cast<__mmask32>((std::uint64_t{1} << valid) - 1);
+        __m512i halves[2];
+        for (std::int64_t e = 0; e < 2; ++e) {
+          halves[e] = pair_rows[e] ? _mm512_maskz_loadu_epi16(lanes, pair_rows[e] + d0 + c)
+                                   : _mm512_setzero_si512();
+          subnormal |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(halves[e], exponent),
+                                               _mm512_setzero_si512()) &
+                       _mm512_test_epi16_mask(halves[e], mantissa);
+        }
+        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(halves[0], low, halves[1]));
+        if (c + kChunk / 2 < width) {
+          _mm512_storeu_si512(dst + 2 * c + kChunk,
+                              _mm512_permutex2var_epi16(halves[0], high, halves[1]));
+        }
       }
     }
   }
-  return subnormal;
+  return subnormal != 0;
 }
 
 }  // namespace flashattn::detail::cpu

@@ -58,7 +58,7 @@ bool pack_rows_transposed_bf16(std::uint16_t* panels, const void* base, const St
 
 // V: the same dim of two consecutive rows as one 32-bit word, in panels of kPanelWidth dims
 // (bf16_value_index with keys_even = reduction, even); rows up to `reduction` and dims up to
-// dims_padded are 0.
+// dims_padded are 0. Requires AVX512-BW (as the bf16 products do).
 bool pack_row_pairs_bf16(std::uint16_t* panels, const void* base, const Strides& strides,
                          std::int64_t b, std::int64_t h, std::int64_t row_begin, std::int64_t rows,
                          std::int64_t reduction, std::int64_t head_dim, std::int64_t dims_padded);
