@@ -19,6 +19,7 @@
 #include <sstream>
 #include <string>
 
+#include "cpu/tile_kernels_bf16.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -117,10 +118,9 @@ ReferenceGradients reference_gradients(const Problem& p) {
 
 class BackwardVsReference : public ::testing::TestWithParam<BackwardCase> {};
 
-TEST_P(BackwardVsReference, FlashAndStandardMatchFp64Reference) {
-  const BackwardCase& c = GetParam();
-  const std::uint64_t seed = test_seed() ^ std::hash<std::string>{}(describe(c));
-  const Problem p(c, seed);
+// Flash and standard backward of p against the fp64 reference, within the bounds above.
+void expect_backward_matches_reference(const Problem& p, std::uint64_t seed) {
+  const BackwardCase& c = p.c;
   const ReferenceGradients ref = reference_gradients(p);
   const auto standard = p.run(AttentionImpl::standard, c.threads);
   const auto flash = p.run(AttentionImpl::flash, c.threads);
@@ -154,6 +154,12 @@ TEST_P(BackwardVsReference, FlashAndStandardMatchFp64Reference) {
         << ", reference " << flash_error.want << " (standard max error " << standard_error.value
         << ")";
   }
+}
+
+TEST_P(BackwardVsReference, FlashAndStandardMatchFp64Reference) {
+  const BackwardCase& c = GetParam();
+  const std::uint64_t seed = test_seed() ^ std::hash<std::string>{}(describe(c));
+  expect_backward_matches_reference(Problem(c, seed), seed);
 }
 
 std::vector<BackwardCase> backward_grid() {
@@ -299,6 +305,66 @@ TEST(Backward, FlashIsBitwiseIdenticalForAnyThreadCount) {
       EXPECT_EQ(other.dv.bytes, first.dv.bytes) << threads << " threads, " << describe(c);
     }
   }
+}
+
+// With bf16 inputs on AMX the backward computes S and dP on tiles, which count a subnormal bf16
+// as zero; a (row block, K/V block) pair where either holds one goes the fp32 way. Subnormal
+// q at rows [64, 128) (one row block) against k near 2^125, or subnormal k at keys [128, 256)
+// (one K/V block) against q near 2^125, make scores of order 1 that a flushed operand would
+// turn into 0 (the other rows or keys are scaled by 2^-120 so that no score overflows). Every
+// bf16 product path against the widened fp32 path (on these extreme inputs the standard
+// backward leaves the bounds above, so the reference check cannot lean on it): a flushed operand
+// moves the gradients by their own size, the order of the fp32 sums by far less than 1% of the
+// largest; and bitwise identical for 1, 2, 3 and 7 threads.
+TEST(Backward, Bf16SubnormalsInSomeBlocksAreUsed) {
+  BackwardCase c{1, 200, 300, 2, 1, 64, true};
+  c.dtype = DType::bf16;
+  const std::uint64_t seed = test_seed() ^ 37;
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> integer(-100, 100);
+  for (const bool subnormal_keys : {false, true}) {
+    Problem p(c, seed);
+    Tensor& small = subnormal_keys ? p.k : p.q;
+    Tensor& large = subnormal_keys ? p.q : p.k;
+    small.for_each_index([&](auto a, auto row, auto h, auto d) {
+      const bool subnormal = subnormal_keys ? row >= 128 && row < 256 : row >= 64 && row < 128;
+      small.set(a, row, h, d,
+                subnormal ? static_cast<float>(std::ldexp(integer(rng), -133))
+                          : std::ldexp(small.at(a, row, h, d), -120));
+    });
+    large.for_each_index([&](auto a, auto row, auto h, auto d) {
+      large.set(a, row, h, d, std::ldexp(large.at(a, row, h, d), 125));
+    });
+    p.options.num_threads = 1;
+    detail::cpu::force_bf16_products(detail::cpu::Bf16Products::widened);
+    flash_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(), p.options);
+    const auto widened = p.run(AttentionImpl::flash, 2);
+    for (detail::cpu::Bf16Products products : detail::cpu::supported_bf16_products()) {
+      detail::cpu::force_bf16_products(products);
+      SCOPED_TRACE(std::string(subnormal_keys ? "subnormal k, " : "subnormal q, ") +
+                   detail::cpu::bf16_products_name(products));
+      const auto first = p.run(AttentionImpl::flash, 1);
+      for (const auto& [name, got, want] :
+           {std::tuple{"dq", &first.dq, &widened.dq}, std::tuple{"dk", &first.dk, &widened.dk},
+            std::tuple{"dv", &first.dv, &widened.dv}}) {
+        double largest = 0.0, worst = 0.0;
+        want->for_each_index([&, w = want, g = got](auto a, auto b, auto h, auto d) {
+          largest = std::max(largest, std::abs(static_cast<double>(w->at(a, b, h, d))));
+          worst =
+              std::max(worst, std::abs(static_cast<double>(g->at(a, b, h, d)) - w->at(a, b, h, d)));
+        });
+        EXPECT_GT(largest, 0.0) << name;
+        EXPECT_LE(worst, 0.01 * largest) << name << " differs from the widened path's";
+      }
+      for (int threads : {2, 3, 7}) {
+        const auto other = p.run(AttentionImpl::flash, threads);
+        EXPECT_EQ(other.dq.bytes, first.dq.bytes) << threads << " threads";
+        EXPECT_EQ(other.dk.bytes, first.dk.bytes) << threads << " threads";
+        EXPECT_EQ(other.dv.bytes, first.dv.bytes) << threads << " threads";
+      }
+    }
+  }
+  detail::cpu::force_bf16_products(std::nullopt);
 }
 
 TEST(Backward, BadInputNamesTheArgument) {

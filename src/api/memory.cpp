@@ -9,6 +9,7 @@
 
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_amx.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -58,8 +59,16 @@ std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
       // least a whole GQA group.
       const FlashTiles tiles = flash_tiles(p.head_dim);
       const __int128 tile_rows = std::max(tiles.rows, p.group_size()), keys = tiles.keys;
-      const __int128 floats = tiles.blocks_per_task * (tile_rows * D_padded * 2 + 2 * tile_rows) +
-                              D * keys + keys * D_padded + tile_rows * keys;
+      __int128 floats = tiles.blocks_per_task * (tile_rows * D_padded * 2 + 2 * tile_rows) +
+                        D * keys + keys * D_padded + tile_rows * keys;
+      if (p.dtype == DType::bf16) {
+        // bf16 operands of the bf16 products beside them: Q, Kᵀ, V and P, two per float.
+        const __int128 bf16_dims = cpu::pad_to_amx_reduction(D);
+        const __int128 bf16_keys = cpu::pad_to_amx_reduction(tiles.keys);
+        floats += (tiles.blocks_per_task * tile_rows * bf16_dims + keys * bf16_dims +
+                   bf16_keys * D_padded + tile_rows * bf16_keys + 1) /
+                  2;
+      }
       return saturate(threads * floats * 4);
     }
     case AttentionImpl::standard: {
@@ -99,10 +108,15 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       const __int128 chunks = flash_backward_chunks(p);
       const __int128 groups = static_cast<__int128>(p.batch) * p.heads_kv;
       const __int128 group_rows = p.group_size();
+      // bf16 inputs may add bf16 copies for the AMX products: Kᵀ and Vᵀ, Q and dO rows, two
+      // bf16 per float.
+      const __int128 bf16_dims = p.dtype == DType::bf16 ? cpu::pad_to_amx_reduction(D) : 0;
+      per_thread += keys * bf16_dims;
+      const __int128 row_floats = padded_sq * (2 * D_padded + 1 + bf16_dims);
       if (chunks == 1) {
-        per_thread += group_rows * (padded_sq * (2 * D_padded + 1) + Sq * D_padded);
+        per_thread += group_rows * (row_floats + Sq * D_padded);
       } else {
-        shared = groups * group_rows * (padded_sq * (2 * D_padded + 1) + chunks * Sq * D_padded);
+        shared = groups * group_rows * (row_floats + chunks * Sq * D_padded);
       }
       return saturate((shared + threads * per_thread) * 4);
     }

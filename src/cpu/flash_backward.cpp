@@ -22,6 +22,12 @@
 // loop instead, each row block was re-read and re-packed once per K/V block it sees: 8 times at
 // seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
 //
+// bf16 inputs on a CPU with AMX (cpu::active_bf16_products) compute the two score-sized
+// products, S = Q·Kᵀ and dP = dO·Vᵀ, on AMX tiles from the bf16 inputs as they are (exact
+// products, fp32 sums: no rounding beyond the fp32 path's); the three products that read P or dS
+// stay fp32. A (row block, K/V block) pair where either holds a subnormal bf16, which the tiles
+// would count as zero, takes the fp32 path.
+//
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
 // accumulators: 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ sums,
 // 3 x seqlen_q x Dp floats per query head: per thread for one GQA group when each task owns its
@@ -41,6 +47,8 @@
 #include "api/backends.hpp"
 #include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_amx.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 #include "standard/matrix.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
@@ -65,6 +73,8 @@ hwy::AlignedFreeUniquePtr<float[]> uninitialized_floats(std::int64_t n) {
 
 struct BackwardTiles {
   std::int64_t rows, keys, dims_padded;
+  bool amx;                    // S and dP on AMX tiles (bf16 inputs)
+  std::int64_t amx_reduction;  // head_dim zero-padded to a whole AMX tile row
 };
 
 // Query row blocks of `groups` GQA groups (batch, KV head), laid out once for all the K/V blocks
@@ -80,6 +90,12 @@ class QueryBlocks {
     q_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     dout_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     delta_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
+    if (tiles.amx) {
+      const std::int64_t bf16_block = tiles.rows * tiles.amx_reduction;
+      q_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
+      dout_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
+      bf16_exact_.assign(heads * blocks_per_head_, 1);
+    }
   }
 
   std::int64_t blocks_per_head() const { return blocks_per_head_; }
@@ -100,6 +116,21 @@ class QueryBlocks {
                    tiles_.dims_padded);
     row_deltas(delta_.get() + index * tiles_.rows, bp.dout, bp.dout_strides, p_.out, p_.out_strides,
                p_.dtype, b, h, row_begin, rows(n), p_.head_dim);
+    if (!tiles_.amx) return;
+    // Row-major bf16 rows, head_dim zero-padded (the padding is never written).
+    bool subnormal = false;
+    for (std::int64_t i = 0; i < rows(n); ++i) {
+      const std::int64_t row = (index * tiles_.rows + i) * tiles_.amx_reduction;
+      subnormal |= cpu::copy_row_bf16(
+          q_bf16_.data() + row,
+          static_cast<const std::uint16_t*>(p_.q) + p_.q_strides.offset(b, row_begin + i, h),
+          p_.head_dim);
+      subnormal |= cpu::copy_row_bf16(
+          dout_bf16_.data() + row,
+          static_cast<const std::uint16_t*>(bp.dout) + bp.dout_strides.offset(b, row_begin + i, h),
+          p_.head_dim);
+    }
+    bf16_exact_[index] = !subnormal;
   }
 
   const float* q_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -111,6 +142,17 @@ class QueryBlocks {
   const float* delta(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return delta_.get() + block_index(slot, g, n) * tiles_.rows;
   }
+  // AMX only: the block's Q and dO as bf16 rows [rows x amx_reduction], and whether they hold
+  // no subnormal.
+  const std::uint16_t* q_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return q_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.amx_reduction;
+  }
+  const std::uint16_t* dout_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return dout_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.amx_reduction;
+  }
+  bool bf16_exact(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return bf16_exact_[block_index(slot, g, n)] != 0;
+  }
 
  private:
   std::int64_t block_index(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -121,11 +163,14 @@ class QueryBlocks {
   BackwardTiles tiles_;
   std::int64_t blocks_per_head_;
   hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_;
+  AlignedVector<std::uint16_t> q_bf16_, dout_bf16_;
+  std::vector<char> bf16_exact_;
 };
 
 struct Scratch {
   AlignedVector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
-  AlignedVector<float> probabilities, dscores;            // [Br x Bc] each
+  AlignedVector<std::uint16_t> k_bf16, v_bf16;  // AMX: Kᵀ, Vᵀ as bf16 pairs (bf16_key_index)
+  AlignedVector<float> probabilities, dscores;  // [Br x Bc] each
   AlignedVector<float> dk, dv;
   // With one chunk per group: the task's own query rows and dQ sums, [group x seqlen_q x Dp].
   std::optional<QueryBlocks> queries;
@@ -139,6 +184,10 @@ struct Scratch {
         dscores(tiles.rows * tiles.keys),
         dk(tiles.keys * tiles.dims_padded),
         dv(tiles.keys * tiles.dims_padded) {
+    if (tiles.amx) {
+      k_bf16.assign(tiles.keys * tiles.amx_reduction, 0);
+      v_bf16.assign(tiles.keys * tiles.amx_reduction, 0);
+    }
     if (task_owns_queries) {
       queries.emplace(p, tiles, 1);
       dq = uninitialized_floats(p.group_size() * p.seqlen_q * tiles.dims_padded);
@@ -165,11 +214,27 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
     const std::int64_t key_end = std::min(key_begin + tiles.keys, p.seqlen_kv);
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
-    // K and V of the block in the layouts the three products that read them stream.
-    cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
-                              keys, keys_padded, D);
-    cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin,
-                              keys, keys_padded, D);
+    // K and V of the block in the layouts the three products that read them stream: Kᵀ and Vᵀ
+    // in fp32 for S and dP unless they run on AMX (then packed only if a pair needs fp32).
+    bool kv_bf16_exact = false, transposed_packed = false;
+    auto pack_transposed = [&] {
+      cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
+                                keys, keys_padded, D);
+      cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin,
+                                keys, keys_padded, D);
+      transposed_packed = true;
+    };
+    if (tiles.amx) {
+      const bool subnormal_keys =
+          cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, key_begin,
+                                         keys, keys_padded, D, tiles.amx_reduction);
+      const bool subnormal_values =
+          cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin,
+                                         keys, keys_padded, D, tiles.amx_reduction);
+      kv_bf16_exact = !subnormal_keys && !subnormal_values;
+    } else {
+      pack_transposed();
+    }
     cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
     std::fill_n(t.dk.begin(), keys * Dp, 0.0f);
     std::fill_n(t.dv.begin(), keys * Dp, 0.0f);
@@ -190,10 +255,18 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         const std::int64_t row_begin = n * tiles.rows, rows = queries.rows(n);
         const float* q = queries.q_panels(task.slot, g, n);
         const float* dout = queries.dout_panels(task.slot, g, n);
+        const bool amx = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
+        if (!amx && !transposed_packed) pack_transposed();
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
-        cpu::scores_tile(t.probabilities.data(), ld_s, {q, Dp, rows}, t.k_packed_t.data(), rows,
-                         keys_padded, D);
+        if (amx) {
+          cpu::amx_product(t.probabilities.data(), ld_s, false, queries.q_bf16(task.slot, g, n),
+                           tiles.amx_reduction, t.k_bf16.data(), rows, keys_padded,
+                           tiles.amx_reduction);
+        } else {
+          cpu::scores_tile(t.probabilities.data(), ld_s, {q, Dp, rows}, t.k_packed_t.data(), rows,
+                           keys_padded, D);
+        }
         for (std::int64_t i = 0; i < rows; ++i) {
           float* s = t.probabilities.data() + i * ld_s;
           mask_invisible(s, p.key_range(row_begin + i), key_begin, keys);
@@ -207,8 +280,14 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
                                            rows, keys, Dp);
 
         // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
-        cpu::scores_tile(t.dscores.data(), ld_s, {dout, Dp, rows}, t.v_packed_t.data(), rows,
-                         keys_padded, D);
+        if (amx) {
+          cpu::amx_product(t.dscores.data(), ld_s, false, queries.dout_bf16(task.slot, g, n),
+                           tiles.amx_reduction, t.v_bf16.data(), rows, keys_padded,
+                           tiles.amx_reduction);
+        } else {
+          cpu::scores_tile(t.dscores.data(), ld_s, {dout, Dp, rows}, t.v_packed_t.data(), rows,
+                           keys_padded, D);
+        }
         cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                                    queries.delta(task.slot, g, n), p.scale, rows, keys_padded);
 
@@ -253,7 +332,9 @@ void flash_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim;
   const FlashTiles sizes = flash_backward_tiles(D);
-  const BackwardTiles tiles{sizes.rows, sizes.keys, cpu::pad_to_lanes(D)};
+  const bool amx = p.dtype == DType::bf16 && cpu::active_bf16_products() == cpu::Bf16Products::amx;
+  const BackwardTiles tiles{sizes.rows, sizes.keys, cpu::pad_to_lanes(D), amx,
+                            cpu::pad_to_amx_reduction(D)};
   const std::int64_t kv_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
   const std::int64_t groups = p.batch * p.heads_kv;
   const std::int64_t chunks = flash_backward_chunks(p);
