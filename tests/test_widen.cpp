@@ -81,6 +81,30 @@ TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
   detail::cpu::force_simd_target(0);
 }
 
+// Non-temporal row copies write exactly the source, whatever the destination's alignment (the
+// head before the first aligned vector and the tail are plain stores) and length.
+TEST(StreamRowF32, CopiesEveryElementOnEveryTarget) {
+  std::vector<float> source(300), destination(400);
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>(i) + 0.5f;
+  for (const auto& target : detail::cpu::supported_simd_targets()) {
+    detail::cpu::force_simd_target(target.id);
+    for (std::int64_t offset = 0; offset < 17; ++offset) {
+      for (const std::int64_t n : {0, 1, 15, 16, 17, 100, 255, 300}) {
+        std::fill(destination.begin(), destination.end(), -1.0f);
+        detail::stream_row_f32(destination.data() + offset, source.data(), n);
+        detail::fence_streams();
+        for (std::int64_t i = 0; i < static_cast<std::int64_t>(destination.size()); ++i) {
+          const bool inside = i >= offset && i < offset + n;
+          const float want = inside ? source[static_cast<std::size_t>(i - offset)] : -1.0f;
+          ASSERT_EQ(destination[static_cast<std::size_t>(i)], want)
+              << target.name << " offset " << offset << " n " << n << " element " << i;
+        }
+      }
+    }
+  }
+  detail::cpu::force_simd_target(0);
+}
+
 // |Σ a·b - fp64| <= n·u·Σ|a·b| (u = 2^-24), the worst case of any summation order, for lengths
 // with and without vector tails.
 TEST(DotF32, MatchesFp64OnEveryTarget) {

@@ -42,8 +42,7 @@
 namespace flashattn::detail {
 
 FlashTiles flash_tiles(std::int64_t head_dim) {
-  static const cpu::CacheSizes caches = cpu::detect_cache_sizes();
-  const cpu::TileSizes tiles = cpu::choose_tile_sizes(head_dim, caches);
+  const cpu::TileSizes tiles = cpu::choose_tile_sizes(head_dim, cpu::machine_cache_sizes());
   return {tiles.rows, tiles.keys, tiles.blocks_per_task};
 }
 

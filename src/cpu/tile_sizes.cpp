@@ -50,6 +50,15 @@ CacheSizes detect_cache_sizes() {
   return caches;
 }
 
+const CacheSizes& machine_cache_sizes() {
+  static const CacheSizes caches = detect_cache_sizes();
+  return caches;
+}
+
+bool stream_output(std::int64_t bytes, int threads) {
+  return bytes > machine_cache_sizes().l2_bytes * threads;
+}
+
 TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
   constexpr std::int64_t kFloat = 4;
   const std::int64_t dims = pad_to_lanes(head_dim);

@@ -18,6 +18,14 @@ inline constexpr CacheSizes kFallbackCaches{32 * 1024, 1024 * 1024};
 // Reads cpu0's L1d and L2 sizes from Linux sysfs; kFallbackCaches for any size it cannot read.
 CacheSizes detect_cache_sizes();
 
+// detect_cache_sizes() of the first call, kept for the process.
+const CacheSizes& machine_cache_sizes();
+
+// Whether an output of `bytes` that `threads` threads write should bypass the caches
+// (store_row_f32 with stream): when it is larger than their L2 caches together it cannot stay
+// there, and plain stores would first read every line from memory.
+bool stream_output(std::int64_t bytes, int threads);
+
 struct TileSizes {
   std::int64_t rows = 0;             // Br: query rows of a task
   std::int64_t keys = 0;             // Bc: keys of a K/V block

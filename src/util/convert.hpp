@@ -84,6 +84,12 @@ void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n
 // dst[0, n) = bf16_from_f32(src[0, n)), with SIMD where the CPU has it (util/widen.cpp).
 void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
 
+// dst[0, n) = src[0, n) with non-temporal stores where dst is vector-aligned: the lines go to
+// memory without being read first. For outputs too large to stay in cache; the writing thread
+// calls fence_streams() before another thread may read them.
+void stream_row_f32(float* dst, const float* src, std::int64_t n);
+void fence_streams();
+
 // dst[0, n) = src[offset, offset + n) widened to fp32.
 inline void load_row_f32(float* dst, const void* src, DType dtype, std::int64_t offset,
                          std::int64_t n) {
@@ -106,6 +112,16 @@ inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const flo
     return;
   }
   for (std::int64_t i = 0; i < n; ++i) store_f32(dst, dtype, offset + i, src[i]);
+}
+
+// As store_row_f32, with non-temporal stores for f32 (stream_row_f32) when `stream`.
+inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const float* src,
+                          std::int64_t n, bool stream) {
+  if (stream && dtype == DType::f32) {
+    stream_row_f32(static_cast<float*>(dst) + offset, src, n);
+    return;
+  }
+  store_row_f32(dst, dtype, offset, src, n);
 }
 
 }  // namespace flashattn::detail

@@ -11,6 +11,10 @@
 #include <hwy/highway.h>
 // clang-format on
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
 #include "util/convert.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -68,6 +72,26 @@ void NarrowRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT sr
   for (; i < n; ++i) dst[i] = bf16_from_f32(src[i]);
 }
 
+// Non-temporal stores from the first vector-aligned element on; plain stores before it and for
+// the tail.
+void StreamRowF32(float* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
+  const hn::ScalableTag<float> df;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(df));
+  const std::int64_t misaligned =
+      static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(dst) % (N * sizeof(float)));
+  std::int64_t i = std::min<std::int64_t>(
+      n, misaligned % sizeof(float) != 0 ? n : (N - misaligned / sizeof(float)) % N);
+  std::memcpy(dst, src, sizeof(float) * i);
+  for (; i + N <= n; i += N) hn::Stream(hn::LoadU(df, src + i), df, dst + i);
+  std::memcpy(dst + i, src + i, sizeof(float) * (n - i));
+}
+
+void FenceStreams() {
+#if HWY_ARCH_X86
+  _mm_sfence();
+#endif
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashattn::detail
 HWY_AFTER_NAMESPACE();
@@ -77,6 +101,8 @@ namespace flashattn::detail {
 
 HWY_EXPORT(WidenRow);
 HWY_EXPORT(NarrowRowBf16);
+HWY_EXPORT(StreamRowF32);
+HWY_EXPORT(FenceStreams);
 
 void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(WidenRow)(dst, src, n, dtype == DType::f16);
@@ -85,6 +111,12 @@ void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n
 void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(NarrowRowBf16)(dst, src, n);
 }
+
+void stream_row_f32(float* dst, const float* src, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(StreamRowF32)(dst, src, n);
+}
+
+void fence_streams() { HWY_DYNAMIC_DISPATCH(FenceStreams)(); }
 
 }  // namespace flashattn::detail
 #endif  // HWY_ONCE
