@@ -9,7 +9,10 @@
 //    plus one rounding of the output dtype at G;
 //  * the flash backward must be within 4x the standard backward's measured max error, plus two
 //    roundings of the output dtype and 4 typical score roundings (u32·scale·sqrt(D)·max|q|·max|k|)
-//    at G — the same floor as the forward's.
+//    at G — the same floor as the forward's — plus, for f16 and bf16 inputs, what rounding P and
+//    dS to the input dtype as operands of the gradient products may cost (the bf16 products on
+//    AMX do; operand_rounding below), plus (Sq + Skv)·2^-126 for the fp32 intermediates below
+//    the smallest normal float that those products flush.
 
 #include <gtest/gtest.h>
 
@@ -118,6 +121,63 @@ ReferenceGradients reference_gradients(const Problem& p) {
 
 class BackwardVsReference : public ::testing::TestWithParam<BackwardCase> {};
 
+struct OperandRounding {
+  double dq = 0.0, dk = 0.0, dv = 0.0;
+};
+
+// First-order bounds of rounding P and dS (unscaled: P ∘ (dP − D_i)) to the input dtype as the
+// left operands of dV += Pᵀ·dO, dK += scale·dSᵀ·Q and dQ += scale·dS·K, from fp64 P and dS:
+//   dV[j,d]: u·Σ_i P[i,j]·|dO[i,d]|      dK[j,d]: u·scale·Σ_i |dS[i,j]|·|Q[i,d]|
+//   dQ[i,d]: u·scale·Σ_j |dS[i,j]|·|K[j,d]|, each maximized over its elements. 0 for f32.
+OperandRounding operand_rounding(const Problem& p, const detail::AttentionParams& params) {
+  OperandRounding bound;
+  if (p.c.dtype == DType::f32) return bound;
+  const double u = unit_roundoff(p.c.dtype), scale = params.scale;
+  const std::int64_t B = p.c.batch, Hq = p.c.heads_q, Sq = p.c.seqlen_q, Skv = p.c.seqlen_kv;
+  const std::int64_t D = p.c.head_dim, group = Hq / p.c.heads_kv;
+  std::vector<double> p_row(static_cast<std::size_t>(Skv)), ds_row(p_row.size());
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h_kv = 0; h_kv < p.c.heads_kv; ++h_kv) {
+      // Column sums over the group's rows, per key and dim, for dV and dK.
+      std::vector<double> dv_sum(static_cast<std::size_t>(Skv * D)), dk_sum(dv_sum.size());
+      for (std::int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+        for (std::int64_t i = 0; i < Sq; ++i) {
+          const double lse = p.lse[static_cast<std::size_t>((b * Hq + h) * Sq + i)];
+          double delta = 0.0;
+          for (std::int64_t d = 0; d < D; ++d)
+            delta += p.dout.at(b, i, h, d) * p.out.at(b, i, h, d);
+          const detail::KeyRange visible = params.key_range(i);
+          for (std::int64_t j = 0; j < Skv; ++j) {
+            p_row[j] = ds_row[j] = 0.0;
+            if (j < visible.begin || j >= visible.end || std::isinf(lse)) continue;
+            double s = 0.0, dp = 0.0;
+            for (std::int64_t d = 0; d < D; ++d) {
+              s += static_cast<double>(p.q.at(b, i, h, d)) * p.k.at(b, j, h_kv, d);
+              dp += static_cast<double>(p.dout.at(b, i, h, d)) * p.v.at(b, j, h_kv, d);
+            }
+            p_row[j] = std::exp(s * scale - lse);
+            ds_row[j] = std::abs(p_row[j] * (dp - delta));
+          }
+          for (std::int64_t d = 0; d < D; ++d) {
+            double dq_sum = 0.0;
+            for (std::int64_t j = 0; j < Skv; ++j) {
+              dq_sum += ds_row[j] * std::abs(p.k.at(b, j, h_kv, d));
+              dv_sum[j * D + d] += p_row[j] * std::abs(p.dout.at(b, i, h, d));
+              dk_sum[j * D + d] += ds_row[j] * std::abs(p.q.at(b, i, h, d));
+            }
+            bound.dq = std::max(bound.dq, u * scale * dq_sum);
+          }
+        }
+      }
+      for (std::size_t e = 0; e < dv_sum.size(); ++e) {
+        bound.dv = std::max(bound.dv, u * dv_sum[e]);
+        bound.dk = std::max(bound.dk, u * scale * dk_sum[e]);
+      }
+    }
+  }
+  return bound;
+}
+
 // Flash and standard backward of p against the fp64 reference, within the bounds above.
 void expect_backward_matches_reference(const Problem& p, std::uint64_t seed) {
   const BackwardCase& c = p.c;
@@ -132,19 +192,30 @@ void expect_backward_matches_reference(const Problem& p, std::uint64_t seed) {
   const double first_order =
       4.0 * scale * c.head_dim * qk + 2.0 * (c.seqlen_kv + c.seqlen_q) + 16.0;
   const double score_rounding = u32 * scale * std::sqrt(static_cast<double>(c.head_dim)) * qk;
+  Tensor scratch_dq(c.dtype, p.q.view.shape), scratch_dk(c.dtype, p.k.view.shape),
+      scratch_dv(c.dtype, p.k.view.shape);
+  const detail::BackwardParams params = detail::make_backward_params(
+      "flash", p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(), scratch_dq.view,
+      scratch_dk.view, scratch_dv.view, p.options);
+  const OperandRounding rounding = operand_rounding(p, params.forward);
+  const double flushed = static_cast<double>(c.seqlen_q + c.seqlen_kv) * 0x1p-126;
 
   const std::pair<const char*, std::tuple<const Tensor*, const Tensor*, const std::vector<double>*>>
       gradients[] = {{"dq", {&standard.dq, &flash.dq, &ref.dq}},
                      {"dk", {&standard.dk, &flash.dk, &ref.dk}},
                      {"dv", {&standard.dv, &flash.dv, &ref.dv}}};
+  const double operand_bounds[] = {rounding.dq, rounding.dk, rounding.dv};
+  int index = 0;
   for (const auto& [name, tensors] : gradients) {
+    const double operand_bound = operand_bounds[index++];
     const auto& [standard_grad, flash_grad, ref_grad] = tensors;
     const double magnitude = max_abs_finite(*ref_grad) + dv_scale;
     const double standard_bound = u32 * first_order * magnitude + u_out * magnitude;
     const MaxError standard_error = max_error(*standard_grad, *ref_grad);
     const MaxError flash_error = max_error(*flash_grad, *ref_grad);
-    const double flash_bound =
-        4.0 * standard_error.value + (2.0 * u_out + 4.0 * score_rounding) * magnitude;
+    const double flash_bound = 4.0 * standard_error.value +
+                               (2.0 * u_out + 4.0 * score_rounding) * magnitude + operand_bound +
+                               flushed;
     const std::string context = describe(c) + " seed " + std::to_string(seed) + " " + name;
     EXPECT_LE(standard_error.value, standard_bound)
         << context << ": standard [" << standard_error.index << "] = " << standard_error.got

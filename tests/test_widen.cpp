@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 #include "util/convert.hpp"
 #include "util/dot.hpp"
 
@@ -103,6 +104,36 @@ TEST(StreamRowF32, CopiesEveryElementOnEveryTarget) {
     }
   }
   detail::cpu::force_simd_target(0);
+}
+
+// The backward's transposed bf16 operands (AVX512-BF16, used where the CPU has AMX): every
+// element of the transpose rounded to nearest even as the scalar rounding does (normal values:
+// the instruction counts subnormal inputs as zero), rows past `rows` zero, over ragged row
+// counts and several 16 x 16 blocks.
+TEST(RoundTransposedBf16, MatchesTheScalarTranspose) {
+  if (!detail::cpu::bf16_products_supported()) GTEST_SKIP() << "no AVX512-BF16";
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal;
+  for (const std::int64_t rows : {1, 15, 16, 17, 50, 64}) {
+    for (const std::int64_t columns : {16, 48, 128}) {
+      const std::int64_t rows_padded = 64, ld_src = columns + 16, ld_dst = rows_padded + 32;
+      std::vector<float> src(static_cast<std::size_t>(rows * ld_src));
+      for (float& x : src) x = normal(rng);
+      std::vector<std::uint16_t> dst(static_cast<std::size_t>(columns * ld_dst), 0x1234);
+      detail::cpu::round_transposed_bf16(dst.data(), ld_dst, src.data(), ld_src, rows, rows_padded,
+                                         columns);
+      for (std::int64_t c = 0; c < columns; ++c) {
+        for (std::int64_t r = 0; r < rows_padded; ++r) {
+          const std::uint16_t want =
+              r < rows ? detail::bf16_from_f32(src[static_cast<std::size_t>(r * ld_src + c)]) : 0;
+          ASSERT_EQ(dst[static_cast<std::size_t>(c * ld_dst + r)], want)
+              << "rows " << rows << " columns " << columns << " at (" << c << ", " << r << ")";
+        }
+        EXPECT_EQ(dst[static_cast<std::size_t>(c * ld_dst + rows_padded)], 0x1234)
+            << "wrote past rows_padded";
+      }
+    }
+  }
 }
 
 // |Σ a·b - fp64| <= n·u·Σ|a·b| (u = 2^-24), the worst case of any summation order, for lengths

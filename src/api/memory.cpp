@@ -108,11 +108,18 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       const __int128 chunks = flash_backward_chunks(p);
       const __int128 groups = static_cast<__int128>(p.batch) * p.heads_kv;
       const __int128 group_rows = p.group_size();
-      // bf16 inputs may add bf16 copies for the AMX products: Kᵀ and Vᵀ, Q and dO rows, two
-      // bf16 per float.
-      const __int128 bf16_dims = p.dtype == DType::bf16 ? cpu::pad_to_amx_reduction(D) : 0;
-      per_thread += keys * bf16_dims;
-      const __int128 row_floats = padded_sq * (2 * D_padded + 1 + bf16_dims);
+      // bf16 inputs may add bf16 operands of the AMX products, two per float: Kᵀ and Vᵀ, K as
+      // key pairs, Pᵀ, dSᵀ and dS; per query row Q and dO as rows and as row pairs.
+      const bool bf16 = p.dtype == DType::bf16;
+      const __int128 bf16_dims = bf16 ? cpu::pad_to_amx_reduction(D) : 0;
+      if (bf16) {
+        const __int128 amx_rows = cpu::pad_to_amx_reduction(tiles.rows);
+        const __int128 amx_keys = cpu::pad_to_amx_reduction(tiles.keys);
+        per_thread += keys * bf16_dims +
+                      (amx_keys * D_padded + 2 * keys * amx_rows + tile_rows * amx_keys + 1) / 2;
+      }
+      const __int128 row_floats =
+          padded_sq * (2 * D_padded + 1 + bf16_dims + (bf16 ? D_padded : 0));
       if (chunks == 1) {
         per_thread += group_rows * (row_floats + Sq * D_padded);
       } else {

@@ -22,11 +22,11 @@
 // loop instead, each row block was re-read and re-packed once per K/V block it sees: 8 times at
 // seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
 //
-// bf16 inputs on a CPU with AMX (cpu::active_bf16_products) compute the two score-sized
-// products, S = Q·Kᵀ and dP = dO·Vᵀ, on AMX tiles from the bf16 inputs as they are (exact
-// products, fp32 sums: no rounding beyond the fp32 path's); the three products that read P or dS
-// stay fp32. A (row block, K/V block) pair where either holds a subnormal bf16, which the tiles
-// would count as zero, takes the fp32 path.
+// bf16 inputs on a CPU with AMX (cpu::active_bf16_products) run all five products on AMX tiles:
+// S = Q·Kᵀ and dP = dO·Vᵀ from the bf16 inputs as they are, and dV += Pᵀ·dO, dQ += dS·K,
+// dK += dSᵀ·Q with P and dS rounded to bf16 as their operands (as the forward rounds P for P·V;
+// README says what that costs), every sum in fp32. A (row block, K/V block) pair where either
+// holds a subnormal bf16, which the tiles would count as zero, takes the fp32 path.
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
 // accumulators: 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ sums,
@@ -74,9 +74,11 @@ hwy::AlignedFreeUniquePtr<float[]> uninitialized_floats(std::int64_t n) {
 
 struct BackwardTiles {
   std::int64_t rows, keys, dims_padded;
-  bool amx;                    // S and dP on AMX tiles (bf16 inputs)
+  bool amx;                    // the products on AMX tiles (bf16 inputs)
   bool stream_gradients;       // dQ, dK, dV written with non-temporal stores (cpu::stream_output)
   std::int64_t amx_reduction;  // head_dim zero-padded to a whole AMX tile row
+  std::int64_t amx_rows;       // rows (Br) and keys (Bc) zero-padded the same way
+  std::int64_t amx_keys;
 };
 
 // Query row blocks of `groups` GQA groups (batch, KV head), laid out once for all the K/V blocks
@@ -94,8 +96,11 @@ class QueryBlocks {
     delta_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
     if (tiles.amx) {
       const std::int64_t bf16_block = tiles.rows * tiles.amx_reduction;
+      const std::int64_t pairs_block = tiles.amx_rows * tiles.dims_padded;
       q_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
       dout_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
+      q_pairs_.assign(heads * blocks_per_head_ * pairs_block, 0);
+      dout_pairs_.assign(heads * blocks_per_head_ * pairs_block, 0);
       bf16_exact_.assign(heads * blocks_per_head_, 1);
     }
   }
@@ -133,6 +138,12 @@ class QueryBlocks {
           p_.head_dim);
     }
     bf16_exact_[index] = !subnormal;
+    // And as pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO.
+    const std::int64_t pairs_offset = index * tiles_.amx_rows * tiles_.dims_padded;
+    cpu::pack_row_pairs_bf16(q_pairs_.data() + pairs_offset, p_.q, p_.q_strides, b, h, row_begin,
+                             rows(n), tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
+    cpu::pack_row_pairs_bf16(dout_pairs_.data() + pairs_offset, bp.dout, bp.dout_strides, b, h,
+                             row_begin, rows(n), tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
   }
 
   const float* q_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -155,6 +166,13 @@ class QueryBlocks {
   bool bf16_exact(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return bf16_exact_[block_index(slot, g, n)] != 0;
   }
+  // AMX only: Q and dO as pairs of rows (cpu::bf16_value_index, rows padded to amx_rows).
+  const std::uint16_t* q_pairs(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return q_pairs_.data() + block_index(slot, g, n) * tiles_.amx_rows * tiles_.dims_padded;
+  }
+  const std::uint16_t* dout_pairs(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return dout_pairs_.data() + block_index(slot, g, n) * tiles_.amx_rows * tiles_.dims_padded;
+  }
 
  private:
   std::int64_t block_index(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -165,13 +183,15 @@ class QueryBlocks {
   BackwardTiles tiles_;
   std::int64_t blocks_per_head_;
   hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_;
-  AlignedVector<std::uint16_t> q_bf16_, dout_bf16_;
+  AlignedVector<std::uint16_t> q_bf16_, dout_bf16_, q_pairs_, dout_pairs_;
   std::vector<char> bf16_exact_;
 };
 
 struct Scratch {
   AlignedVector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
-  AlignedVector<std::uint16_t> k_bf16, v_bf16;  // AMX: Kᵀ, Vᵀ as bf16 pairs (bf16_key_index)
+  // AMX: Kᵀ and Vᵀ as pairs of dims (bf16_key_index), K as pairs of keys (bf16_value_index);
+  // Pᵀ and dSᵀ [keys x amx_rows] and dS [rows x amx_keys] rounded to bf16.
+  AlignedVector<std::uint16_t> k_bf16, v_bf16, k_pairs, probabilities_t, dscores_t, dscores_bf16;
   AlignedVector<float> probabilities, dscores;  // [Br x Bc] each
   AlignedVector<float> dk, dv;
   // With one chunk per group: the task's own query rows and dQ sums, [group x seqlen_q x Dp].
@@ -189,6 +209,10 @@ struct Scratch {
     if (tiles.amx) {
       k_bf16.assign(tiles.keys * tiles.amx_reduction, 0);
       v_bf16.assign(tiles.keys * tiles.amx_reduction, 0);
+      k_pairs.assign(tiles.amx_keys * tiles.dims_padded, 0);
+      probabilities_t.assign(tiles.keys * tiles.amx_rows, 0);
+      dscores_t.assign(tiles.keys * tiles.amx_rows, 0);
+      dscores_bf16.assign(tiles.rows * tiles.amx_keys, 0);
     }
     if (task_owns_queries) {
       queries.emplace(p, tiles, 1);
@@ -216,15 +240,17 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
     const std::int64_t key_end = std::min(key_begin + tiles.keys, p.seqlen_kv);
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
-    // K and V of the block in the layouts the three products that read them stream: Kᵀ and Vᵀ
-    // in fp32 for S and dP unless they run on AMX (then packed only if a pair needs fp32).
-    bool kv_bf16_exact = false, transposed_packed = false;
-    auto pack_transposed = [&] {
+    // K and V of the block in the layouts the three products that read them stream, in fp32
+    // unless they run on AMX (then in bf16, and in fp32 only if a pair needs it).
+    bool kv_bf16_exact = false, fp32_packed = false;
+    const std::int64_t amx_keys = cpu::pad_to_amx_reduction(keys);
+    auto pack_fp32 = [&] {
       cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
                                 keys, keys_padded, D);
       cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin,
                                 keys, keys_padded, D);
-      transposed_packed = true;
+      cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
+      fp32_packed = true;
     };
     if (tiles.amx) {
       const bool subnormal_keys =
@@ -234,10 +260,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
           cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin,
                                          keys, keys_padded, D, tiles.amx_reduction);
       kv_bf16_exact = !subnormal_keys && !subnormal_values;
+      cpu::pack_row_pairs_bf16(t.k_pairs.data(), p.k, p.k_strides, b, h_kv, key_begin, keys,
+                               amx_keys, D, Dp);
     } else {
-      pack_transposed();
+      pack_fp32();
     }
-    cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
     std::fill_n(t.dk.begin(), keys * Dp, 0.0f);
     std::fill_n(t.dv.begin(), keys * Dp, 0.0f);
 
@@ -258,7 +285,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         const float* q = queries.q_panels(task.slot, g, n);
         const float* dout = queries.dout_panels(task.slot, g, n);
         const bool amx = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
-        if (!amx && !transposed_packed) pack_transposed();
+        if (!amx && !fp32_packed) pack_fp32();
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
         if (amx) {
@@ -278,8 +305,16 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
                                          p.lse + p.lse_index(b, h, row_begin), rows, keys_padded);
 
         // dV += Pᵀ·dO                                                     [keys x Dp]
-        cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, dout,
-                                           rows, keys, Dp);
+        if (amx) {
+          cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.amx_rows,
+                                     t.probabilities.data(), ld_s, rows, tiles.amx_rows,
+                                     keys_padded);
+          cpu::amx_product(t.dv.data(), Dp, true, t.probabilities_t.data(), tiles.amx_rows,
+                           queries.dout_pairs(task.slot, g, n), keys, Dp, tiles.amx_rows);
+        } else {
+          cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, dout,
+                                             rows, keys, Dp);
+        }
 
         // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
         if (amx) {
@@ -294,12 +329,23 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
                                    queries.delta(task.slot, g, n), p.scale, rows, keys_padded);
 
         // dQ += dS·K                                                       [rows x Dp]
-        float* dq = task.dq + (g * p.seqlen_q + row_begin) * Dp;
-        cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
-                                rows, Dp);
         // dK += dSᵀ·Q                                                      [keys x Dp]
-        cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s, q, rows, keys,
-                                           Dp);
+        float* dq = task.dq + (g * p.seqlen_q + row_begin) * Dp;
+        if (amx) {
+          cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.amx_keys, t.dscores.data(),
+                                        ld_s, rows, keys_padded, amx_keys);
+          cpu::amx_product(dq, Dp, true, t.dscores_bf16.data(), tiles.amx_keys, t.k_pairs.data(),
+                           rows, Dp, amx_keys);
+          cpu::round_transposed_bf16(t.dscores_t.data(), tiles.amx_rows, t.dscores.data(), ld_s,
+                                     rows, tiles.amx_rows, keys_padded);
+          cpu::amx_product(t.dk.data(), Dp, true, t.dscores_t.data(), tiles.amx_rows,
+                           queries.q_pairs(task.slot, g, n), keys, Dp, tiles.amx_rows);
+        } else {
+          cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
+                                  rows, Dp);
+          cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s, q, rows, keys,
+                                             Dp);
+        }
       }
     }
 
@@ -347,7 +393,9 @@ void flash_backward(const BackwardParams& bp) {
                             cpu::pad_to_lanes(D),
                             amx,
                             cpu::stream_output(gradient_bytes, p.num_threads),
-                            cpu::pad_to_amx_reduction(D)};
+                            cpu::pad_to_amx_reduction(D),
+                            cpu::pad_to_amx_reduction(sizes.rows),
+                            cpu::pad_to_amx_reduction(sizes.keys)};
   const std::int64_t kv_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
   const std::int64_t groups = p.batch * p.heads_kv;
   const std::int64_t chunks = flash_backward_chunks(p);

@@ -122,8 +122,9 @@ namespace {
 
 // AMX where the CPU has it: on the Sapphire Rapids-class VM of bench/RESULTS.md the seed shape
 // in bf16 ran at 798 GFLOP/s non-causal (3.0x the f32 path, whose speed the widened path
-// matches) and 577 causal (2.8x), 2 threads. vdpbf16ps only on request: on the AVX512-BF16 machine we measure on (a
-// Sapphire Rapids-class VM), a 512-bit vdpbf16ps retires at half the FLOP rate of an fp32 FMA
+// matches) and 577 causal (2.8x), 2 threads. vdpbf16ps only on request: on the AVX512-BF16 machine
+// we measure on (a Sapphire Rapids-class VM), a 512-bit vdpbf16ps retires at half the FLOP rate of
+// an fp32 FMA
 // (~105 vs ~215 GFLOP/s per core), and the flash forward at [1, 1024, 8, 128] ran at 0.65-0.7x
 // of the widening path with it.
 Bf16Products default_bf16_products() {
@@ -175,6 +176,65 @@ FLASHATTN_BF16_TARGET void round_probabilities_bf16(std::uint16_t* p_bf16, std::
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + j), (__m256i)rounded);
     }
     std::fill(row + keys_padded, row + reduction, std::uint16_t{0});
+  }
+}
+
+namespace {
+
+// rows[0..15] = the transpose of rows[0..15] (16 x 16 fp32): pairs of rows interleaved, then
+// pairs of pairs, so that each 128-bit lane holds 4 rows of one column; then lanes gathered
+// across the registers. (The maskz forms with every lane selected are the plain instructions;
+// g++ 12 warns inside the unmasked intrinsics, -Wmaybe-uninitialized.)
+FLASHATTN_BF16_TARGET inline void transpose_16x16(__m512 rows[16]) {
+  constexpr __mmask16 kAll16 = 0xffff;
+  constexpr __mmask8 kAll8 = 0xff;
+  __m512 pairs[16];
+  for (int i = 0; i < 8; ++i) {
+    pairs[2 * i] = _mm512_maskz_unpacklo_ps(kAll16, rows[2 * i], rows[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_maskz_unpackhi_ps(kAll16, rows[2 * i], rows[2 * i + 1]);
+  }
+  // quads[4i + k], lane m: rows 4i..4i+3 of column 4m + k.
+  __m512 quads[16];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo_even = _mm512_castps_pd(pairs[4 * i]);
+    const __m512d hi_even = _mm512_castps_pd(pairs[4 * i + 2]);
+    const __m512d lo_odd = _mm512_castps_pd(pairs[4 * i + 1]);
+    const __m512d hi_odd = _mm512_castps_pd(pairs[4 * i + 3]);
+    quads[4 * i] = _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, lo_even, hi_even));
+    quads[4 * i + 1] = _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, lo_even, hi_even));
+    quads[4 * i + 2] = _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, lo_odd, hi_odd));
+    quads[4 * i + 3] = _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, lo_odd, hi_odd));
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 upper_low = _mm512_maskz_shuffle_f32x4(kAll16, quads[k], quads[4 + k], 0x44);
+    const __m512 lower_low = _mm512_maskz_shuffle_f32x4(kAll16, quads[8 + k], quads[12 + k], 0x44);
+    const __m512 upper_high = _mm512_maskz_shuffle_f32x4(kAll16, quads[k], quads[4 + k], 0xee);
+    const __m512 lower_high = _mm512_maskz_shuffle_f32x4(kAll16, quads[8 + k], quads[12 + k], 0xee);
+    rows[k] = _mm512_maskz_shuffle_f32x4(kAll16, upper_low, lower_low, 0x88);
+    rows[4 + k] = _mm512_maskz_shuffle_f32x4(kAll16, upper_low, lower_low, 0xdd);
+    rows[8 + k] = _mm512_maskz_shuffle_f32x4(kAll16, upper_high, lower_high, 0x88);
+    rows[12 + k] = _mm512_maskz_shuffle_f32x4(kAll16, upper_high, lower_high, 0xdd);
+  }
+}
+
+}  // namespace
+
+FLASHATTN_BF16_TARGET void round_transposed_bf16(std::uint16_t* dst, std::int64_t ld_dst,
+                                                 const float* src, std::int64_t ld_src,
+                                                 std::int64_t rows, std::int64_t rows_padded,
+                                                 std::int64_t columns) {
+  __m512 block[kLanes];
+  for (std::int64_t r = 0; r < rows_padded; r += kLanes) {
+    for (std::int64_t c = 0; c < columns; c += kLanes) {
+      for (std::int64_t i = 0; i < kLanes; ++i) {
+        block[i] = r + i < rows ? _mm512_loadu_ps(src + (r + i) * ld_src + c) : _mm512_setzero_ps();
+      }
+      transpose_16x16(block);
+      for (std::int64_t j = 0; j < kLanes; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (c + j) * ld_dst + r),
+                            (__m256i)_mm512_cvtneps_pbh(block[j]));
+      }
+    }
   }
 }
 

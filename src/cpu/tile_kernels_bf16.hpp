@@ -66,6 +66,14 @@ void round_probabilities_bf16(std::uint16_t* p_bf16, std::int64_t ld_p_bf16, con
                               std::int64_t ld_p, std::int64_t rows, std::int64_t keys_padded,
                               std::int64_t reduction);
 
+// dst[c][r] = bf16(src[r][c]) for r < rows, and 0 for r in [rows, rows_padded), for every
+// c < columns: the transpose of an fp32 tile [rows x columns] rounded to nearest even, as the
+// left operand of a product that reduces over its rows (the backward's Pᵀ·dO and dSᵀ·Q).
+// rows_padded and columns are multiples of 16.
+void round_transposed_bf16(std::uint16_t* dst, std::int64_t ld_dst, const float* src,
+                           std::int64_t ld_src, std::int64_t rows, std::int64_t rows_padded,
+                           std::int64_t columns);
+
 // acc[:, :dims_padded] += p · V over keys [0, keys_even)
 void accumulate_pv_tile_bf16(float* acc, std::int64_t ld_acc, const std::uint16_t* p,
                              std::int64_t ld_p, const std::uint16_t* v_packed,
