@@ -53,7 +53,6 @@ HWY_AFTER_NAMESPACE();
 
 #include <cblas.h>
 #include <omp.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -216,19 +215,6 @@ void Bf16DotPeak::run([[maybe_unused]] std::int64_t count) {
 }
 
 AmxPeak::AmxPeak(int threads) : threads_(threads) {}
-
-bool AmxPeak::supported() {
-#ifdef FLASHATTN_HAVE_BF16_DOT
-  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-  static const bool supported = __builtin_cpu_supports("amx-tile") &&
-                                __builtin_cpu_supports("amx-bf16") &&
-                                syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return supported;
-#else
-  return false;
-#endif
-}
 
 void AmxPeak::run([[maybe_unused]] std::int64_t count) {
 #ifdef FLASHATTN_HAVE_BF16_DOT

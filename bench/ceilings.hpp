@@ -62,11 +62,11 @@ class Bf16DotPeak final : public Workload {
 // As FmaPeak, with AMX tiles: TDPBF16PS into four independent 16 x 16 fp32 accumulator tiles
 // from operand tiles held in registers (16·16·32 bf16 products per instruction). One unit: 2^12
 // instructions per accumulator per thread.
+// Run only where the library's detail::cpu::amx_supported() holds: it checks the CPU and asks
+// Linux for the tile state, once for the whole process.
 class AmxPeak final : public Workload {
  public:
   explicit AmxPeak(int threads);
-  // Whether this CPU has AMX-BF16 and Linux lets the process use the tiles (asked for here).
-  static bool supported();
   void run(std::int64_t count) override;
   double work_per_unit() const override;
 

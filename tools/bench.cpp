@@ -39,6 +39,7 @@
 #include "ceilings.hpp"
 #include "cli_common.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_kernels_amx.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
@@ -265,7 +266,7 @@ Ceilings measure_ceilings(int threads, const std::set<std::int64_t>& head_dims,
     bench::Bf16DotPeak bf16(threads);
     ceilings.bf16_dot_gflops = bench::best_rate(bf16, budget.seconds, budget.trials) * 1e-9;
   }
-  if (bench::AmxPeak::supported()) {
+  if (detail::cpu::amx_supported()) {
     std::fprintf(stderr, "flashattn bench: ceilings: AMX bf16 peak (tdpbf16ps)\n");
     bench::AmxPeak amx(threads);
     ceilings.amx_gflops = bench::best_rate(amx, budget.seconds, budget.trials) * 1e-9;
