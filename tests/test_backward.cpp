@@ -269,6 +269,17 @@ std::vector<BackwardCase> backward_grid() {
   owned_window.dtype = DType::bf16;
   grid.push_back(owned);
   grid.push_back(owned_window);
+  // bf16 runs on AMX tiles where the CPU has them: rows and keys that end inside a tile and
+  // inside a 32-element reduction step, GQA, causal with Sq != Skv, head-major strides, and
+  // head dims that pad (59 -> 64, 80 -> 96) or span several panels (256).
+  for (BackwardCase c :
+       {BackwardCase{2, 129, 129, 4, 2, 59, true}, BackwardCase{1, 203, 113, 2, 1, 80, true},
+        BackwardCase{1, 65, 70, 2, 2, 256, false}}) {
+    c.dtype = DType::bf16;
+    c.threads = 3;
+    grid.push_back(c);
+  }
+  grid.back().head_major = true;
   return grid;
 }
 
@@ -363,10 +374,13 @@ TEST(Backward, EmptyKeySequence) {
 }
 
 // The chunks' dQ partial sums are added in a fixed order and every dK, dV row has one owner.
-// 2 groups of 4 chunks each, and 8 groups whose tasks own their query rows.
+// 2 groups of 4 chunks each, and 8 groups whose tasks own their query rows; the first also in
+// bf16 (AMX tiles where the CPU has them).
 TEST(Backward, FlashIsBitwiseIdenticalForAnyThreadCount) {
-  for (const BackwardCase& c :
-       {BackwardCase{1, 301, 517, 4, 2, 72, true}, BackwardCase{2, 150, 200, 8, 4, 40, true}}) {
+  BackwardCase bf16{1, 301, 517, 4, 2, 72, true};
+  bf16.dtype = DType::bf16;
+  for (const BackwardCase& c : {BackwardCase{1, 301, 517, 4, 2, 72, true},
+                                BackwardCase{2, 150, 200, 8, 4, 40, true}, bf16}) {
     const Problem p(c, test_seed());
     const auto first = p.run(AttentionImpl::flash, 1);
     for (int threads : {2, 3, 7}) {
