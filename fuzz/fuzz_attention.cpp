@@ -373,6 +373,13 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   const double floor =
       static_cast<double>(Skv + D + 16) * 0x1p-149 + half_smallest_denormal(p.dtype);
   const double mixing = static_cast<double>(2 * Skv + 16) * kU32;
+  // The flash path may round P to the input dtype as the operand of P·V (DESIGN.md §2; bf16 on
+  // AMX does): at most u_in·max|v| more. The bf16 tile instructions flush fp32 intermediates
+  // below 2^-126 (scores' products, P·V products, the accumulator between blocks): at most
+  // (Skv + D + 16)·2^-126 more, absolute.
+  const double u_p = exact || p.dtype == DType::f32 ? 0.0 : unit_roundoff(p.dtype);
+  const double flushed =
+      exact || p.dtype != DType::bf16 ? 0.0 : static_cast<double>(Skv + D + 16) * 0x1p-126;
   const std::uint8_t* out = p.out.buffer.bytes.data();
   const float* lse = p.lse();
 
@@ -413,8 +420,8 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
         for (std::int64_t d = 0; d < D; ++d) {
           const double want = ref_out[static_cast<std::size_t>(((b * Sq + row) * Hq + h) * D + d)];
           const double got = load_f32(out, p.dtype, p.out.offset(b, row, h, d));
-          const double tolerance =
-              (exact ? 0.0 : std::min(mixed, 2.0 * hull)) + u_out * std::abs(want) + floor;
+          const double tolerance = (exact ? 0.0 : std::min(mixed, 2.0 * hull)) + u_p * v_max +
+                                   u_out * std::abs(want) + floor + flushed;
           // Whether a non-finite value shows as ±inf or NaN can differ: a weight that is tiny
           // in fp64 may be 0 in fp32, and p·inf is inf while 0·inf is NaN. Finiteness may not.
           if (std::isfinite(got) != std::isfinite(want) ||
