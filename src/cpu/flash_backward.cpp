@@ -124,26 +124,26 @@ class QueryBlocks {
     row_deltas(delta_.get() + index * tiles_.rows, bp.dout, bp.dout_strides, p_.out, p_.out_strides,
                p_.dtype, b, h, row_begin, rows(n), p_.head_dim);
     if (!tiles_.amx) return;
-    // Row-major bf16 rows, head_dim zero-padded (the padding is never written).
-    bool subnormal = false;
+    // As pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO; packing them also
+    // tells whether the block holds a subnormal.
+    const std::int64_t pairs_offset = index * tiles_.amx_rows * tiles_.dims_padded;
+    const bool subnormal_q = cpu::pack_row_pairs_bf16(
+        q_pairs_.data() + pairs_offset, p_.q, p_.q_strides, b, h, row_begin, rows(n),
+        tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
+    const bool subnormal_dout = cpu::pack_row_pairs_bf16(
+        dout_pairs_.data() + pairs_offset, bp.dout, bp.dout_strides, b, h, row_begin, rows(n),
+        tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
+    bf16_exact_[index] = !subnormal_q && !subnormal_dout;
+    // And as row-major bf16 rows, head_dim zero-padded (the padding is never written).
+    const auto* q_rows = static_cast<const std::uint16_t*>(p_.q);
+    const auto* dout_rows = static_cast<const std::uint16_t*>(bp.dout);
     for (std::int64_t i = 0; i < rows(n); ++i) {
       const std::int64_t row = (index * tiles_.rows + i) * tiles_.amx_reduction;
-      subnormal |= cpu::copy_row_bf16(
-          q_bf16_.data() + row,
-          static_cast<const std::uint16_t*>(p_.q) + p_.q_strides.offset(b, row_begin + i, h),
-          p_.head_dim);
-      subnormal |= cpu::copy_row_bf16(
-          dout_bf16_.data() + row,
-          static_cast<const std::uint16_t*>(bp.dout) + bp.dout_strides.offset(b, row_begin + i, h),
-          p_.head_dim);
+      std::copy_n(q_rows + p_.q_strides.offset(b, row_begin + i, h), p_.head_dim,
+                  q_bf16_.data() + row);
+      std::copy_n(dout_rows + bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim,
+                  dout_bf16_.data() + row);
     }
-    bf16_exact_[index] = !subnormal;
-    // And as pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO.
-    const std::int64_t pairs_offset = index * tiles_.amx_rows * tiles_.dims_padded;
-    cpu::pack_row_pairs_bf16(q_pairs_.data() + pairs_offset, p_.q, p_.q_strides, b, h, row_begin,
-                             rows(n), tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
-    cpu::pack_row_pairs_bf16(dout_pairs_.data() + pairs_offset, bp.dout, bp.dout_strides, b, h,
-                             row_begin, rows(n), tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
   }
 
   const float* q_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -459,9 +459,9 @@ void flash_backward(const BackwardParams& bp) {
       });
   if (task_owns_queries) return;
 
-    // dQ = Σ over chunks in chunk order, summed into chunk 0's buffer and written once.
 #pragma omp parallel num_threads(p.num_threads)
   {
+    // dQ = Σ over chunks in chunk order, summed into chunk 0's buffer and written once.
 #pragma omp for schedule(static)
     for (std::int64_t index = 0; index < groups * p.group_size() * p.seqlen_q; ++index) {
       const std::int64_t group = index / (p.group_size() * p.seqlen_q);
