@@ -39,6 +39,7 @@
 
 #include "api/backends.hpp"
 #include "flashattn/flashattn.hpp"
+#include "fuzz_support.hpp"
 #include "util/convert.hpp"
 
 namespace {
@@ -46,64 +47,7 @@ namespace {
 using flashattn::AttentionImpl;
 using flashattn::AttentionOptions;
 using flashattn::DType;
-using Shape = std::array<std::int64_t, 4>;
-
-constexpr double kU32 = 0x1p-24;
-constexpr std::uint8_t kSentinelByte = 0xA5;  // fills out and lse before a call
-
-struct Buffer {
-  std::vector<std::uint8_t> bytes;  // exactly the extent of the view, so ASan sees overruns
-  std::vector<bool> in_view;        // which elements the view covers (outputs only)
-};
-
-struct Tensor {
-  Buffer buffer;
-  Shape shape{}, strides{};
-  std::int64_t elements = 0;  // extent of the view in elements
-
-  std::int64_t offset(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d) const {
-    return a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3];
-  }
-};
-
-// A [B, S, H, D] tensor laid out with its first three dims in `order` (outermost first), `pad`
-// spare elements after each D-row and each of the three dims, and optionally dim `broadcast`
-// given stride 0.
-Tensor make_tensor(DType dtype, Shape shape, int order_index, std::array<int, 4> pad,
-                   int broadcast) {
-  static constexpr std::array<std::array<int, 3>, 6> kOrders = {
-      {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1}, {2, 1, 0}}};
-  const auto& order = kOrders[static_cast<std::size_t>(order_index)];
-  Tensor t;
-  t.shape = shape;
-  t.strides[3] = 1;
-  std::int64_t next = shape[3] + pad[3];
-  for (int i = 2; i >= 0; --i) {
-    const int dim = order[static_cast<std::size_t>(i)];
-    t.strides[dim] = next;
-    next = next * shape[dim] + pad[static_cast<std::size_t>(i)];
-  }
-  if (broadcast >= 0) t.strides[broadcast] = 0;
-  bool empty = false;
-  std::int64_t last = 0;
-  for (int d = 0; d < 4; ++d) {
-    empty = empty || shape[d] == 0;
-    last += (shape[d] - 1) * t.strides[d];
-  }
-  t.elements = empty ? 0 : last + 1;
-  t.buffer.bytes.assign(static_cast<std::size_t>(std::max<std::int64_t>(t.elements, 1)) *
-                            flashattn::dtype_size(dtype),
-                        kSentinelByte);
-  return t;
-}
-
-template <class Fn>
-void for_each_index(const Shape& s, Fn&& fn) {
-  for (std::int64_t a = 0; a < s[0]; ++a)
-    for (std::int64_t b = 0; b < s[1]; ++b)
-      for (std::int64_t c = 0; c < s[2]; ++c)
-        for (std::int64_t d = 0; d < s[3]; ++d) fn(a, b, c, d);
-}
+using namespace fuzz_support;
 
 struct Problem {
   AttentionImpl impl = AttentionImpl::flash;
@@ -127,121 +71,43 @@ struct Problem {
   std::abort();
 }
 
-// One input value: mostly a small integer times 2^exponent, sometimes a special value.
-float value_from(std::uint8_t byte, int exponent, bool specials) {
-  if (specials && byte >= 0xF8) {
-    constexpr float kSpecials[] = {std::numeric_limits<float>::quiet_NaN(),
-                                   std::numeric_limits<float>::infinity(),
-                                   -std::numeric_limits<float>::infinity(),
-                                   std::numeric_limits<float>::denorm_min(),
-                                   -0x1p-130f,
-                                   0x1p-140f,
-                                   -0.0f,
-                                   0.0f};
-    return kSpecials[byte - 0xF8];
-  }
-  return std::ldexp(static_cast<float>(static_cast<std::int8_t>(byte)), exponent - 4);
-}
-
-void fill(Tensor& t, DType dtype, FuzzedDataProvider& in, int exponent, bool specials) {
-  for_each_index(t.shape, [&](auto a, auto b, auto c, auto d) {
-    flashattn::detail::store_f32(
-        t.buffer.bytes.data(), dtype, t.offset(a, b, c, d),
-        value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, specials));
-  });
-}
-
-// Marks the elements of an output view, so that writes around it can be detected.
-void mark_view(Tensor& t) {
-  t.buffer.in_view.assign(static_cast<std::size_t>(std::max<std::int64_t>(t.elements, 1)), false);
-  for_each_index(t.shape, [&](auto a, auto b, auto c, auto d) {
-    t.buffer.in_view[static_cast<std::size_t>(t.offset(a, b, c, d))] = true;
-  });
-}
-
 Problem make_problem(FuzzedDataProvider& in) {
   Problem p;
   p.impl = in.PickValueInArray(
       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference});
   p.dtype = in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
-  const bool long_sequences = in.ConsumeIntegralInRange(0, 7) == 0;
-  const std::int64_t max_seq = long_sequences ? 300 : 40;
-  const std::int64_t batch = in.ConsumeIntegralInRange(0, 2);
-  std::int64_t seqlen_q = in.ConsumeIntegralInRange<std::int64_t>(0, max_seq);
-  std::int64_t seqlen_kv = in.ConsumeIntegralInRange<std::int64_t>(0, max_seq);
-  const std::int64_t heads_kv = in.ConsumeIntegralInRange(1, 3);
-  const std::int64_t group = in.PickValueInArray({1, 1, 2, 3, 8});
-  std::int64_t head_dim = in.PickValueInArray({1, 2, 3, 8, 16, 17, 32, 40, 64, 80});
-  // Keep one call under ~64K multiply-adds so that the fuzzer stays fast under ASan: halve the
-  // head dim first, then the longer sequence.
-  while (batch * heads_kv * group * seqlen_q * seqlen_kv * head_dim > (1 << 16)) {
-    if (head_dim > 1) {
-      head_dim /= 2;
-    } else if (seqlen_kv > seqlen_q) {
-      seqlen_kv /= 2;
-    } else {
-      seqlen_q /= 2;
-    }
-  }
-  const Shape q_shape{batch, seqlen_q, heads_kv * group, head_dim};
-  const Shape kv_shape{batch, seqlen_kv, heads_kv, head_dim};
+  const FuzzedShape shape = fuzzed_shape(in, 1 << 16);
+  const Shape q_shape = shape.q(), kv_shape = shape.kv();
 
-  auto layout = [&](const Shape& shape, bool input) {
-    const int order = in.ConsumeIntegralInRange(0, 5);
-    std::array<int, 4> pad{};
-    if (in.ConsumeBool()) {
-      for (int& extra : pad) extra = in.ConsumeIntegralInRange(0, 3);
-    }
-    const int broadcast =
-        input && in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 2) : -1;
-    return make_tensor(p.dtype, shape, order, pad, broadcast);
-  };
-  p.q = layout(q_shape, true);
-  p.k = layout(kv_shape, true);
-  p.v = layout(kv_shape, true);
-  p.out = layout(q_shape, false);
+  p.q = fuzzed_layout(in, p.dtype, q_shape, true);
+  p.k = fuzzed_layout(in, p.dtype, kv_shape, true);
+  p.v = fuzzed_layout(in, p.dtype, kv_shape, true);
+  p.out = fuzzed_layout(in, p.dtype, q_shape, false);
   mark_view(p.out);
   if (in.ConsumeBool()) {
     p.lse_bytes.assign(
-        static_cast<std::size_t>(std::max<std::int64_t>(batch * q_shape[2] * seqlen_q, 1)) * 4,
+        static_cast<std::size_t>(std::max<std::int64_t>(shape.lse_elements(), 1)) * 4,
         kSentinelByte);
   }
 
-  p.options.causal = in.ConsumeBool();
-  if (in.ConsumeBool()) p.options.window_left = in.ConsumeIntegralInRange<std::int64_t>(-1, 50);
-  if (in.ConsumeBool()) p.options.window_right = in.ConsumeIntegralInRange<std::int64_t>(-1, 50);
-  if (in.ConsumeBool()) {
-    p.options.softmax_scale =
-        std::ldexp(in.PickValueInArray({1.0f, 1.5f, 1.25f}), in.ConsumeIntegralInRange(-60, 60));
-  }
-  p.options.num_threads = in.ConsumeIntegralInRange(0, 3);
+  p.options = fuzzed_options(in);
 
   const bool specials = in.ConsumeIntegralInRange(0, 3) == 0;
   const int q_exponent = in.ConsumeIntegralInRange(-12, 12);
   const int k_exponent = in.ConsumeIntegralInRange(-12, 12);
   const int v_exponent = in.ConsumeIntegralInRange(-12, 12);
-  fill(p.q, p.dtype, in, q_exponent, specials);
-  fill(p.k, p.dtype, in, k_exponent, specials);
-  fill(p.v, p.dtype, in, v_exponent, specials);
+  fill(p.q, p.dtype, in, q_exponent, specials, true);
+  fill(p.k, p.dtype, in, k_exponent, specials, true);
+  fill(p.v, p.dtype, in, v_exponent, specials, true);
 
   std::ostringstream text;
-  auto dims = [&](const Tensor& t) {
-    text << "[" << t.shape[0] << "," << t.shape[1] << "," << t.shape[2] << "," << t.shape[3]
-         << "] strides [" << t.strides[0] << "," << t.strides[1] << "," << t.strides[2] << ","
-         << t.strides[3] << "]";
-  };
-  text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype) << " q ";
-  dims(p.q);
-  text << " k ";
-  dims(p.k);
-  text << " v ";
-  dims(p.v);
-  text << " out ";
-  dims(p.out);
-  text << " causal " << p.options.causal << " window (" << p.options.window_left << ", "
-       << p.options.window_right << ") scale "
-       << (p.options.softmax_scale ? *p.options.softmax_scale : 0.0f) << " threads "
-       << p.options.num_threads << " lse " << !p.lse_bytes.empty() << " specials " << specials;
+  text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype);
+  describe_tensor(text, "q", p.q);
+  describe_tensor(text, "k", p.k);
+  describe_tensor(text, "v", p.v);
+  describe_tensor(text, "out", p.out);
+  describe_options(text, p.options);
+  text << " lse " << !p.lse_bytes.empty() << " specials " << specials;
   p.description = text.str();
   return p;
 }
@@ -330,31 +196,6 @@ Kind kind_of(double x) {
   if (std::isnan(x)) return Kind::nan;
   if (std::isinf(x)) return x > 0 ? Kind::plus_inf : Kind::minus_inf;
   return Kind::finite;
-}
-
-double half_smallest_denormal(DType dtype) {
-  return dtype == DType::f32 ? 0x1p-150 : dtype == DType::f16 ? 0x1p-25 : 0x1p-134;
-}
-
-double unit_roundoff(DType dtype) {
-  return dtype == DType::f32 ? 0x1p-24 : dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
-}
-
-// |x| of every element of a [batch, seq, heads, D] operand, contiguous, non-finite values as 0
-// (they are judged by kind, not by the bound).
-std::vector<double> finite_magnitudes(const void* base, DType dtype,
-                                      const flashattn::detail::Strides& strides, std::int64_t batch,
-                                      std::int64_t seq, std::int64_t heads, std::int64_t D) {
-  std::vector<double> result(static_cast<std::size_t>(batch * seq * heads * D));
-  std::size_t i = 0;
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t s = 0; s < seq; ++s)
-      for (std::int64_t h = 0; h < heads; ++h)
-        for (std::int64_t d = 0; d < D; ++d) {
-          const double x = flashattn::detail::load_f32(base, dtype, strides.offset(b, s, h) + d);
-          result[i++] = std::isfinite(x) ? std::abs(x) : 0.0;
-        }
-  return result;
 }
 
 // The checks run O(B·Hq·Sq·Skv·D) loops of their own: kept out of the coverage
@@ -450,15 +291,8 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
     }
   }
   // Nothing around the view: padding elements still hold the sentinel.
-  const std::size_t element = flashattn::dtype_size(p.dtype);
-  for (std::size_t i = 0; i < p.out.buffer.in_view.size(); ++i) {
-    if (p.out.buffer.in_view[i]) continue;
-    for (std::size_t byte = 0; byte < element; ++byte) {
-      if (p.out.buffer.bytes[i * element + byte] != kSentinelByte) {
-        finding(p, "wrote padding element " + std::to_string(i) + " of out");
-      }
-    }
-  }
+  const std::int64_t written = written_around_view(p.out, p.dtype);
+  if (written >= 0) finding(p, "wrote padding element " + std::to_string(written) + " of out");
 }
 
 }  // namespace

@@ -46,11 +46,14 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
     for (std::int64_t task = 0; task < tasks; ++task) {
       if (!allocated) continue;
       const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
-      double* dk = dk_f64 + (b * Skv * p.heads_kv + h_kv) * D;  // row stride heads_kv · D
-      double* dv = dv_f64 + (b * Skv * p.heads_kv + h_kv) * D;
-      const std::int64_t kv_row = p.heads_kv * D;
+      // Element (j, d) of this group's dK and dV at [base + j · kv_row + d]. An index, not a
+      // pointer: with Skv = 0 the arrays may be null, and null plus an offset is undefined
+      // behaviour (the backward fuzzer's UBSan found it).
+      const std::int64_t base = (b * Skv * p.heads_kv + h_kv) * D, kv_row = p.heads_kv * D;
       for (std::int64_t j = 0; j < Skv; ++j) {
-        for (std::int64_t d = 0; d < D; ++d) dk[j * kv_row + d] = dv[j * kv_row + d] = 0.0;
+        for (std::int64_t d = 0; d < D; ++d) {
+          dk_f64[base + j * kv_row + d] = dv_f64[base + j * kv_row + d] = 0.0;
+        }
       }
       for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
         for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
@@ -89,8 +92,10 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
             const double dscore = probabilities[j] * (dprobabilities[j] - row_delta);
             for (std::int64_t d = 0; d < D; ++d) {
               dq[d] += scale * dscore * read(p.k, p.k_strides, b, j, h_kv, d);
-              dk[j * kv_row + d] += scale * dscore * read(p.q, p.q_strides, b, row, h, d);
-              dv[j * kv_row + d] += probabilities[j] * read(bp.dout, bp.dout_strides, b, row, h, d);
+              dk_f64[base + j * kv_row + d] +=
+                  scale * dscore * read(p.q, p.q_strides, b, row, h, d);
+              dv_f64[base + j * kv_row + d] +=
+                  probabilities[j] * read(bp.dout, bp.dout_strides, b, row, h, d);
             }
           }
         }

@@ -1,0 +1,395 @@
+// libFuzzer target: the backward API. The input bytes choose the path, dtype, a small shape,
+// each tensor's memory layout (dim order, padding, stride-0 broadcast of an input), the options
+// (causal, window, scale, GQA group, threads), finite data (denormals and ±0 included) and, for
+// one input in eight, a corruption that makes the call invalid. out and lse come from the flash
+// forward of the same inputs, as in training.
+//
+// Invalid calls must raise flashattn::Error and leave dq, dk and dv untouched. Valid calls must
+// not throw, must write nothing around the three gradients, and must match the fp64 reference
+// (detail::reference_backward_f64, which recomputes P from q and k and trusts neither out nor
+// lse) element by element within the bound below. Non-finite inputs are left out: what the
+// backward gives for them is not specified yet (README, Semantics).
+//
+// The bound follows the error of every quantity the fast paths compute, per query row i and
+// visible key j, from fp64 values of what they read (u = 2^-24):
+//   P_ij = exp(scale·s_ij − lse_i), with s_ij = q_i·k_j and a_ij = scale·Σ_d |q_id·k_jd|. The
+//     computed P is within a factor e^(±ε_ij) of it, plus 2^-125 absolute (exp flushes
+//     arguments below −86.6), where ε_ij = (D + 3)·u·a_ij (the fp32 dot product and the scale)
+//     + u·|scale·s_ij − lse_i| + 4u (the subtraction and the exp) + |lse_i − lse_i,exact| (the
+//     given lse is the forward's, itself rounded) + scale·D·t (flushed products, see t below).
+//   dP_ij = dO_i·v_j within (D + 2)·u·Σ_d |dO_id·v_jd| + D·t.
+//   D_i = rowsum(dO_i ∘ out_i) within |D_i,given − D_i,exact| (out is the forward's, rounded to
+//     the dtype) + (D + 2)·u·Σ_d |dO_id·out_id| + D·t.
+//   dS_ij = P_ij·(dP_ij − D_i): with c_ij an upper bound of |dP − D| as computed and e_P the
+//     P error above, within e_P·c + P·(dP and D errors) + 3u·(P + e_P)·c.
+//   Each gradient element is then a sum of n products (n = Skv for dQ, the GQA group's
+//     Hq/Hkv · Sq rows for dK and dV): Σ |operand error|·|other operand| + ((n + 2)·u + u_p)·Σ
+//     |computed operand|·|other operand| + t·Σ (|other operand| + 2), times scale for dQ and
+//     dK, plus u_out·|reference| and half the smallest denormal of the output dtype.
+// u_p = u_in for f16 and bf16 (P and dS may be rounded to the input dtype as operands, as the
+// bf16 products on AMX do) and 0 for f32; t = 2^-126 for bf16 (the tile instructions flush
+// fp32 results below the smallest normal float, and a bf16 operand below it counts as 0), else
+// 2^-149 (the absolute spacing of denormal results). Values are small integers times 2^e
+// (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32; where ε is so large that
+// e^ε overflows, the element is not compared.
+
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "api/backends.hpp"
+#include "flashattn/flashattn.hpp"
+#include "fuzz_support.hpp"
+#include "util/convert.hpp"
+
+namespace {
+
+using flashattn::AttentionImpl;
+using flashattn::AttentionOptions;
+using flashattn::DType;
+using namespace fuzz_support;
+
+struct Problem {
+  AttentionImpl impl = AttentionImpl::flash;
+  DType dtype = DType::f32;
+  Tensor q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse;
+  AttentionOptions options;
+  std::string description;
+
+  flashattn::ConstTensorView view(const Tensor& t) const {
+    return {t.buffer.bytes.data(), dtype, t.shape, t.strides};
+  }
+  flashattn::TensorView view(Tensor& t) {
+    return {t.buffer.bytes.data(), dtype, t.shape, t.strides};
+  }
+};
+
+[[noreturn]] void finding(const Problem& p, const std::string& what) {
+  std::fprintf(stderr, "fuzz_backward: %s\n  call: %s\n", what.c_str(), p.description.c_str());
+  std::abort();
+}
+
+Problem make_problem(FuzzedDataProvider& in) {
+  Problem p;
+  p.impl = in.PickValueInArray(
+      {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference});
+  p.dtype = in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
+  // Half the forward target's budget: the reference backward and the bound cost several
+  // forwards.
+  const FuzzedShape shape = fuzzed_shape(in, 1 << 15);
+  const Shape q_shape = shape.q(), kv_shape = shape.kv();
+  p.q = fuzzed_layout(in, p.dtype, q_shape, true);
+  p.k = fuzzed_layout(in, p.dtype, kv_shape, true);
+  p.v = fuzzed_layout(in, p.dtype, kv_shape, true);
+  p.dout = fuzzed_layout(in, p.dtype, q_shape, true);
+  p.out = fuzzed_layout(in, p.dtype, q_shape, false);
+  p.dq = fuzzed_layout(in, p.dtype, q_shape, false);
+  p.dk = fuzzed_layout(in, p.dtype, kv_shape, false);
+  p.dv = fuzzed_layout(in, p.dtype, kv_shape, false);
+  for (Tensor* gradient : {&p.dq, &p.dk, &p.dv}) mark_view(*gradient);
+  p.lse.assign(static_cast<std::size_t>(std::max<std::int64_t>(shape.lse_elements(), 1)), 0.0f);
+  p.options = fuzzed_options(in);
+
+  const bool specials = in.ConsumeIntegralInRange(0, 3) == 0;
+  for (Tensor* input : {&p.q, &p.k, &p.v, &p.dout}) {
+    fill(*input, p.dtype, in, in.ConsumeIntegralInRange(-12, 12), specials, false);
+  }
+
+  std::ostringstream text;
+  text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype);
+  describe_tensor(text, "q", p.q);
+  describe_tensor(text, "k", p.k);
+  describe_tensor(text, "v", p.v);
+  describe_tensor(text, "dout", p.dout);
+  describe_tensor(text, "out", p.out);
+  describe_tensor(text, "dq", p.dq);
+  describe_tensor(text, "dk", p.dk);
+  describe_tensor(text, "dv", p.dv);
+  describe_options(text, p.options);
+  text << " specials " << specials;
+  p.description = text.str();
+  return p;
+}
+
+struct Call {
+  flashattn::ConstTensorView dout, q, k, v, out;
+  const float* lse;
+  flashattn::TensorView dq, dk, dv;
+};
+
+// Turns the call invalid; false when this corruption cannot apply to this problem.
+bool corrupt(Problem& p, int kind, Call& c) {
+  const bool has_queries =
+      std::all_of(c.dq.shape.begin(), c.dq.shape.end(), [](std::int64_t d) { return d > 0; });
+  const bool has_keys =
+      std::all_of(c.dk.shape.begin(), c.dk.shape.end(), [](std::int64_t d) { return d > 0; });
+  switch (kind) {
+    case 0:
+      c.dout.shape[1] += 1;
+      return true;
+    case 1:
+      c.dq.shape[3] += 1;
+      return true;
+    case 2:
+      c.dk.dtype = p.dtype == DType::f32 ? DType::bf16 : DType::f32;
+      return true;
+    case 3:
+      c.dv.shape[2] += 1;
+      return true;
+    case 4:
+      if (!has_queries) return false;
+      c.lse = nullptr;
+      return true;
+    case 5:
+      if (!has_queries) return false;
+      c.dq.data = const_cast<void*>(c.q.data);
+      return true;
+    case 6:
+      if (!has_keys) return false;
+      c.dk.data = c.dv.data;
+      return true;
+    case 7:
+      if (!has_keys || c.dv.shape[1] < 2) return false;
+      c.dv.strides[1] = 0;
+      return true;
+    case 8:
+      if (!has_queries) return false;
+      c.dout.data = nullptr;
+      return true;
+    case 9:
+      if (!has_queries) return false;
+      c.dq.data = const_cast<float*>(c.lse);
+      return true;
+    case 10:
+      c.out.shape[2] += 1;
+      return true;
+    case 11:
+      p.options.softmax_scale = std::array<float, 3>{0.0f, -1.0f, NAN}[p.q.shape[1] % 3];
+      return true;
+    case 12:
+      p.options.num_threads = -1;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// fp64 copies of the operands, [batch, seq, heads, D] contiguous.
+struct Operands {
+  std::vector<double> q, k, v, out, dout;
+};
+
+// Per-element error bounds of dq, dk, dv (contiguous like the reference's), as derived above.
+struct Bounds {
+  std::vector<double> dq, dk, dv;
+};
+
+__attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
+    const Problem& p, const flashattn::detail::BackwardParams& bp, const Operands& x) {
+  const flashattn::detail::AttentionParams& f = bp.forward;
+  const std::int64_t B = f.batch, Sq = f.seqlen_q, Skv = f.seqlen_kv, Hq = f.heads_q,
+                     Hkv = f.heads_kv, D = f.head_dim, group = f.group_size();
+  const double u = kU32, scale = f.scale;
+  const double u_p = p.dtype == DType::f32 ? 0.0 : unit_roundoff(p.dtype);
+  const double t = p.dtype == DType::bf16 ? 0x1p-126 : 0x1p-149;
+  const double gamma_q = static_cast<double>(Skv + 2) * u + u_p;          // dQ's sums over keys
+  const double gamma_kv = static_cast<double>(group * Sq + 2) * u + u_p;  // dK's, dV's over rows
+  Bounds bound{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()),
+               std::vector<double>(x.k.size())};
+  // Per visible key of one row: scale·s, dP, and the upper bounds and errors of P and dS.
+  std::vector<double> scores(static_cast<std::size_t>(Skv)), dp(scores.size()), p_hi(scores.size()),
+      p_err(scores.size()), ds_hi(scores.size()), ds_err(scores.size());
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < Hq; ++h) {
+      const std::int64_t h_kv = f.kv_head(h);
+      auto kv_row = [&](const std::vector<double>& m, std::int64_t j) {
+        return m.data() + ((b * Skv + j) * Hkv + h_kv) * D;
+      };
+      for (std::int64_t i = 0; i < Sq; ++i) {
+        const flashattn::detail::KeyRange keys = f.key_range(i);
+        if (keys.empty()) continue;
+        const double* q = x.q.data() + ((b * Sq + i) * Hq + h) * D;
+        const double* dout = x.dout.data() + ((b * Sq + i) * Hq + h) * D;
+        const double* out = x.out.data() + ((b * Sq + i) * Hq + h) * D;
+        // The exact softmax of the row, and D_i exact and as the fast paths get it.
+        double max_score = -INFINITY;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          double s = 0.0;
+          for (std::int64_t d = 0; d < D; ++d) s += q[d] * kv_row(x.k, j)[d];
+          scores[j] = scale * s;
+          max_score = std::max(max_score, scores[j]);
+        }
+        double sum = 0.0;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) sum += std::exp(scores[j] - max_score);
+        const double lse_exact = max_score + std::log(sum);
+        const double lse = p.lse[static_cast<std::size_t>(f.lse_index(b, h, i))];
+        double delta_exact = 0.0, delta_given = 0.0, delta_abs = 0.0;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          double dot = 0.0;
+          for (std::int64_t d = 0; d < D; ++d) dot += dout[d] * kv_row(x.v, j)[d];
+          dp[j] = dot;
+          delta_exact += std::exp(scores[j] - lse_exact) * dot;
+        }
+        for (std::int64_t d = 0; d < D; ++d) {
+          delta_given += dout[d] * out[d];
+          delta_abs += std::abs(dout[d] * out[d]);
+        }
+        const double delta_err = std::abs(delta_given - delta_exact) +
+                                 static_cast<double>(D + 2) * u * delta_abs +
+                                 static_cast<double>(D) * t;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          double magnitude = 0.0, dp_abs = 0.0;
+          for (std::int64_t d = 0; d < D; ++d) {
+            magnitude += std::abs(q[d] * kv_row(x.k, j)[d]);
+            dp_abs += std::abs(dout[d] * kv_row(x.v, j)[d]);
+          }
+          const double exact = std::exp(scores[j] - lse_exact);
+          const double epsilon = static_cast<double>(D + 3) * u * scale * magnitude +
+                                 u * std::abs(scores[j] - lse) + 4 * u + std::abs(lse - lse_exact) +
+                                 scale * static_cast<double>(D) * t;
+          p_err[j] = exact * std::expm1(epsilon) + 0x1p-125;
+          p_hi[j] = exact + p_err[j];
+          const double dp_err =
+              static_cast<double>(D + 2) * u * dp_abs + static_cast<double>(D) * t;
+          const double centered = std::abs(dp[j] - delta_exact) + dp_err + delta_err;
+          ds_err[j] =
+              p_err[j] * centered + exact * (dp_err + delta_err) + 3 * u * p_hi[j] * centered;
+          ds_hi[j] = p_hi[j] * centered;
+        }
+        // dQ_i = scale·Σ_j dS_ij K_j; dK_j += scale·dS_ij Q_i; dV_j += P_ij dO_i.
+        double* dq = bound.dq.data() + ((b * Sq + i) * Hq + h) * D;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          const double* k = kv_row(x.k, j);
+          double* dk = bound.dk.data() + ((b * Skv + j) * Hkv + h_kv) * D;
+          double* dv = bound.dv.data() + ((b * Skv + j) * Hkv + h_kv) * D;
+          for (std::int64_t d = 0; d < D; ++d) {
+            dq[d] += scale * (ds_err[j] + gamma_q * ds_hi[j]) * std::abs(k[d]) +
+                     t * (std::abs(k[d]) + 2);
+            dk[d] += scale * (ds_err[j] + gamma_kv * ds_hi[j]) * std::abs(q[d]) +
+                     t * (std::abs(q[d]) + 2);
+            dv[d] +=
+                (p_err[j] + gamma_kv * p_hi[j]) * std::abs(dout[d]) + t * (std::abs(dout[d]) + 2);
+          }
+        }
+      }
+    }
+  }
+  return bound;
+}
+
+double largest_finite(DType dtype) {
+  return dtype == DType::f16 ? 65504.0 : std::numeric_limits<float>::max();
+}
+
+__attribute__((no_sanitize("coverage"))) void check_against_reference(
+    const Problem& p, const flashattn::detail::BackwardParams& bp) {
+  const flashattn::detail::AttentionParams& f = bp.forward;
+  const std::int64_t B = f.batch, Sq = f.seqlen_q, Skv = f.seqlen_kv, Hq = f.heads_q,
+                     Hkv = f.heads_kv, D = f.head_dim;
+  std::vector<double> ref_dq(static_cast<std::size_t>(B * Sq * Hq * D));
+  std::vector<double> ref_dk(static_cast<std::size_t>(B * Skv * Hkv * D)), ref_dv(ref_dk.size());
+  flashattn::detail::reference_backward_f64(bp, ref_dq.data(), ref_dk.data(), ref_dv.data());
+  const bool exact = p.impl == AttentionImpl::reference;
+  Bounds bound;
+  if (!exact) {
+    const Operands x{to_f64(f.q, p.dtype, f.q_strides, B, Sq, Hq, D),
+                     to_f64(f.k, p.dtype, f.k_strides, B, Skv, Hkv, D),
+                     to_f64(f.v, p.dtype, f.v_strides, B, Skv, Hkv, D),
+                     to_f64(f.out, p.dtype, f.out_strides, B, Sq, Hq, D),
+                     to_f64(bp.dout, p.dtype, bp.dout_strides, B, Sq, Hq, D)};
+    bound = gradient_bounds(p, bp, x);
+  }
+  const double u_out = unit_roundoff(p.dtype), floor = half_smallest_denormal(p.dtype);
+  struct Gradient {
+    const char* name;
+    const Tensor& tensor;
+    const std::vector<double>& want;
+    const std::vector<double>& bound;
+    std::int64_t seq, heads;
+  };
+  const Gradient gradients[] = {{"dq", p.dq, ref_dq, bound.dq, Sq, Hq},
+                                {"dk", p.dk, ref_dk, bound.dk, Skv, Hkv},
+                                {"dv", p.dv, ref_dv, bound.dv, Skv, Hkv}};
+  for (const Gradient& g : gradients) {
+    std::size_t index = 0;
+    for_each_index(g.tensor.shape, [&](auto b, auto s, auto h, auto d) {
+      const double want = g.want[index];
+      const double derived = exact ? 0.0 : g.bound[index];
+      ++index;
+      if (!std::isfinite(derived)) return;  // e^ε overflowed: no bound to hold the value to
+      // The computed value, within `derived` of want, is rounded once to the output dtype.
+      const double tolerance = derived * (1 + u_out) + u_out * std::abs(want) + floor;
+      const double got = flashattn::detail::load_f32(g.tensor.buffer.bytes.data(), p.dtype,
+                                                     g.tensor.offset(b, s, h, d));
+      // A result allowed past the dtype's largest finite value may round to ±inf.
+      const double largest = largest_finite(p.dtype);
+      if (got == INFINITY && want + tolerance > largest) return;
+      if (got == -INFINITY && want - tolerance < -largest) return;
+      if (!std::isfinite(got) || std::abs(got - want) > tolerance) {
+        std::ostringstream what;
+        what << g.name << "[b=" << b << ", s=" << s << ", h=" << h << ", d=" << d << "] = " << got
+             << ", reference " << want << ", tolerance " << tolerance;
+        finding(p, what.str());
+      }
+    });
+    const std::int64_t written = written_around_view(g.tensor, p.dtype);
+    if (written >= 0) {
+      finding(p, std::string("wrote padding element ") + std::to_string(written) + " of " + g.name);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider in(data, size);
+  const int corruption =
+      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 12) : -1;
+  Problem p = make_problem(in);
+  try {
+    flashattn::flash_attention_forward(p.view(p.q), p.view(p.k), p.view(p.v), p.view(p.out),
+                                       p.lse.data(), p.options);
+  } catch (const flashattn::Error& error) {
+    finding(p, std::string("the forward of a valid problem raised Error: ") + error.what());
+  }
+  Call c{p.view(p.dout), p.view(p.q),  p.view(p.k),  p.view(p.v), p.view(p.out),
+         p.lse.data(),   p.view(p.dq), p.view(p.dk), p.view(p.dv)};
+
+  if (corruption >= 0) {
+    if (!corrupt(p, corruption, c)) return 0;
+    const std::vector<std::uint8_t> before[] = {p.dq.buffer.bytes, p.dk.buffer.bytes,
+                                                p.dv.buffer.bytes};
+    p.description += " corruption " + std::to_string(corruption);
+    try {
+      flashattn::attention_backward(p.impl, c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv,
+                                    p.options);
+    } catch (const flashattn::Error&) {
+      if (p.dq.buffer.bytes != before[0] || p.dk.buffer.bytes != before[1] ||
+          p.dv.buffer.bytes != before[2]) {
+        finding(p, "an invalid call wrote a gradient before raising Error");
+      }
+      return 0;
+    }
+    finding(p, "an invalid call did not raise flashattn::Error");
+  }
+
+  try {
+    flashattn::attention_backward(p.impl, c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv,
+                                  p.options);
+  } catch (const flashattn::Error& error) {
+    finding(p, std::string("a valid call raised Error: ") + error.what());
+  }
+  const flashattn::detail::BackwardParams params = flashattn::detail::make_backward_params(
+      "fuzz", c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv, p.options);
+  check_against_reference(p, params);
+  return 0;
+}

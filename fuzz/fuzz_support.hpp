@@ -1,0 +1,239 @@
+// What the libFuzzer targets of the attention API share: tensors in fuzzed memory layouts, the
+// fuzzed values, sentinel-marked outputs and the unit roundoffs of the dtypes.
+#pragma once
+
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "api/params.hpp"
+#include "flashattn/flashattn.hpp"
+#include "util/convert.hpp"
+
+namespace fuzz_support {
+
+using flashattn::DType;
+using Shape = std::array<std::int64_t, 4>;
+
+constexpr double kU32 = 0x1p-24;
+constexpr std::uint8_t kSentinelByte = 0xA5;  // fills every output before a call
+
+struct Buffer {
+  std::vector<std::uint8_t> bytes;  // exactly the extent of the view, so ASan sees overruns
+  std::vector<bool> in_view;        // which elements the view covers (outputs only)
+};
+
+struct Tensor {
+  Buffer buffer;
+  Shape shape{}, strides{};
+  std::int64_t elements = 0;  // extent of the view in elements
+
+  std::int64_t offset(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d) const {
+    return a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3];
+  }
+};
+
+// A [B, S, H, D] tensor laid out with its first three dims in `order` (outermost first), `pad`
+// spare elements after each D-row and each of the three dims, and optionally dim `broadcast`
+// given stride 0.
+inline Tensor make_tensor(DType dtype, Shape shape, int order_index, std::array<int, 4> pad,
+                          int broadcast) {
+  static constexpr std::array<std::array<int, 3>, 6> kOrders = {
+      {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1}, {2, 1, 0}}};
+  const auto& order = kOrders[static_cast<std::size_t>(order_index)];
+  Tensor t;
+  t.shape = shape;
+  t.strides[3] = 1;
+  std::int64_t next = shape[3] + pad[3];
+  for (int i = 2; i >= 0; --i) {
+    const int dim = order[static_cast<std::size_t>(i)];
+    t.strides[dim] = next;
+    next = next * shape[dim] + pad[static_cast<std::size_t>(i)];
+  }
+  if (broadcast >= 0) t.strides[broadcast] = 0;
+  bool empty = false;
+  std::int64_t last = 0;
+  for (int d = 0; d < 4; ++d) {
+    empty = empty || shape[d] == 0;
+    last += (shape[d] - 1) * t.strides[d];
+  }
+  t.elements = empty ? 0 : last + 1;
+  t.buffer.bytes.assign(static_cast<std::size_t>(std::max<std::int64_t>(t.elements, 1)) *
+                            flashattn::dtype_size(dtype),
+                        kSentinelByte);
+  return t;
+}
+
+// A small problem shape picked by the input, at most `max_multiply_adds` of the forward's
+// score products (batch · heads_q · seqlen_q · seqlen_kv · head_dim) so that the fuzzer stays
+// fast under ASan: the head dim is halved first, then the longer sequence.
+struct FuzzedShape {
+  std::int64_t batch, seqlen_q, seqlen_kv, heads_kv, group, head_dim;
+
+  Shape q() const { return {batch, seqlen_q, heads_kv * group, head_dim}; }
+  Shape kv() const { return {batch, seqlen_kv, heads_kv, head_dim}; }
+  std::int64_t lse_elements() const { return batch * heads_kv * group * seqlen_q; }
+};
+
+inline FuzzedShape fuzzed_shape(FuzzedDataProvider& in, std::int64_t max_multiply_adds) {
+  const bool long_sequences = in.ConsumeIntegralInRange(0, 7) == 0;
+  const std::int64_t max_seq = long_sequences ? 300 : 40;
+  FuzzedShape s{};
+  s.batch = in.ConsumeIntegralInRange(0, 2);
+  s.seqlen_q = in.ConsumeIntegralInRange<std::int64_t>(0, max_seq);
+  s.seqlen_kv = in.ConsumeIntegralInRange<std::int64_t>(0, max_seq);
+  s.heads_kv = in.ConsumeIntegralInRange(1, 3);
+  s.group = in.PickValueInArray({1, 1, 2, 3, 8});
+  s.head_dim = in.PickValueInArray({1, 2, 3, 8, 16, 17, 32, 40, 64, 80});
+  while (s.batch * s.heads_kv * s.group * s.seqlen_q * s.seqlen_kv * s.head_dim >
+         max_multiply_adds) {
+    if (s.head_dim > 1) {
+      s.head_dim /= 2;
+    } else if (s.seqlen_kv > s.seqlen_q) {
+      s.seqlen_kv /= 2;
+    } else {
+      s.seqlen_q /= 2;
+    }
+  }
+  return s;
+}
+
+// Options picked by the input: causal, windows, a scale of 2^-60 to 2^60, 0 (all) to 3 threads.
+inline flashattn::AttentionOptions fuzzed_options(FuzzedDataProvider& in) {
+  flashattn::AttentionOptions options;
+  options.causal = in.ConsumeBool();
+  if (in.ConsumeBool()) options.window_left = in.ConsumeIntegralInRange<std::int64_t>(-1, 50);
+  if (in.ConsumeBool()) options.window_right = in.ConsumeIntegralInRange<std::int64_t>(-1, 50);
+  if (in.ConsumeBool()) {
+    options.softmax_scale =
+        std::ldexp(in.PickValueInArray({1.0f, 1.5f, 1.25f}), in.ConsumeIntegralInRange(-60, 60));
+  }
+  options.num_threads = in.ConsumeIntegralInRange(0, 3);
+  return options;
+}
+
+inline void describe_tensor(std::ostream& text, const char* name, const Tensor& t) {
+  text << " " << name << " [" << t.shape[0] << "," << t.shape[1] << "," << t.shape[2] << ","
+       << t.shape[3] << "] strides [" << t.strides[0] << "," << t.strides[1] << "," << t.strides[2]
+       << "," << t.strides[3] << "]";
+}
+
+inline void describe_options(std::ostream& text, const flashattn::AttentionOptions& options) {
+  text << " causal " << options.causal << " window (" << options.window_left << ", "
+       << options.window_right << ") scale "
+       << (options.softmax_scale ? *options.softmax_scale : 0.0f) << " threads "
+       << options.num_threads;
+}
+
+// A layout picked by the input: dim order, padding, and for inputs sometimes a stride-0 dim.
+inline Tensor fuzzed_layout(FuzzedDataProvider& in, DType dtype, const Shape& shape, bool input) {
+  const int order = in.ConsumeIntegralInRange(0, 5);
+  std::array<int, 4> pad{};
+  if (in.ConsumeBool()) {
+    for (int& extra : pad) extra = in.ConsumeIntegralInRange(0, 3);
+  }
+  const int broadcast =
+      input && in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 2) : -1;
+  return make_tensor(dtype, shape, order, pad, broadcast);
+}
+
+template <class Fn>
+void for_each_index(const Shape& s, Fn&& fn) {
+  for (std::int64_t a = 0; a < s[0]; ++a)
+    for (std::int64_t b = 0; b < s[1]; ++b)
+      for (std::int64_t c = 0; c < s[2]; ++c)
+        for (std::int64_t d = 0; d < s[3]; ++d) fn(a, b, c, d);
+}
+
+// Special values an input byte can stand for: the non-finite ones first.
+inline constexpr float kSpecials[] = {std::numeric_limits<float>::quiet_NaN(),
+                                      std::numeric_limits<float>::infinity(),
+                                      -std::numeric_limits<float>::infinity(),
+                                      std::numeric_limits<float>::denorm_min(),
+                                      -0x1p-130f,
+                                      0x1p-140f,
+                                      -0.0f,
+                                      0.0f};
+inline constexpr int kNonFiniteSpecials = 3;
+
+// One input value: mostly a small integer times 2^exponent, sometimes a special value (only the
+// finite ones unless `non_finite`).
+inline float value_from(std::uint8_t byte, int exponent, bool specials, bool non_finite) {
+  if (specials && byte >= 0xF8) {
+    const int index = byte - 0xF8;
+    return kSpecials[non_finite || index >= kNonFiniteSpecials ? index : index + 3];
+  }
+  return std::ldexp(static_cast<float>(static_cast<std::int8_t>(byte)), exponent - 4);
+}
+
+inline void fill(Tensor& t, DType dtype, FuzzedDataProvider& in, int exponent, bool specials,
+                 bool non_finite) {
+  for_each_index(t.shape, [&](auto a, auto b, auto c, auto d) {
+    flashattn::detail::store_f32(
+        t.buffer.bytes.data(), dtype, t.offset(a, b, c, d),
+        value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, specials, non_finite));
+  });
+}
+
+// Marks the elements of an output view, so that writes around it can be detected.
+inline void mark_view(Tensor& t) {
+  t.buffer.in_view.assign(static_cast<std::size_t>(std::max<std::int64_t>(t.elements, 1)), false);
+  for_each_index(t.shape, [&](auto a, auto b, auto c, auto d) {
+    t.buffer.in_view[static_cast<std::size_t>(t.offset(a, b, c, d))] = true;
+  });
+}
+
+// The index of the first element around the view of t that no longer holds the sentinel, or -1.
+inline std::int64_t written_around_view(const Tensor& t, DType dtype) {
+  const std::size_t element = flashattn::dtype_size(dtype);
+  for (std::size_t i = 0; i < t.buffer.in_view.size(); ++i) {
+    if (t.buffer.in_view[i]) continue;
+    for (std::size_t byte = 0; byte < element; ++byte) {
+      if (t.buffer.bytes[i * element + byte] != kSentinelByte) return static_cast<std::int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+inline double half_smallest_denormal(DType dtype) {
+  return dtype == DType::f32 ? 0x1p-150 : dtype == DType::f16 ? 0x1p-25 : 0x1p-134;
+}
+
+inline double unit_roundoff(DType dtype) {
+  return dtype == DType::f32 ? 0x1p-24 : dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
+}
+
+// The elements of a [batch, seq, heads, D] operand in fp64, contiguous.
+inline std::vector<double> to_f64(const void* base, DType dtype,
+                                  const flashattn::detail::Strides& strides, std::int64_t batch,
+                                  std::int64_t seq, std::int64_t heads, std::int64_t D) {
+  std::vector<double> result(static_cast<std::size_t>(batch * seq * heads * D));
+  std::size_t i = 0;
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t s = 0; s < seq; ++s)
+      for (std::int64_t h = 0; h < heads; ++h)
+        for (std::int64_t d = 0; d < D; ++d)
+          result[i++] = flashattn::detail::load_f32(base, dtype, strides.offset(b, s, h) + d);
+  return result;
+}
+
+// |x| of the same, non-finite values as 0 (they are judged by kind, not by a bound).
+inline std::vector<double> finite_magnitudes(const void* base, DType dtype,
+                                             const flashattn::detail::Strides& strides,
+                                             std::int64_t batch, std::int64_t seq,
+                                             std::int64_t heads, std::int64_t D) {
+  std::vector<double> result = to_f64(base, dtype, strides, batch, seq, heads, D);
+  for (double& x : result) x = std::isfinite(x) ? std::abs(x) : 0.0;
+  return result;
+}
+
+}  // namespace fuzz_support
