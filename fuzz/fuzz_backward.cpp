@@ -1,14 +1,14 @@
 // libFuzzer target: the backward API. The input bytes choose the path, dtype, a small shape,
 // each tensor's memory layout (dim order, padding, stride-0 broadcast of an input), the options
-// (causal, window, scale, GQA group, threads), finite data (denormals and ±0 included) and, for
-// one input in eight, a corruption that makes the call invalid. out and lse come from the flash
-// forward of the same inputs, as in training.
+// (causal, window, scale, GQA group, threads), the data (NaN, ±inf and denormals included) and,
+// for one input in eight, a corruption that makes the call invalid. out and lse come from the
+// flash forward of the same inputs, as in training.
 //
 // Invalid calls must raise flashattn::Error and leave dq, dk and dv untouched. Valid calls must
 // not throw, must write nothing around the three gradients, and must match the fp64 reference
 // (detail::reference_backward_f64, which recomputes P from q and k and trusts neither out nor
-// lse) element by element within the bound below. Non-finite inputs are left out: what the
-// backward gives for them is not specified yet (README, Semantics).
+// lse) element by element: non-finite exactly where the reference is, and finite values within
+// the bound below.
 //
 // The bound follows the error of every quantity the fast paths compute, per query row i and
 // visible key j, from fp64 values of what they read (u = 2^-24):
@@ -101,7 +101,7 @@ Problem make_problem(FuzzedDataProvider& in) {
 
   const bool specials = in.ConsumeIntegralInRange(0, 3) == 0;
   for (Tensor* input : {&p.q, &p.k, &p.v, &p.dout}) {
-    fill(*input, p.dtype, in, in.ConsumeIntegralInRange(-12, 12), specials, false);
+    fill(*input, p.dtype, in, in.ConsumeIntegralInRange(-12, 12), specials, true);
   }
 
   std::ostringstream text;
@@ -325,21 +325,29 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
       const double want = g.want[index];
       const double derived = exact ? 0.0 : g.bound[index];
       ++index;
-      if (!std::isfinite(derived)) return;  // e^ε overflowed: no bound to hold the value to
-      // The computed value, within `derived` of want, is rounded once to the output dtype.
-      const double tolerance = derived * (1 + u_out) + u_out * std::abs(want) + floor;
       const double got = flashattn::detail::load_f32(g.tensor.buffer.bytes.data(), p.dtype,
                                                      g.tensor.offset(b, s, h, d));
-      // A result allowed past the dtype's largest finite value may round to ±inf.
-      const double largest = largest_finite(p.dtype);
-      if (got == INFINITY && want + tolerance > largest) return;
-      if (got == -INFINITY && want - tolerance < -largest) return;
-      if (!std::isfinite(got) || std::abs(got - want) > tolerance) {
+      auto report = [&](double tolerance) {
         std::ostringstream what;
         what << g.name << "[b=" << b << ", s=" << s << ", h=" << h << ", d=" << d << "] = " << got
              << ", reference " << want << ", tolerance " << tolerance;
         finding(p, what.str());
+      };
+      // An infinity or NaN reaches exactly the elements it reaches in the reference (whether
+      // as ±inf or NaN may differ, as in the forward).
+      if (!std::isfinite(want)) {
+        if (std::isfinite(got)) report(0.0);
+        return;
       }
+      // e^ε overflowed (scores too large for fp32 to pin P down): no bound holds the value.
+      if (!std::isfinite(derived)) return;
+      // The computed value, within `derived` of want, is rounded once to the output dtype.
+      const double tolerance = derived * (1 + u_out) + u_out * std::abs(want) + floor;
+      // A result allowed past the dtype's largest finite value may round to ±inf.
+      const double largest = largest_finite(p.dtype);
+      if (got == INFINITY && want + tolerance > largest) return;
+      if (got == -INFINITY && want - tolerance < -largest) return;
+      if (!std::isfinite(got) || std::abs(got - want) > tolerance) report(tolerance);
     });
     const std::int64_t written = written_around_view(g.tensor, p.dtype);
     if (written >= 0) {

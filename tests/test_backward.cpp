@@ -452,6 +452,86 @@ TEST(Backward, Bf16SubnormalsInSomeBlocksAreUsed) {
   detail::cpu::force_bf16_products(std::nullopt);
 }
 
+// An infinity or a NaN in q, k, v or dO reaches exactly the gradient elements that the fp64
+// reference gives non-finite, and no other: in particular not the rows and keys that a causal
+// mask or a window keeps apart from it, where the blocked products would multiply it by a
+// masked pair's 0 (0·inf = NaN; cpu/visible_gradients.hpp). 150 rows and keys make row blocks
+// and K/V blocks that the mask cuts (the flash backward's tiles are 64 x 128); GQA, 1 and 3
+// threads, every dtype (bf16 on AMX tiles where the CPU has them). With the flash path's
+// visible-pairs step switched off, 72 of these checks failed. The values of the finite
+// elements are the grid test's business; here they only have to be within 1% of the
+// gradient's largest finite value, which catches an element left unwritten or added twice.
+TEST(Backward, NonFiniteInputsReachOnlyTheGradientsThatReadThem) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  constexpr std::int64_t kSeq = 150;
+  struct Poison {
+    const char* name;
+    std::function<void(Problem&)> apply;
+  };
+  const Poison poisons[] = {
+      {"keys_and_values_after_the_diagonal",
+       [](Problem& p) {
+         p.k.set(0, kSeq - 1, 0, 0, kNaN);
+         p.v.set(0, kSeq - 1, 0, 1, kInf);
+         p.v.set(0, kSeq - 20, 0, 2, kNaN);
+         p.k.set(0, 131, 0, 3, -kInf);
+       }},
+      {"query_row", [](Problem& p) { p.q.set(0, 70, 1, 2, kInf); }},
+      // Every score of row 70 is -inf: the forward gives out NaN and lse -inf, which the
+      // backward must not take for a fully masked row's (zero gradients).
+      {"query_row_whose_scores_are_all_minus_inf",
+       [](Problem& p) {
+         for (std::int64_t key = 0; key < kSeq; ++key) p.k.set(0, key, 0, 3, 1.0f);
+         p.q.set(0, 70, 1, 3, -kInf);
+       }},
+      {"output_gradient_row", [](Problem& p) { p.dout.set(0, 40, 0, 1, kNaN); }},
+  };
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+    for (const bool window : {false, true}) {
+      BackwardCase c{1, kSeq, kSeq, 2, 1, 16, !window, window ? 30 : -1, window ? 10 : -1, dtype};
+      for (const Poison& poison : poisons) {
+        Problem p(c, test_seed() ^ 41);
+        poison.apply(p);
+        flash_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(), p.options);
+        const ReferenceGradients ref = reference_gradients(p);
+        for (const AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard}) {
+          for (const int threads : {1, 3}) {
+            const auto got = p.run(impl, threads);
+            const std::string context = std::string(poison.name) + " " + describe(c) + " " +
+                                        impl_name(impl) + " threads " + std::to_string(threads);
+            std::int64_t finite = 0, non_finite = 0;
+            for (const auto& [name, tensor, want] :
+                 {std::tuple{"dq", &got.dq, &ref.dq}, std::tuple{"dk", &got.dk, &ref.dk},
+                  std::tuple{"dv", &got.dv, &ref.dv}}) {
+              const double tolerance = 0.01 * max_abs_finite(*want);
+              std::string first_mismatch;
+              std::size_t index = 0;
+              tensor->for_each_index([&, t = tensor, w = want](auto a, auto b, auto h, auto d) {
+                const double expected = (*w)[index++];
+                const double value = t->at(a, b, h, d);
+                (std::isfinite(expected) ? finite : non_finite) += 1;
+                const bool wrong =
+                    std::isfinite(value) != std::isfinite(expected) ||
+                    (std::isfinite(expected) && std::abs(value - expected) > tolerance);
+                if (wrong && first_mismatch.empty()) {
+                  first_mismatch = "[" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                                   std::to_string(d) + "] = " + std::to_string(value) +
+                                   ", reference " + std::to_string(expected);
+                }
+              });
+              EXPECT_EQ(first_mismatch, "") << context << " " << name;
+            }
+            // Not vacuous: the poison reaches some gradient elements and not others.
+            EXPECT_GT(finite, 0) << context;
+            EXPECT_GT(non_finite, 0) << context;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Backward, BadInputNamesTheArgument) {
   const BackwardCase c{1, 5, 6, 2, 2, 8};
   const Problem p(c, 1);

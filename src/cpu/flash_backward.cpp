@@ -50,6 +50,7 @@
 #include "cpu/tile_kernels_amx.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
+#include "cpu/visible_gradients.hpp"
 #include "standard/matrix.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
@@ -94,6 +95,7 @@ class QueryBlocks {
     q_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     dout_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     delta_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
+    lse_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
     if (tiles.amx) {
       const std::int64_t bf16_block = tiles.rows * tiles.amx_reduction;
       const std::int64_t pairs_block = tiles.amx_rows * tiles.dims_padded;
@@ -103,6 +105,7 @@ class QueryBlocks {
       dout_pairs_.assign(heads * blocks_per_head_ * pairs_block, 0);
       bf16_exact_.assign(heads * blocks_per_head_, 1);
     }
+    finite_.assign(heads * blocks_per_head_, 1);
   }
 
   std::int64_t blocks_per_head() const { return blocks_per_head_; }
@@ -121,8 +124,14 @@ class QueryBlocks {
                    tiles_.dims_padded);
     cpu::pack_rows(dout, bp.dout, p_.dtype, bp.dout_strides, b, h, row_begin, rows(n), p_.head_dim,
                    tiles_.dims_padded);
-    row_deltas(delta_.get() + index * tiles_.rows, bp.dout, bp.dout_strides, p_.out, p_.out_strides,
-               p_.dtype, b, h, row_begin, rows(n), p_.head_dim);
+    float* delta = delta_.get() + index * tiles_.rows;
+    row_deltas(delta, bp.dout, bp.dout_strides, p_.out, p_.out_strides, p_.dtype, b, h, row_begin,
+               rows(n), p_.head_dim);
+    float* lse = lse_.get() + index * tiles_.rows;
+    backward_row_lse(lse, p_, b, h, row_begin, rows(n));
+    finite_[index] = cpu::all_finite(q, rows(n) * tiles_.dims_padded) &&
+                     cpu::all_finite(dout, rows(n) * tiles_.dims_padded) &&
+                     cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
     if (!tiles_.amx) return;
     // As pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO; packing them also
     // tells whether the block holds a subnormal.
@@ -155,6 +164,10 @@ class QueryBlocks {
   const float* delta(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return delta_.get() + block_index(slot, g, n) * tiles_.rows;
   }
+  // The rows' lse as the backward uses it (backward_row_lse).
+  const float* lse(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return lse_.get() + block_index(slot, g, n) * tiles_.rows;
+  }
   // AMX only: the block's Q and dO as bf16 rows [rows x amx_reduction], and whether they hold
   // no subnormal.
   const std::uint16_t* q_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -165,6 +178,10 @@ class QueryBlocks {
   }
   bool bf16_exact(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return bf16_exact_[block_index(slot, g, n)] != 0;
+  }
+  // Whether the block's Q, dO and D_i hold no infinity or NaN (cpu/visible_gradients.hpp).
+  bool finite(std::int64_t slot, std::int64_t g, std::int64_t n) const {
+    return finite_[block_index(slot, g, n)] != 0;
   }
   // AMX only: Q and dO as pairs of rows (cpu::bf16_value_index, rows padded to amx_rows).
   const std::uint16_t* q_pairs(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -182,9 +199,9 @@ class QueryBlocks {
   const AttentionParams& p_;
   BackwardTiles tiles_;
   std::int64_t blocks_per_head_;
-  hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_;
+  hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_, lse_;
   AlignedVector<std::uint16_t> q_bf16_, dout_bf16_, q_pairs_, dout_pairs_;
-  std::vector<char> bf16_exact_;
+  std::vector<char> bf16_exact_, finite_;
 };
 
 struct Scratch {
@@ -194,6 +211,9 @@ struct Scratch {
   AlignedVector<std::uint16_t> k_bf16, v_bf16, k_pairs, probabilities_t, dscores_t, dscores_bf16;
   AlignedVector<float> probabilities, dscores;  // [Br x Bc] each
   AlignedVector<float> dk, dv;
+  // Non-finite inputs only: a row block's Q and dO, a K/V block's K, as row-major fp32 rows
+  // [rows x head_dim].
+  std::vector<float> q_rows, dout_rows, k_rows;
   // With one chunk per group: the task's own query rows and dQ sums, [group x seqlen_q x Dp].
   std::optional<QueryBlocks> queries;
   hwy::AlignedFreeUniquePtr<float[]> dq;
@@ -242,7 +262,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
     // K and V of the block in the layouts the three products that read them stream, in fp32
     // unless they run on AMX (then in bf16, and in fp32 only if a pair needs it).
-    bool kv_bf16_exact = false, fp32_packed = false;
+    bool kv_bf16_exact = false, fp32_packed = false, kv_finite = true;
     const std::int64_t amx_keys = cpu::pad_to_amx_reduction(keys);
     auto pack_fp32 = [&] {
       cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
@@ -252,6 +272,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
       cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
       fp32_packed = true;
     };
+    const std::int64_t transposed_size = (tiles.amx ? tiles.amx_reduction : D) * keys_padded;
     if (tiles.amx) {
       const bool subnormal_keys =
           cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, key_begin,
@@ -260,10 +281,14 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
           cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin,
                                          keys, keys_padded, D, tiles.amx_reduction);
       kv_bf16_exact = !subnormal_keys && !subnormal_values;
+      kv_finite = cpu::all_finite_bf16(t.k_bf16.data(), transposed_size) &&
+                  cpu::all_finite_bf16(t.v_bf16.data(), transposed_size);
       cpu::pack_row_pairs_bf16(t.k_pairs.data(), p.k, p.k_strides, b, h_kv, key_begin, keys,
                                amx_keys, D, Dp);
     } else {
       pack_fp32();
+      kv_finite = cpu::all_finite(t.k_packed_t.data(), transposed_size) &&
+                  cpu::all_finite(t.v_packed_t.data(), transposed_size);
     }
     std::fill_n(t.dk.begin(), keys * Dp, 0.0f);
     std::fill_n(t.dv.begin(), keys * Dp, 0.0f);
@@ -285,6 +310,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         const float* q = queries.q_panels(task.slot, g, n);
         const float* dout = queries.dout_panels(task.slot, g, n);
         const bool amx = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
+        // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its
+        // gradients over the visible pairs only (cpu/visible_gradients.hpp).
+        const bool fully_visible = p.key_range(row_begin).end >= key_end &&
+                                   p.key_range(row_begin + rows - 1).begin <= key_begin;
+        const bool visible_only = !fully_visible && !(kv_finite && queries.finite(task.slot, g, n));
         if (!amx && !fp32_packed) pack_fp32();
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
@@ -302,16 +332,17 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
           std::fill(s + keys, s + keys_padded, kNegativeInfinity);
         }
         cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.scale,
-                                         p.lse + p.lse_index(b, h, row_begin), rows, keys_padded);
+                                         queries.lse(task.slot, g, n), rows, keys_padded);
 
         // dV += Pᵀ·dO                                                     [keys x Dp]
-        if (amx) {
+        // (visible_only: with dQ and dK below)
+        if (amx && !visible_only) {
           cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.amx_rows,
                                      t.probabilities.data(), ld_s, rows, tiles.amx_rows,
                                      keys_padded);
           cpu::amx_product(t.dv.data(), Dp, true, t.probabilities_t.data(), tiles.amx_rows,
                            queries.dout_pairs(task.slot, g, n), keys, Dp, tiles.amx_rows);
-        } else {
+        } else if (!visible_only) {
           cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, dout,
                                              rows, keys, Dp);
         }
@@ -331,7 +362,25 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         // dQ += dS·K                                                       [rows x Dp]
         // dK += dSᵀ·Q                                                      [keys x Dp]
         float* dq = task.dq + (g * p.seqlen_q + row_begin) * Dp;
-        if (amx) {
+        if (visible_only) {
+          t.q_rows.resize(static_cast<std::size_t>(rows * D));
+          t.dout_rows.resize(t.q_rows.size());
+          t.k_rows.resize(static_cast<std::size_t>(keys * D));
+          for (std::int64_t i = 0; i < rows; ++i) {
+            load_row_f32(t.q_rows.data() + i * D, p.q, p.dtype,
+                         p.q_strides.offset(b, row_begin + i, h), D);
+            load_row_f32(t.dout_rows.data() + i * D, bp.dout, p.dtype,
+                         bp.dout_strides.offset(b, row_begin + i, h), D);
+          }
+          for (std::int64_t j = 0; j < keys; ++j) {
+            load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
+                         p.k_strides.offset(b, key_begin + j, h_kv), D);
+          }
+          cpu::add_visible_gradients(
+              p, {row_begin, rows, key_begin, keys, D, t.probabilities.data(), t.dscores.data(),
+                  ld_s, t.q_rows.data(), D, t.dout_rows.data(), D, t.k_rows.data(), D, dq, Dp,
+                  t.dk.data(), t.dv.data(), Dp});
+        } else if (amx) {
           cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.amx_keys, t.dscores.data(),
                                         ld_s, rows, keys_padded, amx_keys);
           cpu::amx_product(dq, Dp, true, t.dscores_bf16.data(), tiles.amx_keys, t.k_pairs.data(),

@@ -23,7 +23,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -87,24 +86,6 @@ struct Scratch {
   // Whether Q, K, V and P are bf16 operands of bf16 products rather than fp32 tiles.
   bool bf16_operands() const { return products != cpu::Bf16Products::widened; }
 };
-
-// Whether no element of values[0, n) is an infinity or NaN (exponent bits all ones). Integer
-// arithmetic so that the loop vectorizes.
-bool all_finite(const float* values, std::int64_t n) {
-  constexpr std::uint32_t kExponentMask = 0x7f800000u;
-  std::uint32_t non_finite = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    non_finite |= (std::bit_cast<std::uint32_t>(values[i]) & kExponentMask) == kExponentMask;
-  }
-  return non_finite == 0;
-}
-
-bool all_finite_bf16(const std::uint16_t* values, std::int64_t n) {
-  constexpr std::uint16_t kExponentMask = 0x7f80u;
-  std::uint32_t non_finite = 0;
-  for (std::int64_t i = 0; i < n; ++i) non_finite |= (values[i] & kExponentMask) == kExponentMask;
-  return non_finite == 0;
-}
 
 // The rows of one task: `positions` query positions from `position_begin`, for each of the
 // `heads` query heads that read KV head `h_kv` (the GQA group). Tile row i is query head
@@ -347,8 +328,8 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool stream_out, Scr
     // through the blocked P·V kernel with the same result as skipping the masked keys. Otherwise
     // the fp32 kernel takes each row's visible keys on their own.
     if (!all_visible) {
-      kv.blocked_pv = fp32_products ? all_finite(t.v_packed.data(), keys * Dp)
-                                    : all_finite_bf16(t.v_bf16.data(), kv.bf16_reduction * Dp);
+      kv.blocked_pv = fp32_products ? cpu::all_finite(t.v_packed.data(), keys * Dp)
+                                    : cpu::all_finite_bf16(t.v_bf16.data(), kv.bf16_reduction * Dp);
       if (!kv.blocked_pv && !fp32_products) {
         cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
                        p.head_dim, Dp);

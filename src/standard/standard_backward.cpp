@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/visible_gradients.hpp"
 #include "standard/matrix.hpp"
 #include "util/blas_lock.hpp"
 #include "util/omp_threads.hpp"
@@ -55,7 +57,12 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
     const Matrix dout = gather_rows(t.dout_copy, bp.dout, p.dtype, bp.dout_strides, b, h, Sq, D);
     row_deltas(t.delta.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.dtype, b, h, 0, Sq,
                D);
-    std::copy_n(p.lse + p.lse_index(b, h, 0), Sq, t.lse.begin());
+    backward_row_lse(t.lse.data(), p, b, h, 0, Sq);
+    // With an infinity or a NaN in an operand, masked pairs (P = dS = 0) must not enter the
+    // products (0·inf = NaN): the gradients then add over the visible pairs only.
+    const bool visible_only = !(all_finite(q, Sq, D) && all_finite(dout, Sq, D) &&
+                                all_finite(k, Skv, D) && all_finite(v, Skv, D) &&
+                                cpu::all_finite(t.delta.data(), Sq) && !any_nan(t.lse.data(), Sq));
 
     if (Skv > 0) {
       // P = exp(scale · Q·Kᵀ − lse), masked keys 0                  [Sq x Skv]
@@ -70,18 +77,27 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
       cpu::probabilities_from_lse_tile(t.probabilities.data(), width, 1.0f, t.lse.data(), Sq,
                                        width);
       // dV += Pᵀ·dO                                                [Skv x D]
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, t.probabilities.data(),
-                  width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
+      if (!visible_only) {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f,
+                    t.probabilities.data(), width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
+      }
       // dP = dO·Vᵀ, then dS = scale · P ∘ (dP − D_i)                 [Sq x Skv]
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, 1.0f, dout.data, dout.stride,
                   v.data, v.stride, 0.0f, t.dscores.data(), width);
       cpu::softmax_gradient_tile(t.dscores.data(), width, t.probabilities.data(), width,
                                  t.delta.data(), p.scale, Sq, width);
       // dQ = dS·K, dK += dSᵀ·Q                                       [Sq x D], [Skv x D]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.dscores.data(),
-                  width, k.data, k.stride, 0.0f, t.dq.data(), D);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, t.dscores.data(),
-                  width, q.data, q.stride, 1.0f, t.dk.data(), D);
+      if (visible_only) {
+        std::fill(t.dq.begin(), t.dq.end(), 0.0f);
+        cpu::add_visible_gradients(p, {0, Sq, 0, Skv, D, t.probabilities.data(), t.dscores.data(),
+                                       width, q.data, q.stride, dout.data, dout.stride, k.data,
+                                       k.stride, t.dq.data(), D, t.dk.data(), t.dv.data(), D});
+      } else {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.dscores.data(),
+                    width, k.data, k.stride, 0.0f, t.dq.data(), D);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, t.dscores.data(),
+                    width, q.data, q.stride, 1.0f, t.dk.data(), D);
+      }
     } else {
       std::fill(t.dq.begin(), t.dq.end(), 0.0f);
     }

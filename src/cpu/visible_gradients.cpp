@@ -1,0 +1,31 @@
+#include "cpu/visible_gradients.hpp"
+
+#include <algorithm>
+
+namespace flashattn::detail::cpu {
+
+void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& t) {
+  const std::int64_t D = t.head_dim;
+  for (std::int64_t i = 0; i < t.rows; ++i) {
+    const KeyRange visible = p.key_range(t.row_begin + i);
+    const std::int64_t first = std::clamp(visible.begin - t.key_begin, std::int64_t{0}, t.keys);
+    const std::int64_t last = std::clamp(visible.end - t.key_begin, std::int64_t{0}, t.keys);
+    const float* q = t.q + i * t.ld_q;
+    const float* dout = t.dout + i * t.ld_dout;
+    float* dq = t.dq + i * t.ld_dq;
+    for (std::int64_t j = first; j < last; ++j) {
+      const float probability = t.probabilities[i * t.ld_scores + j];
+      const float dscore = t.dscores[i * t.ld_scores + j];
+      const float* k = t.k + j * t.ld_k;
+      float* dk = t.dk + j * t.ld_kv;
+      float* dv = t.dv + j * t.ld_kv;
+      for (std::int64_t d = 0; d < D; ++d) {
+        dv[d] += probability * dout[d];
+        dk[d] += dscore * q[d];
+        dq[d] += dscore * k[d];
+      }
+    }
+  }
+}
+
+}  // namespace flashattn::detail::cpu
