@@ -3,7 +3,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <bit>
 
 #include "cpu/tile_kernels.hpp"
 #include "util/convert.hpp"
@@ -185,23 +184,6 @@ __attribute__((target("avx512f,avx512bw"))) bool pack_row_pairs_bf16(
     }
   }
   return subnormal != 0;
-}
-
-// Integer arithmetic on the exponent bits (all ones: inf or NaN), so that the loops vectorize.
-bool all_finite(const float* values, std::int64_t n) {
-  constexpr std::uint32_t kExponentMask = 0x7f800000u;
-  std::uint32_t non_finite = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    non_finite |= (std::bit_cast<std::uint32_t>(values[i]) & kExponentMask) == kExponentMask;
-  }
-  return non_finite == 0;
-}
-
-bool all_finite_bf16(const std::uint16_t* values, std::int64_t n) {
-  constexpr std::uint16_t kExponentMask = 0x7f80u;
-  std::uint32_t non_finite = 0;
-  for (std::int64_t i = 0; i < n; ++i) non_finite |= (values[i] & kExponentMask) == kExponentMask;
-  return non_finite == 0;
 }
 
 }  // namespace flashattn::detail::cpu

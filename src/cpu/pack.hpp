@@ -63,8 +63,4 @@ bool pack_row_pairs_bf16(std::uint16_t* panels, const void* base, const Strides&
                          std::int64_t b, std::int64_t h, std::int64_t row_begin, std::int64_t rows,
                          std::int64_t reduction, std::int64_t head_dim, std::int64_t dims_padded);
 
-// Whether no element of values[0, n) is an infinity or NaN (a packed operand, say).
-bool all_finite(const float* values, std::int64_t n);
-bool all_finite_bf16(const std::uint16_t* values, std::int64_t n);
-
 }  // namespace flashattn::detail::cpu

@@ -342,6 +342,36 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
   }
 }
 
+bool AllFinite(const float* HWY_RESTRICT values, std::int64_t n) {
+  const Tag tag;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  Vec non_finite = hn::Zero(tag);
+  std::int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    non_finite =
+        hn::Or(non_finite, hn::VecFromMask(tag, hn::Not(hn::IsFinite(hn::LoadU(tag, values + i)))));
+  }
+  bool finite = hn::AllFalse(tag, hn::MaskFromVec(non_finite));
+  for (; i < n; ++i) finite = finite && std::isfinite(values[i]);
+  return finite;
+}
+
+bool AllFiniteBf16(const std::uint16_t* HWY_RESTRICT values, std::int64_t n) {
+  const hn::ScalableTag<std::uint16_t> tag;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  constexpr std::uint16_t kExponent = 0x7f80;  // all ones: inf or NaN
+  const auto exponent = hn::Set(tag, kExponent);
+  auto non_finite = hn::Zero(tag);
+  std::int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto bits = hn::And(hn::LoadU(tag, values + i), exponent);
+    non_finite = hn::Or(non_finite, hn::VecFromMask(tag, hn::Eq(bits, exponent)));
+  }
+  bool finite = hn::AllFalse(tag, hn::MaskFromVec(non_finite));
+  for (; i < n; ++i) finite = finite && (values[i] & kExponent) != kExponent;
+  return finite;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashattn::detail::cpu
 HWY_AFTER_NAMESPACE();
@@ -355,6 +385,8 @@ HWY_EXPORT(AccumulatePvTile);
 HWY_EXPORT(AccumulateTransposedPvTile);
 HWY_EXPORT(ProbabilitiesFromLseTile);
 HWY_EXPORT(SoftmaxGradientTile);
+HWY_EXPORT(AllFinite);
+HWY_EXPORT(AllFiniteBf16);
 
 void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
                  std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim) {
@@ -393,6 +425,14 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
                            std::int64_t keys_padded) {
   HWY_DYNAMIC_DISPATCH(SoftmaxGradientTile)
   (dp, ld_dp, p, ld_p, row_delta, scale, rows, keys_padded);
+}
+
+bool all_finite(const float* values, std::int64_t n) {
+  return HWY_DYNAMIC_DISPATCH(AllFinite)(values, n);
+}
+
+bool all_finite_bf16(const std::uint16_t* values, std::int64_t n) {
+  return HWY_DYNAMIC_DISPATCH(AllFiniteBf16)(values, n);
 }
 
 std::vector<SimdTarget> supported_simd_targets() {

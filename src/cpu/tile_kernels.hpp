@@ -89,6 +89,11 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
                            const float* row_delta, float scale, std::int64_t rows,
                            std::int64_t keys_padded);
 
+// Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
+// patterns): the backward asks it of each packed block (cpu/visible_gradients.hpp).
+bool all_finite(const float* values, std::int64_t n);
+bool all_finite_bf16(const std::uint16_t* values, std::int64_t n);
+
 // The SIMD targets compiled into the library that this CPU supports, best first, and a way to
 // pin dispatch to one of them (0 restores the default: the best). For tests and benchmarks.
 struct SimdTarget {

@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "cpu/visible_gradients.hpp"
 #include "standard/matrix.hpp"
