@@ -302,5 +302,33 @@ INSTANTIATE_TEST_SUITE_P(BothPaths, BackwardAllocationFailureDeathTest,
                          ::testing::ValuesIn(kBackwardAllocationCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The layer's own buffers too: its weights (hidden 8192: 1 GiB), the activations a forward
+// keeps and the gradients of a backward ([32768, 512] rows: 64 MiB per matrix, x and y and dy
+// real memory allocated before the cap) raise Error, not std::bad_alloc.
+TEST(MultiHeadAttentionAllocationFailureDeathTest, RaisesErrorNotTerminate) {
+  constexpr std::int64_t kHidden = 512, kBatch = 8, kSeq = 4096;
+  auto warm_up = [] {
+    MultiHeadAttention small({16, 2});
+    small.init_random(1);
+    std::vector<float> x(4 * 16, 0.5f), y(x.size());
+    MultiHeadAttention::Activations saved;
+    small.forward(x.data(), 1, 4, y.data(), saved);
+    small.backward(y.data(), saved);
+  };
+  expect_out_of_memory_error(warm_up, [] { MultiHeadAttention layer({8192, 64}); });
+
+  MultiHeadAttention layer({kHidden, 8});
+  layer.init_random(1);
+  std::vector<float> x(static_cast<std::size_t>(kBatch * kSeq * kHidden), 0.25f), y(x.size());
+  expect_out_of_memory_error(warm_up, [&] {
+    MultiHeadAttention::Activations saved;
+    layer.forward(x.data(), kBatch, kSeq, y.data(), saved);
+  });
+  // A forward's activations, kept before the cap: then the backward's gradients do not fit.
+  MultiHeadAttention::Activations saved;
+  layer.forward(x.data(), kBatch, kSeq, y.data(), saved);
+  expect_out_of_memory_error(warm_up, [&] { layer.backward(y.data(), saved); });
+}
+
 }  // namespace
 }  // namespace flashattn::testing

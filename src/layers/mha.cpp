@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <random>
 #include <sstream>
 #include <utility>
@@ -123,6 +124,19 @@ void project_backward(std::vector<float>& d_weight, std::vector<float>& d_bias, 
   }
 }
 
+// Runs allocate(), which sizes the layer's own buffers (`floats` floats in all): a failed
+// allocation raises Error, as the attention calls' scratch does (README, Robustness), not
+// std::bad_alloc.
+template <class Allocate>
+void allocate_or_fail(const char* caller, const char* what, std::int64_t floats,
+                      Allocate&& allocate) {
+  try {
+    allocate();
+  } catch (const std::bad_alloc&) {
+    fail(caller, "out of memory: could not allocate ", what, " (", floats * 4, " bytes)");
+  }
+}
+
 // A buffer the next step overwrites entirely, so it is left uninitialized.
 std::unique_ptr<float[]> scratch(std::int64_t count) {
   return std::make_unique_for_overwrite<float[]>(static_cast<std::size_t>(count));
@@ -154,16 +168,20 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config) :
   const std::int64_t hidden = config.hidden;
   const auto square = static_cast<std::size_t>(hidden * hidden);
   const auto kv = static_cast<std::size_t>(hidden * kv_width());
-  w_q_.resize(square);
-  w_k_.resize(kv);
-  w_v_.resize(kv);
-  w_o_.resize(square);
-  if (config.bias) {
-    b_q_.resize(static_cast<std::size_t>(hidden));
-    b_k_.resize(static_cast<std::size_t>(kv_width()));
-    b_v_.resize(static_cast<std::size_t>(kv_width()));
-    b_o_.resize(static_cast<std::size_t>(hidden));
-  }
+  const std::int64_t biases = config.bias ? 2 * (hidden + kv_width()) : 0;
+  allocate_or_fail(caller, "the weights", static_cast<std::int64_t>(2 * (square + kv)) + biases,
+                   [&] {
+                     w_q_.resize(square);
+                     w_k_.resize(kv);
+                     w_v_.resize(kv);
+                     w_o_.resize(square);
+                     if (config.bias) {
+                       b_q_.resize(static_cast<std::size_t>(hidden));
+                       b_k_.resize(static_cast<std::size_t>(kv_width()));
+                       b_v_.resize(static_cast<std::size_t>(kv_width()));
+                       b_o_.resize(static_cast<std::size_t>(hidden));
+                     }
+                   });
 }
 
 void MultiHeadAttention::init_random(std::uint64_t seed) {
@@ -254,23 +272,29 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
     kept.seqlen_kv = seqlen_kv;
     kept.cross = cross;
     kept.options = options;
-    if (q_count > 0) kept.x.assign(x, x + q_count);
-    if (cross && context_count > 0) kept.context.assign(context, context + context_count);
-    kept.q.resize(static_cast<std::size_t>(q_count));
-    kept.k.resize(static_cast<std::size_t>(kv_count));
-    kept.v.resize(static_cast<std::size_t>(kv_count));
-    kept.att.resize(static_cast<std::size_t>(q_count));
-    kept.lse.resize(static_cast<std::size_t>(batch * heads * seqlen_q));
+    const std::int64_t floats =
+        3 * q_count + (cross ? context_count : 0) + 2 * kv_count + batch * heads * seqlen_q;
+    allocate_or_fail(caller, "the activations", floats, [&] {
+      if (q_count > 0) kept.x.assign(x, x + q_count);
+      if (cross && context_count > 0) kept.context.assign(context, context + context_count);
+      kept.q.resize(static_cast<std::size_t>(q_count));
+      kept.k.resize(static_cast<std::size_t>(kv_count));
+      kept.v.resize(static_cast<std::size_t>(kv_count));
+      kept.att.resize(static_cast<std::size_t>(q_count));
+      kept.lse.resize(static_cast<std::size_t>(batch * heads * seqlen_q));
+    });
     q = kept.q.data();
     k = kept.k.data();
     v = kept.v.data();
     att = kept.att.data();
     lse = kept.lse.data();
   } else {
-    q_scratch = scratch(q_count);
-    k_scratch = scratch(kv_count);
-    v_scratch = scratch(kv_count);
-    att_scratch = scratch(q_count);
+    allocate_or_fail(caller, "the projections", 2 * q_count + 2 * kv_count, [&] {
+      q_scratch = scratch(q_count);
+      k_scratch = scratch(kv_count);
+      v_scratch = scratch(kv_count);
+      att_scratch = scratch(q_count);
+    });
     q = q_scratch.get();
     k = k_scratch.get();
     v = v_scratch.get();
@@ -331,16 +355,30 @@ void MultiHeadAttention::backward(const float* dy, const Activations& saved, Gra
   if (rows_q > 0 && dy == nullptr) fail(caller, "dy: expected a data pointer, got null");
 
   const auto size = [](std::int64_t count) { return static_cast<std::size_t>(count); };
-  grads.dx.resize(size(rows_q * hidden));
-  grads.dcontext.resize(size(saved.cross ? rows_kv * hidden : 0));
-  grads.dw_q.resize(w_q_.size());
-  grads.dw_k.resize(w_k_.size());
-  grads.dw_v.resize(w_v_.size());
-  grads.dw_o.resize(w_o_.size());
-  grads.db_q.resize(b_q_.size());
-  grads.db_k.resize(b_k_.size());
-  grads.db_v.resize(b_v_.size());
-  grads.db_o.resize(b_o_.size());
+  // The gradients, and dAtt, dQ, dK, dV between the projections and the attention.
+  std::unique_ptr<float[]> datt, dq, dk, dv;
+  const std::int64_t weights =
+      static_cast<std::int64_t>(w_q_.size() + w_k_.size() + w_v_.size() + w_o_.size() +
+                                b_q_.size() + b_k_.size() + b_v_.size() + b_o_.size());
+  const std::int64_t floats =
+      3 * rows_q * hidden + (saved.cross ? rows_kv * hidden : 0) + 2 * rows_kv * width + weights;
+  allocate_or_fail(caller, "the gradients", floats, [&] {
+    grads.dx.resize(size(rows_q * hidden));
+    grads.dcontext.resize(size(saved.cross ? rows_kv * hidden : 0));
+    grads.dw_q.resize(w_q_.size());
+    grads.dw_k.resize(w_k_.size());
+    grads.dw_v.resize(w_v_.size());
+    grads.dw_o.resize(w_o_.size());
+    grads.db_q.resize(b_q_.size());
+    grads.db_k.resize(b_k_.size());
+    grads.db_v.resize(b_v_.size());
+    grads.db_o.resize(b_o_.size());
+    if (rows_q == 0) return;
+    datt = scratch(rows_q * hidden);
+    dq = scratch(rows_q * hidden);
+    dk = scratch(rows_kv * width);
+    dv = scratch(rows_kv * width);
+  });
   if (rows_q == 0) {
     // No query: y does not depend on anything.
     for (std::vector<float>* gradient :
@@ -353,13 +391,9 @@ void MultiHeadAttention::backward(const float* dy, const Activations& saved, Gra
 
   // Output projection; datt is the merged [B·Sq, H] matrix that the head views below split.
   project_backward(grads.dw_o, grads.db_o, saved.att.data(), dy, rows_q, hidden, hidden);
-  auto datt = scratch(rows_q * hidden);
   gemm(false, true, rows_q, hidden, hidden, dy, hidden, w_o_.data(), hidden, 0.0f, datt.get(),
        hidden);
 
-  auto dq = scratch(rows_q * hidden);
-  auto dk = scratch(rows_kv * width);
-  auto dv = scratch(rows_kv * width);
   const std::array<std::int64_t, 4> q_shape{batch, seqlen_q, heads, dim};
   const std::array<std::int64_t, 4> kv_shape{batch, seqlen_kv, heads_kv, dim};
   if (rows_kv == 0) {
