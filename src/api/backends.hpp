@@ -34,7 +34,9 @@ struct FlashTiles {
   std::int64_t blocks_per_task = 1;
 };
 FlashTiles flash_tiles(std::int64_t head_dim);
-FlashTiles flash_backward_tiles(std::int64_t head_dim);
+// Whether the flash backward multiplies on AMX tiles (bf16 inputs, cpu::active_bf16_products).
+bool backward_on_amx(const AttentionParams& p);
+FlashTiles flash_backward_tiles(const AttentionParams& p);
 // How many chunks of K/V blocks the flash backward cuts each (batch, KV head) group into: a
 // function of the shape only.
 std::int64_t flash_backward_chunks(const AttentionParams& p);

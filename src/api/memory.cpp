@@ -100,7 +100,7 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       // query side (Q and dO packed in row blocks of Br, D_i, the dQ sums): with one chunk of
       // K/V blocks per group, per thread for one GQA group; with several, shared by all groups
       // with one dQ buffer per chunk.
-      const FlashTiles tiles = flash_backward_tiles(p.head_dim);
+      const FlashTiles tiles = flash_backward_tiles(p);
       const __int128 tile_rows = tiles.rows, keys = tiles.keys;
       const __int128 padded_sq = (Sq + tile_rows - 1) / tile_rows * tile_rows;
       __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;

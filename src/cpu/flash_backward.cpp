@@ -29,9 +29,9 @@
 // holds a subnormal bf16, which the tiles would count as zero, takes the fp32 path.
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
-// accumulators: 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ sums,
-// 3 x seqlen_q x Dp floats per query head: per thread for one GQA group when each task owns its
-// group, else for all heads (and one dQ buffer per chunk). Proportional to seqlen_q, never to
+// accumulators: at most 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ
+// sums, 3 x seqlen_q x Dp floats per query head: per thread for one GQA group when each task owns
+// its group, else for all heads (and one dQ buffer per chunk). Proportional to seqlen_q, never to
 // seqlen_q x seqlen_kv.
 
 #include <hwy/aligned_allocator.h>
@@ -410,16 +410,28 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
 }  // namespace
 
-FlashTiles flash_backward_tiles(std::int64_t head_dim) {
+bool backward_on_amx(const AttentionParams& p) {
+  return p.dtype == DType::bf16 && cpu::active_bf16_products() == cpu::Bf16Products::amx;
+}
+
+FlashTiles flash_backward_tiles(const AttentionParams& p) {
   // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
-  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block.
-  // Bc as in the forward: measured (2 threads), twice the forward's Bc was 5-10% slower on the
-  // seed shape and [1,4096,4,128] causal; Br = 128 no faster than 64.
-  return {64, flash_tiles(head_dim).keys, 1};
+  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block
+  // (Br = 32, 96 or 128 were no faster). Bc: the forward's (twice it was 5-10% slower on the
+  // seed shape and [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape
+  // non-causal on AMX), except for the fp32 products under a causal mask or a window: half the
+  // forward's, at least 64, so that the blocks the mask cuts waste half as much. 2 threads,
+  // alternating runs, 64 instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to
+  // 0.176-0.183 s and D = 64 from 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within
+  // the noise, and so was, or 2% slower, the non-causal seed shape.
+  const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
+  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  const bool half_keys = masked && !backward_on_amx(p);
+  return {64, half_keys ? std::max<std::int64_t>(forward_keys / 2, 64) : forward_keys, 1};
 }
 
 std::int64_t flash_backward_chunks(const AttentionParams& p) {
-  const std::int64_t keys = flash_backward_tiles(p.head_dim).keys;
+  const std::int64_t keys = flash_backward_tiles(p).keys;
   const std::int64_t kv_blocks = (p.seqlen_kv + keys - 1) / keys;
   const std::int64_t groups = p.batch * p.heads_kv;
   return std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1),
@@ -429,8 +441,8 @@ std::int64_t flash_backward_chunks(const AttentionParams& p) {
 void flash_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim;
-  const FlashTiles sizes = flash_backward_tiles(D);
-  const bool amx = p.dtype == DType::bf16 && cpu::active_bf16_products() == cpu::Bf16Products::amx;
+  const FlashTiles sizes = flash_backward_tiles(p);
+  const bool amx = backward_on_amx(p);
   // Written with plain stores, the three gradients' rows were first read from memory: 2-5% of
   // the backward at [1,1024,64,128] causal and [1,1024,32,128] non-causal (2 threads,
   // alternating runs: 0.195-0.203 -> 0.186-0.197 s and 0.156-0.167 -> 0.150-0.164 s).
