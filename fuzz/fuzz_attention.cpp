@@ -67,15 +67,13 @@ struct Problem {
 };
 
 [[noreturn]] void finding(const Problem& p, const std::string& what) {
-  std::fprintf(stderr, "fuzz_attention: %s\n  call: %s\n", what.c_str(), p.description.c_str());
-  std::abort();
+  report_finding("fuzz_attention", p.description, what);
 }
 
 Problem make_problem(FuzzedDataProvider& in) {
   Problem p;
-  p.impl = in.PickValueInArray(
-      {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference});
-  p.dtype = in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
+  p.impl = fuzzed_impl(in);
+  p.dtype = fuzzed_dtype(in);
   const FuzzedShape shape = fuzzed_shape(in, 1 << 16);
   const Shape q_shape = shape.q(), kv_shape = shape.kv();
 

@@ -74,15 +74,13 @@ struct Problem {
 };
 
 [[noreturn]] void finding(const Problem& p, const std::string& what) {
-  std::fprintf(stderr, "fuzz_backward: %s\n  call: %s\n", what.c_str(), p.description.c_str());
-  std::abort();
+  report_finding("fuzz_backward", p.description, what);
 }
 
 Problem make_problem(FuzzedDataProvider& in) {
   Problem p;
-  p.impl = in.PickValueInArray(
-      {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference});
-  p.dtype = in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
+  p.impl = fuzzed_impl(in);
+  p.dtype = fuzzed_dtype(in);
   // Half the forward target's budget: the reference backward and the bound cost several
   // forwards.
   const FuzzedShape shape = fuzzed_shape(in, 1 << 15);

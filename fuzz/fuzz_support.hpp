@@ -73,6 +73,23 @@ inline Tensor make_tensor(DType dtype, Shape shape, int order_index, std::array<
   return t;
 }
 
+// Reports what a target found about the call `description` and aborts, which makes libFuzzer
+// keep the input.
+[[noreturn]] inline void report_finding(const char* target, const std::string& description,
+                                        const std::string& what) {
+  std::fprintf(stderr, "%s: %s\n  call: %s\n", target, what.c_str(), description.c_str());
+  std::abort();
+}
+
+// The path and dtype of a call, picked by the input.
+inline flashattn::AttentionImpl fuzzed_impl(FuzzedDataProvider& in) {
+  return in.PickValueInArray({flashattn::AttentionImpl::flash, flashattn::AttentionImpl::standard,
+                              flashattn::AttentionImpl::reference});
+}
+inline DType fuzzed_dtype(FuzzedDataProvider& in) {
+  return in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
+}
+
 // A small problem shape picked by the input, at most `max_multiply_adds` of the forward's
 // score products (batch · heads_q · seqlen_q · seqlen_kv · head_dim) so that the fuzzer stays
 // fast under ASan: the head dim is halved first, then the longer sequence.
