@@ -28,6 +28,10 @@
 // README says what that costs), every sum in fp32. A (row block, K/V block) pair where either
 // holds a subnormal bf16, which the tiles would count as zero, takes the fp32 path.
 //
+// Non-finite inputs: a pair that the mask cuts and that holds an infinity or a NaN on either
+// side adds its three gradient products over its visible (row, key) pairs only, since a masked
+// pair's P = dS = 0 times an infinity would be NaN (cpu/visible_gradients.hpp).
+//
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
 // accumulators: at most 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ
 // sums, 3 x seqlen_q x Dp floats per query head: per thread for one GQA group when each task owns
@@ -179,7 +183,8 @@ class QueryBlocks {
   bool bf16_exact(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return bf16_exact_[block_index(slot, g, n)] != 0;
   }
-  // Whether the block's Q, dO and D_i hold no infinity or NaN (cpu/visible_gradients.hpp).
+  // Whether the block's Q, dO and D_i hold no infinity or NaN and its lse no NaN
+  // (cpu/visible_gradients.hpp).
   bool finite(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return finite_[block_index(slot, g, n)] != 0;
   }
