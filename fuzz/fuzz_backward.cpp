@@ -24,14 +24,16 @@
 //     P error above, within e_P·c + P·(dP and D errors) + 3u·(P + e_P)·c.
 //   Each gradient element is then a sum of n products (n = Skv for dQ, the GQA group's
 //     Hq/Hkv · Sq rows for dK and dV): Σ |operand error|·|other operand| + ((n + 2)·u + u_p)·Σ
-//     |computed operand|·|other operand| + t·Σ (|other operand| + 2), times scale for dQ and
-//     dK, plus u_out·|reference| and half the smallest denormal of the output dtype.
+//     |computed operand|·|other operand| (both times scale for dQ and dK, whose dS operand
+//     carries it) + t·Σ (|other operand| + 2), plus u_out·|reference| and half the smallest
+//     denormal of the output dtype.
 // u_p = u_in for f16 and bf16 (P and dS may be rounded to the input dtype as operands, as the
 // bf16 products on AMX do) and 0 for f32; t = 2^-126 for bf16 (the tile instructions flush
 // fp32 results below the smallest normal float, and a bf16 operand below it counts as 0), else
 // 2^-149 (the absolute spacing of denormal results). Values are small integers times 2^e
-// (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32; where ε is so large that
-// e^ε overflows, the element is not compared.
+// (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32 (an f16 gradient may
+// round to ±inf where the bound reaches past 65504); where ε is so large that e^ε overflows,
+// a finite reference value is not compared.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
