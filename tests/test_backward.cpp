@@ -373,6 +373,35 @@ TEST(Backward, EmptyKeySequence) {
   }
 }
 
+// Keys that no query row sees get zero dK and dV, written into the NaN-poisoned buffers: one
+// query against 300 keys with a window of 50 (the first K/V blocks are seen by no row), and no
+// queries at all (the backward fuzzer found both left unwritten by the flash path).
+TEST(Backward, KeysNoRowSeesGetZeroGradients) {
+  BackwardCase window{1, 1, 300, 2, 1, 32, false, 50, 0};
+  BackwardCase no_queries{1, 0, 70, 2, 2, 16, false};
+  for (const BackwardCase& c : {window, no_queries}) {
+    const Problem p(c, test_seed());
+    const ReferenceGradients ref = reference_gradients(p);
+    for (AttentionImpl impl :
+         {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+      const auto g = p.run(impl, 2);
+      std::size_t index = 0;
+      std::int64_t zeros = 0;
+      g.dk.for_each_index([&](auto a, auto b, auto h, auto d) {
+        const double want_k = ref.dk[index], want_v = ref.dv[index];
+        ++index;
+        if (want_k != 0.0 || want_v != 0.0) return;
+        ++zeros;
+        EXPECT_EQ(g.dk.at(a, b, h, d), 0.0f)
+            << impl_name(impl) << " " << describe(c) << " key " << b;
+        EXPECT_EQ(g.dv.at(a, b, h, d), 0.0f)
+            << impl_name(impl) << " " << describe(c) << " key " << b;
+      });
+      EXPECT_GT(zeros, 0) << describe(c);
+    }
+  }
+}
+
 // The chunks' dQ partial sums are added in a fixed order and every dK, dV row has one owner.
 // 2 groups of 4 chunks each, and 8 groups whose tasks own their query rows; the first also in
 // bf16 (AMX tiles where the CPU has them).

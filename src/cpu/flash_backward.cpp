@@ -300,13 +300,14 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
     // Query rows that see some key of the block: the row ranges are monotone in the row. The
     // row blocks that hold them are visited whole; their rows that see none of the block get
-    // P = 0, hence dS = 0, from the mask.
+    // P = 0, hence dS = 0, from the mask. A block that no row sees (no queries, or keys outside
+    // every window) visits none and still writes its dK and dV: zeros.
     std::int64_t first_row = 0, last_row = p.seqlen_q;
     while (first_row < last_row && p.key_range(first_row).end <= key_begin) ++first_row;
     while (last_row > first_row && p.key_range(last_row - 1).begin >= key_end) --last_row;
-    if (first_row == last_row) continue;
     const std::int64_t first_block = first_row / tiles.rows;
-    const std::int64_t end_block = (last_row + tiles.rows - 1) / tiles.rows;
+    const std::int64_t end_block =
+        first_row == last_row ? first_block : (last_row + tiles.rows - 1) / tiles.rows;
 
     for (std::int64_t g = 0; g < p.group_size(); ++g) {
       const std::int64_t h = h_kv * p.group_size() + g;
