@@ -25,6 +25,8 @@ struct Matrix {
 inline Matrix gather_rows(std::vector<float>& storage, const void* base, DType dtype,
                           const Strides& strides, std::int64_t b, std::int64_t h, std::int64_t rows,
                           std::int64_t cols) {
+  // No rows: the tensor may be empty with a null base, which takes no offset.
+  if (rows == 0) return {nullptr, cols};
   // sgemm reads f32 rows in place when they do not overlap (its leading dimension must be
   // >= cols); a single row may have any stride.
   if (dtype == DType::f32 && (rows <= 1 || strides.seq >= cols)) {
