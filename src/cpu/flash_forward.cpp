@@ -9,7 +9,7 @@
 //   mask S where the block is only partly visible  [Br x Bc]
 //   online softmax of scale·S: m, l, rescale acc   [Br], [Br x D]  online_softmax_tile
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
-// and finally out = acc / l, lse = m + log(l). Blocks that the causal mask or the window hide
+// and finally out = acc / l, lse = scale·m + log(l). Blocks that the causal mask or the window hide
 // from every row of a Q block are never visited by it. bf16 inputs multiply as bf16 on AMX tiles
 // or with vdpbf16ps where the CPU has them (cpu::active_bf16_products), P rounded to bf16 for
 // P·V; every other input is widened to fp32 when packed.
@@ -147,9 +147,9 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
   std::fill_n(block.row_sum, rows, 0.0f);
 }
 
-// Epilogue of one Q block: out = acc / l, lse = m + log(l); rows whose key range is empty get 0
-// and -inf. A row that sees keys whose scores are all -inf (an infinite input) has l = 0 and
-// gets 0/0 = NaN, as the reference does.
+// Epilogue of one Q block: out = acc / l, lse = scale·m + log(l); rows whose key range is empty get
+// 0 and -inf. A row that sees keys whose scores are all -inf (an infinite input) has l = 0 and gets
+// 0/0 = NaN, as the reference does.
 void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                   const QueryBlock& block) {
   const TaskRows& task = block.rows;
@@ -162,7 +162,7 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
     store_row_f32(p.out, p.dtype, p.out_strides.offset(task.b, task.position(i), task.head(i)),
                   acc_row, p.head_dim, stream_out);
     if (p.lse) {
-      const float max = block.row_max[i] == kNegativeInfinity ? 0.0f : block.row_max[i];
+      const float max = block.row_max[i] == kNegativeInfinity ? 0.0f : p.scale * block.row_max[i];
       p.lse[p.lse_index(task.b, task.head(i), task.position(i))] =
           no_key_seen ? kNegativeInfinity : max + std::log(sum);
     }

@@ -54,33 +54,34 @@ HWY_INLINE void RemainderRows(std::int64_t i, std::int64_t rows, const Block& bl
   if (rows - i >= 1) block(std::integral_constant<int, 1>(), i);
 }
 
-// exp(x) for the softmax, whose arguments are scores minus a row max (or minus the row's lse
-// in the backward): x <= 0 up to rounding, -inf or NaN.
-// exp(x) = 2^n · 2^f with n = round(x·log2 e) and f in [-1/2, 1/2], 2^f by its degree-6 Taylor
-// polynomial (truncation below 1.3e-7 relative, about one ulp), then 2^n applied. Masked -inf
-// gives an exact 0; NaN stays NaN. Half the operations of Highway's general Exp, which also
-// handles large positive arguments: the 256 x 128 online-softmax tile went from 17.4 to 14.8 us
-// on one AVX-512 core.
-HWY_INLINE Vec SoftmaxExp(Tag tag, Vec x) {
-  const Vec kLog2e = hn::Set(tag, 1.44269504088896341f);
-  // Results below exp(-86.6) ~ 2.4e-38 (t < -125: 2^n·p would be at most 2^-125.5, near
-  // FLT_MIN) are flushed to 0 on every target; masked -inf gives an exact 0.
-  constexpr float kFlushBelow = -86.6f;
+constexpr float kLog2e = 1.44269504088896341f;
+
+// 2^t for the softmax, whose arguments are (score - row max) · scale · log2 e in the forward, or
+// (scale · score - the row's lse) · log2 e in the backward: t <= 0 up to rounding, -inf or NaN.
+// 2^t = 2^n · 2^f with n = round(t) and f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
+// (truncation below 1.3e-7 relative, about one ulp; a degree-5 minimax polynomial that keeps
+// 2^0 = 1 exactly is off by 4.3e-7), then 2^n applied. Results below 2^-125 (t < -125) are
+// flushed to 0 on every target, so that 2^n·p never underflows to a denormal; masked -inf gives
+// an exact 0; NaN stays NaN; t = 0 gives exactly 1. Half the operations of Highway's general
+// Exp, which also handles large positive arguments: the 256 x 128 online-softmax tile went from
+// 17.4 to 14.8 us on one AVX-512 core.
+HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
+  constexpr float kFlushBelow = -125.0f;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  // AVX-512: vscalefps computes p·2^n in one instruction, which replaces the exponent-bit
-  // arithmetic and the upper clamp: 13 instead of 18 operations per vector. t is kept above
-  // -125 so that p·2^n never underflows: an underflowing result takes a microcode assist
-  // (~100 cycles) when denormals are not flushed, and every masked -inf lane did (the standard
-  // path's causal seed shape fell from 90 to 64 GFLOP/s); x < kFlushBelow is zeroed instead.
-  // maxps returns its second operand when either is NaN, so a NaN x stays NaN through t.
-  const Vec t{_mm512_max_ps(_mm512_set1_ps(-125.0f), hn::Mul(x, kLog2e).raw)};
-#else
-  // 2^n goes into the exponent bits: t is clamped to [-127, 127] so that n fits the field
-  // whatever x is (the backward's x is a score minus a caller-provided lse).
-  const Vec t = hn::Min(hn::Max(hn::Mul(x, kLog2e), hn::Set(tag, -127.0f)), hn::Set(tag, 127.0f));
-#endif
+  // AVX-512: vscalefps computes p·2^n in one instruction and, zero-masked, also does the flush:
+  // 10 operations per vector, against 17 for the exponent-bit arithmetic below. A lane with
+  // t < -125 is never scaled: an underflowing vscalefps takes a microcode assist (~100 cycles)
+  // when denormals are not flushed, and every masked -inf lane did once (the standard path's
+  // causal seed shape fell from 90 to 64 GFLOP/s). The mask is "not t < -125", true for NaN.
   const Vec n = hn::Round(t);
   const Vec f = hn::Sub(t, n);
+#else
+  // 2^n goes into the exponent bits: t is clamped to [-127, 127] so that n fits the field
+  // whatever t is (the backward's t is a score minus a caller-provided lse).
+  const Vec clamped = hn::Min(hn::Max(t, hn::Set(tag, -127.0f)), hn::Set(tag, 127.0f));
+  const Vec n = hn::Round(clamped);
+  const Vec f = hn::Sub(clamped, n);
+#endif
   // Horner on ln2^k / k!, k = 6 .. 0
   Vec p = hn::Set(tag, 1.5403530393381606e-4f);
   p = hn::MulAdd(p, f, hn::Set(tag, 1.3333558146428443e-3f));
@@ -90,14 +91,14 @@ HWY_INLINE Vec SoftmaxExp(Tag tag, Vec x) {
   p = hn::MulAdd(p, f, hn::Set(tag, 6.9314718055994531e-1f));
   p = hn::MulAdd(p, f, hn::Set(tag, 1.0f));
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  const Vec scaled{_mm512_scalef_ps(p.raw, n.raw)};
-  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(tag, kFlushBelow)), scaled);
+  const __mmask16 kept = _mm512_cmp_ps_mask(t.raw, _mm512_set1_ps(kFlushBelow), _CMP_NLT_UQ);
+  return Vec{_mm512_maskz_scalef_ps(kept, p.raw, n.raw)};
 #else
   const hn::RebindToSigned<Tag> int_tag;
   const auto exponent = hn::ShiftLeft<23>(hn::NearestInt(n));
   const Vec scaled = hn::BitCast(tag, hn::Add(hn::BitCast(int_tag, p), exponent));
-  const Vec flushed = hn::IfThenZeroElse(hn::Lt(x, hn::Set(tag, kFlushBelow)), scaled);
-  return hn::IfThenElse(hn::IsNaN(x), x, flushed);
+  const Vec flushed = hn::IfThenZeroElse(hn::Lt(t, hn::Set(tag, kFlushBelow)), scaled);
+  return hn::IfThenElse(hn::IsNaN(t), t, flushed);
 #endif
 }
 
@@ -186,33 +187,33 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, float
   constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
   const Tag tag;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  // The exponent in base 2: scale > 0 (validated) folds into one multiplier.
+  const Vec exponent_scale = hn::Set(tag, scale * kLog2e);
   for (std::int64_t i = 0; i < rows; ++i) {
     float* HWY_RESTRICT s = scores + i * ld_scores;
     Vec max_vec = hn::Set(tag, kNegativeInfinity);
     for (std::int64_t j = 0; j < keys_padded; j += N)
       max_vec = hn::Max(max_vec, hn::LoadU(tag, s + j));
-    // scale > 0 (validated), so the max of the scaled scores is the scaled max.
-    const float tile_max = scale * hn::GetLane(hn::MaxOfLanes(tag, max_vec));
+    const float tile_max = hn::GetLane(hn::MaxOfLanes(tag, max_vec));
     const float old_max = row_max[i];
     const float new_max = tile_max > old_max ? tile_max : old_max;
     const Vec shift = hn::Set(tag, new_max == kNegativeInfinity ? 0.0f : new_max);
 
-    // A masked score (-inf) gives an exact 0, a NaN score keeps its lane NaN (SoftmaxExp). The
-    // product is rounded before the subtraction (no fused multiply-subtract), so that the row's
-    // largest score gets p = 1 exactly, as it did before the scale moved here: a row that sees
-    // one key then returns that key's value row bit for bit.
-    const Vec scale_vec = hn::Set(tag, scale);
+    // p = 2^((s - m)·scale·log2 e). A masked score (-inf) gives an exact 0, a NaN score keeps
+    // its lane NaN (Exp2Softmax). The row's largest score gets s - m = 0, so p = 1 exactly: a
+    // row that sees one key returns that key's value row bit for bit.
     Vec sum_vec = hn::Zero(tag);
     for (std::int64_t j = 0; j < keys_padded; j += N) {
-      const Vec x = hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift);
-      const Vec p = SoftmaxExp(tag, x);
+      const Vec t = hn::Mul(hn::Sub(hn::LoadU(tag, s + j), shift), exponent_scale);
+      const Vec p = Exp2Softmax(tag, t);
       hn::StoreU(p, tag, s + j);
       sum_vec = hn::Add(sum_vec, p);
     }
     const float tile_sum = hn::GetLane(hn::SumOfLanes(tag, sum_vec));
 
     if (new_max > old_max) {
-      const float correction = old_max == kNegativeInfinity ? 0.0f : std::exp(old_max - new_max);
+      const float correction =
+          old_max == kNegativeInfinity ? 0.0f : std::exp(scale * old_max - scale * new_max);
       const Vec correction_vec = hn::Set(tag, correction);
       float* HWY_RESTRICT acc_row = acc + i * ld_acc;
       for (std::int64_t d = 0; d < dims_padded; d += N) {
@@ -314,14 +315,14 @@ void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores
   constexpr float kInfinity = std::numeric_limits<float>::infinity();
   const Tag tag;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  const Vec scale_vec = hn::Set(tag, scale);
+  const Vec scale_vec = hn::Set(tag, scale), log2e = hn::Set(tag, kLog2e);
   for (std::int64_t i = 0; i < rows; ++i) {
     float* HWY_RESTRICT s = scores + i * ld_scores;
     // lse = -inf: subtracting +inf sends every (masked, -inf or finite) score to exp(-inf) = 0.
     const Vec shift = hn::Set(tag, lse[i] == -kInfinity ? kInfinity : lse[i]);
     for (std::int64_t j = 0; j < keys_padded; j += N) {
       const Vec x = hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift);
-      hn::StoreU(SoftmaxExp(tag, x), tag, s + j);
+      hn::StoreU(Exp2Softmax(tag, hn::Mul(x, log2e)), tag, s + j);
     }
   }
 }

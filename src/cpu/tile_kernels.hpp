@@ -55,11 +55,12 @@ void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, co
                  std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim);
 
 // Online softmax over one tile of unscaled scores s (Milakov & Gimelshein 2018;
-// FlashAttention-2, Alg. 1): per row m_new = max(m, scale·rowmax(s)); p = exp(scale·s - m_new);
-// l = l·exp(m - m_new) + rowsum(p); the accumulator row is rescaled by exp(m - m_new) only when
-// the max grew. m and the lse are in scaled units; scale > 0. Masked scores are -inf and give
-// p = 0; a row whose scores are all -inf so far keeps m = -inf, l = 0 and never computes
-// (-inf) - (-inf). A NaN score makes its row NaN.
+// FlashAttention-2, Alg. 1): per row m_new = max(m, rowmax(s)); p = exp(scale·(s - m_new));
+// l = l·exp(scale·(m - m_new)) + rowsum(p); the accumulator row is rescaled by
+// exp(scale·(m - m_new)) only when the max grew. m is the running max of the unscaled scores
+// (the row's lse is scale·m + log(l)); scale > 0. Masked scores are -inf and give p = 0; a row
+// whose scores are all -inf so far keeps m = -inf, l = 0 and never computes (-inf) - (-inf). A
+// NaN score makes its row NaN.
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,
                          float* row_sum, float* acc, std::int64_t ld_acc, std::int64_t rows,
                          std::int64_t keys_padded, std::int64_t dims_padded);
