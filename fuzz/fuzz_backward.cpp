@@ -14,7 +14,7 @@
 // visible key j, from fp64 values of what they read (u = 2^-24):
 //   P_ij = exp(scale·s_ij − lse_i), with s_ij = q_i·k_j and a_ij = scale·Σ_d |q_id·k_jd|. The
 //     computed P is within a factor e^(±ε_ij) of it, plus 2^-125 absolute (exp flushes
-//     arguments below −86.6), where ε_ij = (D + 3)·u·a_ij (the fp32 dot product and the scale)
+//     results below 2^-125), where ε_ij = (D + 3)·u·a_ij (the fp32 dot product and the scale)
 //     + u·|scale·s_ij − lse_i| + 4u (the subtraction and the exp) + |lse_i − lse_i,exact| (the
 //     given lse is the forward's, itself rounded) + scale·D·t (flushed products, see t below).
 //   dP_ij = dO_i·v_j within (D + 2)·u·Σ_d |dO_id·v_jd| + D·t.
