@@ -189,40 +189,69 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, float
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   // The exponent in base 2: scale > 0 (validated) folds into one multiplier.
   const Vec exponent_scale = hn::Set(tag, scale * kLog2e);
-  for (std::int64_t i = 0; i < rows; ++i) {
-    float* HWY_RESTRICT s = scores + i * ld_scores;
-    Vec max_vec = hn::Set(tag, kNegativeInfinity);
-    for (std::int64_t j = 0; j < keys_padded; j += N)
-      max_vec = hn::Max(max_vec, hn::LoadU(tag, s + j));
-    const float tile_max = hn::GetLane(hn::MaxOfLanes(tag, max_vec));
-    const float old_max = row_max[i];
-    const float new_max = tile_max > old_max ? tile_max : old_max;
-    const Vec shift = hn::Set(tag, new_max == kNegativeInfinity ? 0.0f : new_max);
-
-    // p = 2^((s - m)·scale·log2 e). A masked score (-inf) gives an exact 0, a NaN score keeps
-    // its lane NaN (Exp2Softmax). The row's largest score gets s - m = 0, so p = 1 exactly: a
-    // row that sees one key returns that key's value row bit for bit.
-    Vec sum_vec = hn::Zero(tag);
-    for (std::int64_t j = 0; j < keys_padded; j += N) {
-      const Vec t = hn::Mul(hn::Sub(hn::LoadU(tag, s + j), shift), exponent_scale);
-      const Vec p = Exp2Softmax(tag, t);
-      hn::StoreU(p, tag, s + j);
-      sum_vec = hn::Add(sum_vec, p);
-    }
-    const float tile_sum = hn::GetLane(hn::SumOfLanes(tag, sum_vec));
-
-    if (new_max > old_max) {
-      const float correction =
-          old_max == kNegativeInfinity ? 0.0f : std::exp(scale * old_max - scale * new_max);
-      const Vec correction_vec = hn::Set(tag, correction);
-      float* HWY_RESTRICT acc_row = acc + i * ld_acc;
-      for (std::int64_t d = 0; d < dims_padded; d += N) {
-        hn::StoreU(hn::Mul(hn::LoadU(tag, acc_row + d), correction_vec), tag, acc_row + d);
+  // Rows go in groups, each of the three steps over the whole group before the next: one row
+  // alone is a chain of dependent steps (max, its horizontal reduction, the exp with that max,
+  // the sum and its reduction), and a row at a time the tile ran at the chain's pace; a group's
+  // rows overlap. The max and the sum also run as two chains over alternate vectors. One
+  // AVX-512 core, a 64 x 128 tile in L1: 2.20 us a row at a time, 2.09 with the two chains,
+  // 1.51 in groups of 8 rows; the seed shape's forward 2-3.5% faster (alternating runs).
+  constexpr std::int64_t kGroupRows = 8;
+  float new_max[kGroupRows], tile_sum[kGroupRows];
+  for (std::int64_t first = 0; first < rows; first += kGroupRows) {
+    const std::int64_t group = std::min(kGroupRows, rows - first);
+    // 1. m_new = max(m, rowmax(s))
+    for (std::int64_t r = 0; r < group; ++r) {
+      const float* HWY_RESTRICT s = scores + (first + r) * ld_scores;
+      Vec max_even = hn::Set(tag, kNegativeInfinity), max_odd = max_even;
+      std::int64_t j = 0;
+      for (; j + 2 * N <= keys_padded; j += 2 * N) {
+        max_even = hn::Max(max_even, hn::LoadU(tag, s + j));
+        max_odd = hn::Max(max_odd, hn::LoadU(tag, s + j + N));
       }
-      row_sum[i] = row_sum[i] * correction + tile_sum;
-      row_max[i] = new_max;
-    } else {
-      row_sum[i] += tile_sum;
+      if (j < keys_padded) max_even = hn::Max(max_even, hn::LoadU(tag, s + j));
+      const float tile_max = hn::GetLane(hn::MaxOfLanes(tag, hn::Max(max_even, max_odd)));
+      new_max[r] = tile_max > row_max[first + r] ? tile_max : row_max[first + r];
+    }
+
+    // 2. p = 2^((s - m_new)·scale·log2 e) in place, and rowsum(p). A masked score (-inf) gives an
+    // exact 0, a NaN score keeps its lane NaN (Exp2Softmax). The row's largest score gets s - m =
+    // 0, so p = 1 exactly: a row that sees one key returns that key's value row bit for bit.
+    for (std::int64_t r = 0; r < group; ++r) {
+      float* HWY_RESTRICT s = scores + (first + r) * ld_scores;
+      const Vec shift = hn::Set(tag, new_max[r] == kNegativeInfinity ? 0.0f : new_max[r]);
+      auto probabilities = [&](std::int64_t at) {
+        const Vec p =
+            Exp2Softmax(tag, hn::Mul(hn::Sub(hn::LoadU(tag, s + at), shift), exponent_scale));
+        hn::StoreU(p, tag, s + at);
+        return p;
+      };
+      Vec sum_even = hn::Zero(tag), sum_odd = sum_even;
+      std::int64_t j = 0;
+      for (; j + 2 * N <= keys_padded; j += 2 * N) {
+        sum_even = hn::Add(sum_even, probabilities(j));
+        sum_odd = hn::Add(sum_odd, probabilities(j + N));
+      }
+      if (j < keys_padded) sum_even = hn::Add(sum_even, probabilities(j));
+      tile_sum[r] = hn::GetLane(hn::SumOfLanes(tag, hn::Add(sum_even, sum_odd)));
+    }
+
+    // 3. l = l·exp(scale·(m - m_new)) + rowsum(p), the accumulator row rescaled if m grew
+    for (std::int64_t r = 0; r < group; ++r) {
+      const std::int64_t i = first + r;
+      const float old_max = row_max[i];
+      if (new_max[r] > old_max) {
+        const float correction =
+            old_max == kNegativeInfinity ? 0.0f : std::exp(scale * old_max - scale * new_max[r]);
+        const Vec correction_vec = hn::Set(tag, correction);
+        float* HWY_RESTRICT acc_row = acc + i * ld_acc;
+        for (std::int64_t d = 0; d < dims_padded; d += N) {
+          hn::StoreU(hn::Mul(hn::LoadU(tag, acc_row + d), correction_vec), tag, acc_row + d);
+        }
+        row_sum[i] = row_sum[i] * correction + tile_sum[r];
+        row_max[i] = new_max[r];
+      } else {
+        row_sum[i] += tile_sum[r];
+      }
     }
   }
 }
