@@ -429,14 +429,18 @@ TEST(Backward, FlashIsBitwiseIdenticalForAnyThreadCount) {
 // bf16 product path against the widened fp32 path (on these extreme inputs the standard
 // backward leaves the bounds above, so the reference check cannot lean on it): a flushed operand
 // moves the gradients by their own size, the order of the fp32 sums by far less than 1% of the
-// largest; and bitwise identical for 1, 2, 3 and 7 threads.
+// largest; and bitwise identical for 1, 2, 3 and 7 threads. One batch: several tasks share the
+// query rows, laid out in advance; 8 batches: each task owns its group's rows and lays out their
+// fp32 panels only for the pairs that fall back (the same scratch serving one group after
+// another).
 TEST(Backward, Bf16SubnormalsInSomeBlocksAreUsed) {
-  BackwardCase c{1, 200, 300, 2, 1, 64, true};
-  c.dtype = DType::bf16;
   const std::uint64_t seed = test_seed() ^ 37;
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> integer(-100, 100);
-  for (const bool subnormal_keys : {false, true}) {
+  for (const auto& [batch, subnormal_keys] :
+       {std::pair<std::int64_t, bool>{1, false}, {1, true}, {8, false}, {8, true}}) {
+    BackwardCase c{batch, 200, 300, 2, 1, 64, true};
+    c.dtype = DType::bf16;
     Problem p(c, seed);
     Tensor& small = subnormal_keys ? p.k : p.q;
     Tensor& large = subnormal_keys ? p.q : p.k;
@@ -455,7 +459,8 @@ TEST(Backward, Bf16SubnormalsInSomeBlocksAreUsed) {
     const auto widened = p.run(AttentionImpl::flash, 2);
     for (detail::cpu::Bf16Products products : detail::cpu::supported_bf16_products()) {
       detail::cpu::force_bf16_products(products);
-      SCOPED_TRACE(std::string(subnormal_keys ? "subnormal k, " : "subnormal q, ") +
+      SCOPED_TRACE(std::to_string(batch) + " batches, " +
+                   (subnormal_keys ? "subnormal k, " : "subnormal q, ") +
                    detail::cpu::bf16_products_name(products));
       const auto first = p.run(AttentionImpl::flash, 1);
       for (const auto& [name, got, want] :

@@ -91,10 +91,20 @@ struct BackwardTiles {
 // group in `slot`: Q and dO as column panels ([rows x Dp], cpu::packed_index), which all four
 // products that read them stream (the scores kernel too, panel by panel), and
 // D_i = rowsum(dO_i ∘ O_i).
+//
+// On AMX the products read bf16 copies, and the fp32 panels serve only the pairs that fall back
+// to fp32 (a subnormal on either side). When one task owns the blocks (`fp32_on_demand`) it lays
+// them out at the first such pair, if any: packing them always, the bf16 backward of the seed
+// shape (non-causal, 2 threads, alternating runs) took 0.0851-0.0866 s instead of
+// 0.0816-0.0848. Blocks that several tasks share are laid out whole in advance.
 class QueryBlocks {
  public:
-  QueryBlocks(const AttentionParams& p, const BackwardTiles& tiles, std::int64_t groups)
-      : p_(p), tiles_(tiles), blocks_per_head_((p.seqlen_q + tiles.rows - 1) / tiles.rows) {
+  QueryBlocks(const AttentionParams& p, const BackwardTiles& tiles, std::int64_t groups,
+              bool fp32_on_demand)
+      : p_(p),
+        tiles_(tiles),
+        blocks_per_head_((p.seqlen_q + tiles.rows - 1) / tiles.rows),
+        fp32_on_demand_(fp32_on_demand && tiles.amx) {
     const std::int64_t heads = groups * p.group_size();
     q_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     dout_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
@@ -110,6 +120,7 @@ class QueryBlocks {
       bf16_exact_.assign(heads * blocks_per_head_, 1);
     }
     finite_.assign(heads * blocks_per_head_, 1);
+    fp32_packed_.assign(heads * blocks_per_head_, 0);
   }
 
   std::int64_t blocks_per_head() const { return blocks_per_head_; }
@@ -122,21 +133,19 @@ class QueryBlocks {
             std::int64_t g, std::int64_t n) {
     const std::int64_t h = h_kv * p_.group_size() + g, row_begin = n * tiles_.rows;
     const std::int64_t index = block_index(slot, g, n);
-    float* q = q_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
-    float* dout = dout_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
-    cpu::pack_rows(q, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows(n), p_.head_dim,
-                   tiles_.dims_padded);
-    cpu::pack_rows(dout, bp.dout, p_.dtype, bp.dout_strides, b, h, row_begin, rows(n), p_.head_dim,
-                   tiles_.dims_padded);
+    fp32_packed_[index] = 0;  // a task's scratch serves one group after another
     float* delta = delta_.get() + index * tiles_.rows;
     row_deltas(delta, bp.dout, bp.dout_strides, p_.out, p_.out_strides, p_.dtype, b, h, row_begin,
                rows(n), p_.head_dim);
     float* lse = lse_.get() + index * tiles_.rows;
     backward_row_lse(lse, p_, b, h, row_begin, rows(n));
-    finite_[index] = cpu::all_finite(q, rows(n) * tiles_.dims_padded) &&
-                     cpu::all_finite(dout, rows(n) * tiles_.dims_padded) &&
-                     cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
-    if (!tiles_.amx) return;
+    if (!tiles_.amx) {
+      pack_fp32(bp, slot, b, h_kv, g, n);
+      finite_[index] = cpu::all_finite(q_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
+                       cpu::all_finite(dout_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
+                       cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
+      return;
+    }
     // As pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO; packing them also
     // tells whether the block holds a subnormal.
     const std::int64_t pairs_offset = index * tiles_.amx_rows * tiles_.dims_padded;
@@ -157,6 +166,26 @@ class QueryBlocks {
       std::copy_n(dout_rows + bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim,
                   dout_bf16_.data() + row);
     }
+    const std::int64_t bf16_elements = rows(n) * tiles_.amx_reduction;
+    finite_[index] = cpu::all_finite_bf16(q_bf16(slot, g, n), bf16_elements) &&
+                     cpu::all_finite_bf16(dout_bf16(slot, g, n), bf16_elements) &&
+                     cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
+    if (!fp32_on_demand_) pack_fp32(bp, slot, b, h_kv, g, n);
+  }
+
+  // Lays out the fp32 panels of Q and dO of block (slot, g, n), unless they are already.
+  void pack_fp32(const BackwardParams& bp, std::int64_t slot, std::int64_t b, std::int64_t h_kv,
+                 std::int64_t g, std::int64_t n) {
+    const std::int64_t index = block_index(slot, g, n);
+    if (fp32_packed_[index]) return;
+    const std::int64_t h = h_kv * p_.group_size() + g, row_begin = n * tiles_.rows;
+    float* q = q_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
+    float* dout = dout_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
+    cpu::pack_rows(q, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows(n), p_.head_dim,
+                   tiles_.dims_padded);
+    cpu::pack_rows(dout, bp.dout, p_.dtype, bp.dout_strides, b, h, row_begin, rows(n), p_.head_dim,
+                   tiles_.dims_padded);
+    fp32_packed_[index] = 1;
   }
 
   const float* q_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
@@ -206,7 +235,8 @@ class QueryBlocks {
   std::int64_t blocks_per_head_;
   hwy::AlignedFreeUniquePtr<float[]> q_panels_, dout_panels_, delta_, lse_;
   AlignedVector<std::uint16_t> q_bf16_, dout_bf16_, q_pairs_, dout_pairs_;
-  std::vector<char> bf16_exact_, finite_;
+  bool fp32_on_demand_;
+  std::vector<char> bf16_exact_, finite_, fp32_packed_;
 };
 
 struct Scratch {
@@ -240,7 +270,7 @@ struct Scratch {
       dscores_bf16.assign(tiles.rows * tiles.amx_keys, 0);
     }
     if (task_owns_queries) {
-      queries.emplace(p, tiles, 1);
+      queries.emplace(p, tiles, 1, true);
       dq = uninitialized_floats(p.group_size() * p.seqlen_q * tiles.dims_padded);
     }
   }
@@ -248,7 +278,7 @@ struct Scratch {
 
 struct Task {
   std::int64_t b, h_kv, block_begin, block_end;  // K/V blocks [block_begin, block_end)
-  const QueryBlocks* queries;                    // holding the group's row blocks
+  QueryBlocks* queries;                          // holding the group's row blocks
   std::int64_t slot;                             // at this slot
   float* dq;  // the fp32 dQ sums this task adds into, [group x seqlen_q x dims_padded]
 };
@@ -258,7 +288,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
   const std::int64_t ld_s = tiles.keys;
-  const QueryBlocks& queries = *task.queries;
+  QueryBlocks& queries = *task.queries;
 
   for (std::int64_t block = task.block_begin; block < task.block_end; ++block) {
     const std::int64_t key_begin = block * tiles.keys;
@@ -313,9 +343,10 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
       const std::int64_t h = h_kv * p.group_size() + g;
       for (std::int64_t n = first_block; n < end_block; ++n) {
         const std::int64_t row_begin = n * tiles.rows, rows = queries.rows(n);
+        const bool amx = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
+        if (!amx) queries.pack_fp32(bp, task.slot, b, h_kv, g, n);
         const float* q = queries.q_panels(task.slot, g, n);
         const float* dout = queries.dout_panels(task.slot, g, n);
-        const bool amx = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
         // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its
         // gradients over the visible pairs only (cpu/visible_gradients.hpp).
         const bool fully_visible = p.key_range(row_begin).end >= key_end &&
@@ -479,7 +510,7 @@ void flash_backward(const BackwardParams& bp) {
   std::optional<QueryBlocks> shared_queries;
   hwy::AlignedFreeUniquePtr<float[]> dq_buffers;
   if (!task_owns_queries) {
-    shared_queries.emplace(p, tiles, groups);
+    shared_queries.emplace(p, tiles, groups, false);
     dq_buffers = uninitialized_floats(chunks * groups * group_floats);
     const std::int64_t blocks = shared_queries->blocks_per_head();
     const std::int64_t count = groups * p.group_size() * blocks;
