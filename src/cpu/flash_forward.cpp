@@ -126,11 +126,10 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
   const TaskRows& task = block.rows;
   const std::int64_t rows = task.count();
   for (std::int64_t i = 0; i < rows; ++i) {
-    if (i + cpu::kRowsAhead < rows) {
-      const std::int64_t ahead = i + cpu::kRowsAhead;
-      cpu::prefetch_row(p.q, p.dtype,
-                        p.q_strides.offset(task.b, task.position(ahead), task.head(ahead)),
-                        p.head_dim);
+    if (i + kRowsAhead < rows) {
+      const std::int64_t ahead = i + kRowsAhead;
+      prefetch_row(p.q, p.dtype, p.q_strides.offset(task.b, task.position(ahead), task.head(ahead)),
+                   p.head_dim);
     }
     const std::int64_t offset = p.q_strides.offset(task.b, task.position(i), task.head(i));
     if (t.bf16_operands()) {
@@ -153,7 +152,17 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
 void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                   const QueryBlock& block) {
   const TaskRows& task = block.rows;
+  // A row written with plain stores is first read (write-allocate), and rows lie a page or
+  // more apart: asked for kRowsAhead rows on, as the loads are. bf16 seed shape, non-causal,
+  // 2 threads, alternating runs: 0.0392-0.0428 -> 0.0366-0.0397 s.
+  const bool prefetch_stores = !streams_rows(p.dtype, stream_out);
   for (std::int64_t i = 0; i < task.count(); ++i) {
+    if (prefetch_stores && i + kRowsAhead < task.count()) {
+      const std::int64_t ahead = i + kRowsAhead;
+      prefetch_row(p.out, p.dtype,
+                   p.out_strides.offset(task.b, task.position(ahead), task.head(ahead)), p.head_dim,
+                   true);
+    }
     float* acc_row = block.acc + i * Dp;
     const float sum = block.row_sum[i];
     const bool no_key_seen = p.key_range(task.position(i)).empty();

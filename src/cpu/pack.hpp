@@ -10,25 +10,6 @@
 
 namespace flashattn::detail::cpu {
 
-// Rows of one head lie a sequence stride apart (H·D elements in [B, S, H, D]), usually 4 KiB
-// or more, and the hardware prefetchers do not follow a stream across 4 KiB pages: each row's
-// first line waited for memory. Copy loops ask for the row kRowsAhead rows on while copying
-// one, so that those waits overlap.
-inline constexpr std::int64_t kRowsAhead = 8;
-
-// Asks for the head_dim elements at base + offset to be brought into the caches; returns at
-// once. Inline: a call per row cost ~4% of the bf16 forward on AMX.
-inline void prefetch_row(const void* base, DType dtype, std::int64_t offset,
-                         std::int64_t head_dim) {
-  constexpr std::int64_t kLineBytes = 64;
-  const std::int64_t element_bytes = static_cast<std::int64_t>(dtype_size(dtype));
-  const char* first = static_cast<const char*>(base) + offset * element_bytes;
-  for (std::int64_t byte = 0; byte < head_dim * element_bytes; byte += kLineBytes) {
-    __builtin_prefetch(first + byte);
-  }
-  __builtin_prefetch(first + head_dim * element_bytes - 1);
-}
-
 // Rows [row_begin, row_begin + rows) of head h as [rows x dims_padded] column panels; dims from
 // head_dim to dims_padded are 0.
 void pack_rows(float* panels, const void* base, DType dtype, const Strides& strides, std::int64_t b,

@@ -66,6 +66,10 @@ inline void row_deltas(float* delta, const void* dout, const Strides& dout_strid
   constexpr std::int64_t kChunk = 256;
   float dout_row[kChunk], out_row[kChunk];
   for (std::int64_t r = 0; r < rows; ++r) {
+    if (r + kRowsAhead < rows) {
+      prefetch_row(dout, dtype, dout_strides.offset(b, row_begin + r + kRowsAhead, h), head_dim);
+      prefetch_row(out, dtype, out_strides.offset(b, row_begin + r + kRowsAhead, h), head_dim);
+    }
     const std::int64_t dout_offset = dout_strides.offset(b, row_begin + r, h);
     const std::int64_t out_offset = out_strides.offset(b, row_begin + r, h);
     if (dtype == DType::f32) {

@@ -90,6 +90,34 @@ void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
 void stream_row_f32(float* dst, const float* src, std::int64_t n);
 void fence_streams();
 
+// Rows of one head lie a sequence stride apart (H·D elements in [B, S, H, D]), usually 4 KiB
+// or more, and the hardware prefetchers do not follow a stream across 4 KiB pages: each row's
+// first line waited for memory. Loops over rows ask for the row kRowsAhead rows on while
+// handling one, so that those waits overlap.
+inline constexpr std::int64_t kRowsAhead = 8;
+
+// Asks for the n elements at base + offset to be brought into the caches, for reading or (a
+// row the caller will write) for writing; returns at once. Inline: a call per row cost ~4% of
+// the bf16 forward on AMX.
+inline void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64_t n,
+                         bool for_write = false) {
+  constexpr std::int64_t kLineBytes = 64;
+  const std::int64_t element_bytes = static_cast<std::int64_t>(dtype_size(dtype));
+  const char* first = static_cast<const char*>(base) + offset * element_bytes;
+  for (std::int64_t byte = 0; byte < n * element_bytes; byte += kLineBytes) {
+    if (for_write) {
+      __builtin_prefetch(first + byte, 1);
+    } else {
+      __builtin_prefetch(first + byte);
+    }
+  }
+  if (for_write) {
+    __builtin_prefetch(first + n * element_bytes - 1, 1);
+  } else {
+    __builtin_prefetch(first + n * element_bytes - 1);
+  }
+}
+
 // dst[0, n) = src[offset, offset + n) widened to fp32.
 inline void load_row_f32(float* dst, const void* src, DType dtype, std::int64_t offset,
                          std::int64_t n) {
@@ -114,10 +142,13 @@ inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const flo
   for (std::int64_t i = 0; i < n; ++i) store_f32(dst, dtype, offset + i, src[i]);
 }
 
+// Whether store_row_f32(..., stream) writes with non-temporal stores: f32 rows only.
+inline bool streams_rows(DType dtype, bool stream) { return stream && dtype == DType::f32; }
+
 // As store_row_f32, with non-temporal stores for f32 (stream_row_f32) when `stream`.
 inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const float* src,
                           std::int64_t n, bool stream) {
-  if (stream && dtype == DType::f32) {
+  if (streams_rows(dtype, stream)) {
     stream_row_f32(static_cast<float*>(dst) + offset, src, n);
     return;
   }
