@@ -33,7 +33,7 @@
 // pair's P = dS = 0 times an infinity would be NaN (cpu/visible_gradients.hpp).
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
-// accumulators: at most 0.4 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ
+// accumulators: at most 0.7 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ
 // sums, 3 x seqlen_q x Dp floats per query head: per thread for one GQA group when each task owns
 // its group, else for all heads (and one dQ buffer per chunk). Proportional to seqlen_q, never to
 // seqlen_q x seqlen_kv.
@@ -464,17 +464,24 @@ bool backward_on_amx(const AttentionParams& p) {
 FlashTiles flash_backward_tiles(const AttentionParams& p) {
   // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
   // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block
-  // (Br = 32, 96 or 128 were no faster). Bc: the forward's (twice it was 5-10% slower on the
-  // seed shape and [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape
-  // non-causal on AMX), except for the fp32 products under a causal mask or a window: half the
-  // forward's, at least 64, so that the blocks the mask cuts waste half as much. 2 threads,
-  // alternating runs, 64 instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to
-  // 0.176-0.183 s and D = 64 from 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within
-  // the noise, and so was, or 2% slower, the non-causal seed shape.
+  // (Br = 32, 96 or 128 were no faster). On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce
+  // over Br, and each AMX accumulator tile is loaded and stored once per call, which at 64 (two
+  // 32-row steps) cost about as much as the products. 2 threads, alternating runs, bf16
+  // non-causal: seed shape 0.0928-0.0986 -> 0.0891-0.0944 s, D = 64 0.061-0.063 -> 0.058 s,
+  // [2,4096,8,128] 0.304-0.319 -> 0.294-0.301 s; causal seed shape 2% faster; Br = 192 or Bc =
+  // 256 no faster than 128. Bc: the forward's (twice it was 5-10% slower on the seed shape and
+  // [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape non-causal on AMX),
+  // except for the fp32 products under a causal mask or a window: half the forward's, at least
+  // 64, so that the blocks the mask cuts waste half as much. 2 threads, alternating runs, 64
+  // instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to 0.176-0.183 s and D = 64 from
+  // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
+  // slower, the non-causal seed shape.
   const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
+  const bool amx = backward_on_amx(p);
   const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
-  const bool half_keys = masked && !backward_on_amx(p);
-  return {64, half_keys ? std::max<std::int64_t>(forward_keys / 2, 64) : forward_keys, 1};
+  const bool half_keys = masked && !amx;
+  return {amx ? 128 : 64, half_keys ? std::max<std::int64_t>(forward_keys / 2, 64) : forward_keys,
+          1};
 }
 
 std::int64_t flash_backward_chunks(const AttentionParams& p) {
