@@ -443,16 +443,14 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
       }
     }
 
-    // Rows not streamed are read before they are written: asked for ahead, as in the forward's
-    // finish_block. With D_i's rows prefetched too (row_deltas), bf16 seed shape non-causal, 2
-    // threads, alternating runs: 0.0969-0.0989 -> 0.0931-0.0944 s.
-    const bool prefetch_stores = !streams_rows(p.dtype, tiles.stream_gradients);
     for (std::int64_t j = 0; j < keys; ++j) {
-      if (prefetch_stores && j + kRowsAhead < keys) {
-        prefetch_row(bp.dk, p.dtype, bp.dk_strides.offset(b, key_begin + j + kRowsAhead, h_kv), D,
-                     true);
-        prefetch_row(bp.dv, p.dtype, bp.dv_strides.offset(b, key_begin + j + kRowsAhead, h_kv), D,
-                     true);
+      if (j + kRowsAhead < keys) {
+        prefetch_store_row(bp.dk, p.dtype,
+                           bp.dk_strides.offset(b, key_begin + j + kRowsAhead, h_kv), D,
+                           tiles.stream_gradients);
+        prefetch_store_row(bp.dv, p.dtype,
+                           bp.dv_strides.offset(b, key_begin + j + kRowsAhead, h_kv), D,
+                           tiles.stream_gradients);
       }
       store_row_f32(bp.dk, p.dtype, bp.dk_strides.offset(b, key_begin + j, h_kv),
                     t.dk.data() + j * Dp, D, tiles.stream_gradients);
@@ -573,11 +571,10 @@ void flash_backward(const BackwardParams& bp) {
         if (!task_owns_queries) return;
         for (std::int64_t g = 0; g < p.group_size(); ++g) {
           const std::int64_t h = h_kv * p.group_size() + g;
-          const bool prefetch_stores = !streams_rows(p.dtype, tiles.stream_gradients);
           for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
-            if (prefetch_stores && position + kRowsAhead < p.seqlen_q) {
-              prefetch_row(bp.dq, p.dtype, bp.dq_strides.offset(b, position + kRowsAhead, h), D,
-                           true);
+            if (position + kRowsAhead < p.seqlen_q) {
+              prefetch_store_row(bp.dq, p.dtype, bp.dq_strides.offset(b, position + kRowsAhead, h),
+                                 D, tiles.stream_gradients);
             }
             store_row_f32(bp.dq, p.dtype, bp.dq_strides.offset(b, position, h),
                           task.dq + (g * p.seqlen_q + position) * tiles.dims_padded, D,

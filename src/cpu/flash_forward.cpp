@@ -152,16 +152,12 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
 void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                   const QueryBlock& block) {
   const TaskRows& task = block.rows;
-  // A row written with plain stores is first read (write-allocate), and rows lie a page or
-  // more apart: asked for kRowsAhead rows on, as the loads are. bf16 seed shape, non-causal,
-  // 2 threads, alternating runs: 0.0392-0.0428 -> 0.0366-0.0397 s.
-  const bool prefetch_stores = !streams_rows(p.dtype, stream_out);
   for (std::int64_t i = 0; i < task.count(); ++i) {
-    if (prefetch_stores && i + kRowsAhead < task.count()) {
+    if (i + kRowsAhead < task.count()) {
       const std::int64_t ahead = i + kRowsAhead;
-      prefetch_row(p.out, p.dtype,
-                   p.out_strides.offset(task.b, task.position(ahead), task.head(ahead)), p.head_dim,
-                   true);
+      prefetch_store_row(p.out, p.dtype,
+                         p.out_strides.offset(task.b, task.position(ahead), task.head(ahead)),
+                         p.head_dim, stream_out);
     }
     float* acc_row = block.acc + i * Dp;
     const float sum = block.row_sum[i];
