@@ -3,7 +3,8 @@
 // bit patterns, in a row whose length leaves a scalar tail. NaN stays NaN (F16C quiets a
 // signaling NaN, the scalar path keeps its payload; both are NaN, which is all the library
 // promises). Narrowing to bf16 matches the scalar rounding bit for bit. dot_f32 (util/dot.cpp)
-// matches an fp64 sum within fp32 summation error.
+// matches an fp64 sum within fp32 summation error. The transposes that pack operands match the
+// scalar ones exactly.
 
 #include <gtest/gtest.h>
 
@@ -134,6 +135,43 @@ TEST(RoundTransposedBf16, MatchesTheScalarTranspose) {
       }
     }
   }
+}
+
+// The transposed packing of K and V (pack_rows_transposed): up to 16 rows, each from its own
+// place in memory, become columns of 16 floats, on every target. Counts below 16 zero the
+// missing rows' columns; lengths that are not a whole number of vectors leave a scalar tail;
+// nothing is written past the 16 columns of a row of dst.
+TEST(TransposeRows, MatchesTheScalarTransposeOnEveryTarget) {
+  constexpr std::int64_t kRows = detail::cpu::kTileLanes, ld_dst = kRows + 5;
+  std::mt19937_64 rng(12);
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<float>> sources(kRows, std::vector<float>(70));
+  for (auto& row : sources) {
+    for (float& x : row) x = normal(rng);
+  }
+  const float* rows[kRows];
+  for (std::int64_t r = 0; r < kRows; ++r) rows[r] = sources[static_cast<std::size_t>(r)].data();
+  for (const auto& target : detail::cpu::supported_simd_targets()) {
+    detail::cpu::force_simd_target(target.id);
+    for (const std::int64_t count : {1, 5, 8, 15, 16}) {
+      for (const std::int64_t n : {1, 4, 16, 17, 64, 70}) {
+        std::vector<float> dst(static_cast<std::size_t>(n * ld_dst), -7.0f);
+        detail::cpu::transpose_rows(dst.data(), ld_dst, rows, count, n);
+        for (std::int64_t d = 0; d < n; ++d) {
+          for (std::int64_t r = 0; r < ld_dst; ++r) {
+            const float want =
+                r >= kRows  ? -7.0f
+                : r < count ? sources[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)]
+                            : 0.0f;
+            ASSERT_EQ(dst[static_cast<std::size_t>(d * ld_dst + r)], want)
+                << target.name << " count " << count << " n " << n << " at (" << d << ", " << r
+                << ")";
+          }
+        }
+      }
+    }
+  }
+  detail::cpu::force_simd_target(0);
 }
 
 // |Σ a·b - fp64| <= n·u·Σ|a·b| (u = 2^-24), the worst case of any summation order, for lengths

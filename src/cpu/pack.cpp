@@ -57,11 +57,7 @@ void pack_rows_transposed(float* panels, const void* base, DType dtype, const St
           sources[jj] = widened[jj];
         }
       }
-      for (std::int64_t d = 0; d < dims; ++d) {
-        float* dst = columns + (d0 + d) * width;
-        for (std::int64_t jj = 0; jj < loaded; ++jj) dst[jj] = sources[jj][d];
-        for (std::int64_t jj = loaded; jj < kTileLanes; ++jj) dst[jj] = 0.0f;
-      }
+      transpose_rows(columns + d0 * width, width, sources, loaded, dims);
     }
   }
 }

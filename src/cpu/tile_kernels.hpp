@@ -49,6 +49,12 @@ struct RowsOperand {
   std::int64_t packed_rows = 0;
 };
 
+// dst[d · ld_dst + r] = rows[r][d] for r < count, d < n, and 0 for r in [count, kTileLanes):
+// up to kTileLanes rows transposed into columns of kTileLanes floats, as pack_rows_transposed
+// lays out Kᵀ and Vᵀ (pack.hpp).
+void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, std::int64_t count,
+                    std::int64_t n);
+
 // scores[:, :keys_padded] = q · Kᵀ, unscaled: the softmax steps below take the scale
 //                                                                     [rows x keys_padded]
 void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
