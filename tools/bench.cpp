@@ -112,6 +112,9 @@ struct BackwardResult {
   std::string oracle, reason;
   BackwardChecks checks;
   std::optional<double> seconds, cpu_share;
+  // Timed alternately with the path's forward (paired_median_seconds): that forward's median
+  // seconds and the median of backward / forward over the pairs.
+  std::optional<double> forward_seconds, over_forward;
 };
 
 const char* status_name(BackwardResult::Status status) {
@@ -170,6 +173,7 @@ struct CaseResult {
         !path->backward->seconds) {
       return std::nullopt;
     }
+    if (path->backward->over_forward) return path->backward->over_forward;
     return *path->backward->seconds / *path->seconds;
   }
 };
@@ -343,15 +347,21 @@ struct Timing {
   std::optional<double> cpu_share;
 };
 
-// The median of `repeat` calls (the caller has run the warm-up), with the CPU share of the calls.
-Timing time_calls(int repeat, int threads, const std::function<void()>& call) {
+// CPU time this process uses while `runs` runs over its wall time times the threads.
+std::optional<double> cpu_share_of(int threads, const std::function<void()>& runs) {
   const double cpu_before = process_cpu_seconds();
   const auto start = std::chrono::steady_clock::now();
-  Timing timing;
-  timing.seconds = median_seconds(repeat, call);
+  runs();
   const double wall =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (wall > 0.0) timing.cpu_share = (process_cpu_seconds() - cpu_before) / (wall * threads);
+  if (wall <= 0.0) return std::nullopt;
+  return (process_cpu_seconds() - cpu_before) / (wall * threads);
+}
+
+// The median of `repeat` calls (the caller has run the warm-up), with the CPU share of the calls.
+Timing time_calls(int repeat, int threads, const std::function<void()>& call) {
+  Timing timing;
+  timing.cpu_share = cpu_share_of(threads, [&] { timing.seconds = median_seconds(repeat, call); });
   return timing;
 }
 
@@ -371,10 +381,12 @@ class BackwardRun {
         problem_{q, k, v, dout_, out, lse, options},
         oracle_(problem_, rows, reference_budget_flops) {}
 
-  // Checks `impl`'s backward and, when it passes and `timed`, times it (median of `repeat`). The
-  // standard path runs even when not timed, on the slice only: its error is the baseline of the
-  // flash tolerance, and its dK, dV the oracle where the reference would cost too much.
-  BackwardResult run(AttentionImpl impl, bool timed, int repeat, int threads) {
+  // Checks `impl`'s backward and, when it passes and `timed`, times it (median of `repeat`), in
+  // alternation with `forward`, the path's forward, when given. The standard path runs even
+  // when not timed, on the slice only: its error is the baseline of the flash tolerance, and its
+  // dK, dV the oracle where the reference would cost too much.
+  BackwardResult run(AttentionImpl impl, bool timed, int repeat, int threads,
+                     const std::function<void()>* forward) {
     BackwardResult result;
     if (impl == AttentionImpl::standard) {
       if (std::optional<std::string> refusal = standard_refusal()) {
@@ -404,9 +416,20 @@ class BackwardRun {
       return result;
     }
     result.status = BackwardResult::Status::verified;
-    const Timing timing = time_calls(repeat, threads, call);
-    result.seconds = timing.seconds;
-    result.cpu_share = timing.cpu_share;
+    if (forward == nullptr) {
+      const Timing timing = time_calls(repeat, threads, call);
+      result.seconds = timing.seconds;
+      result.cpu_share = timing.cpu_share;
+      return result;
+    }
+    // The forward rewrites out and lse with the same values (it is deterministic), so each
+    // backward still reads its own forward's outputs.
+    PairedSeconds times;
+    result.cpu_share =
+        cpu_share_of(threads, [&] { times = paired_median_seconds(repeat, *forward, call); });
+    result.forward_seconds = times.first;
+    result.seconds = times.second;
+    result.over_forward = times.second_over_first;
     return result;
   }
 
@@ -433,7 +456,9 @@ class BackwardRun {
 // Runs one case: the standard path first (its error against the reference is the baseline of
 // the flash tolerance, so it runs even when only flash is timed), then flash; each path's first
 // call is verified and doubles as the warm-up of its timed calls. With --backward, each path's
-// backward runs right after its forward, while `out` and `lse` still hold that forward's outputs.
+// backward runs right after its forward, while `out` and `lse` still hold that forward's outputs,
+// and a verified backward is timed in alternation with the forward, whose time comes from those
+// runs (backward / forward then compares calls made back to back on a machine whose load drifts).
 CaseResult run_case(const Case& shape, const BenchOptions& options, int threads) {
   std::mt19937_64 rng(options.seed);
   const std::array<std::int64_t, 4> dims = {shape.batch, shape.seqlen, shape.heads, shape.head_dim};
@@ -485,18 +510,23 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
     if (impl == AttentionImpl::standard) standard_verified = path.verified;
     const bool timed = std::find(options.impls.begin(), options.impls.end(), impl_name(impl)) !=
                        options.impls.end();
-    if (timed && path.verified) {
-      const Timing timing = time_calls(options.repeat, threads, call);
-      path.seconds = timing.seconds;
-      path.cpu_share = timing.cpu_share;
-    }
     if (backward) {
       if (path.verified) {
-        path.backward = backward->run(impl, timed, options.repeat, threads);
+        const std::function<void()> forward = call;
+        path.backward = backward->run(impl, timed, options.repeat, threads, &forward);
+        if (path.backward->forward_seconds) {
+          path.seconds = path.backward->forward_seconds;
+          path.cpu_share = path.backward->cpu_share;
+        }
       } else {
         path.backward.emplace();
         path.backward->reason = "its forward failed verification";
       }
+    }
+    if (timed && path.verified && !path.seconds) {
+      const Timing timing = time_calls(options.repeat, threads, call);
+      path.seconds = timing.seconds;
+      path.cpu_share = timing.cpu_share;
     }
     if (timed) result.paths.push_back(path);
   }
@@ -523,8 +553,9 @@ std::string csv_field(const std::string& text) {
 }
 
 // Machine, case, result, ratios, ceilings; then the backward (empty without --backward):
-// backward_flops = 2.5 x flops, backward_over_forward = backward time / the same path's forward
-// time, backward_ratio_standard = flash backward GFLOP/s / standard backward GFLOP/s.
+// backward_flops = 2.5 x flops, backward_over_forward = the median over alternating runs of
+// backward time / the same path's forward run just before it, backward_ratio_standard = flash
+// backward GFLOP/s / standard backward GFLOP/s.
 constexpr const char* kCsvHeader =
     "date,host,cpu_model,simd_target,bf16_products,fma_target,openblas_core,openblas_coretype_env,"
     "threads,"
@@ -581,44 +612,24 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                            optional_number("%.3g", backward.checks.dv.tolerance)};
       }
       std::vector<std::string> fields = {
-          machine.date,
-          machine.host,
-          machine.cpu_model,
-          machine.simd_target,
-          machine.bf16_products,
-          ceilings.fma_target,
-          machine.openblas_core,
-          machine.openblas_coretype,
-          std::to_string(machine.threads),
-          std::to_string(repeat),
-          shape.seed_shape ? "seed" : "sweep",
-          dtype_name(shape.dtype),
-          std::to_string(shape.batch),
-          std::to_string(shape.heads),
-          std::to_string(shape.seqlen),
-          std::to_string(shape.seqlen),
-          std::to_string(shape.head_dim),
-          shape.causal ? "true" : "false",
-          impl_name(path.impl),
-          format("%.0f", result.flops),
-          optional_number("%.6f", path.seconds),
-          optional_number("%.2f", gflops),
-          optional_number("%.2f", path.cpu_share),
-          path.verified ? "yes" : "no",
-          format("%.3g", path.errors.out.max_abs),
-          format("%.3g", path.tolerance.out),
-          format("%.3g", path.errors.lse.max_abs),
+          machine.date, machine.host, machine.cpu_model, machine.simd_target, machine.bf16_products,
+          ceilings.fma_target, machine.openblas_core, machine.openblas_coretype,
+          std::to_string(machine.threads), std::to_string(repeat),
+          shape.seed_shape ? "seed" : "sweep", dtype_name(shape.dtype), std::to_string(shape.batch),
+          std::to_string(shape.heads), std::to_string(shape.seqlen), std::to_string(shape.seqlen),
+          std::to_string(shape.head_dim), shape.causal ? "true" : "false", impl_name(path.impl),
+          format("%.0f", result.flops), optional_number("%.6f", path.seconds),
+          optional_number("%.2f", gflops), optional_number("%.2f", path.cpu_share),
+          path.verified ? "yes" : "no", format("%.3g", path.errors.out.max_abs),
+          format("%.3g", path.tolerance.out), format("%.3g", path.errors.lse.max_abs),
           format("%.3g", path.tolerance.lse),
           // Significant digits, not decimals: against the AMX peak a slow (sanitized) standard
           // path's ratio is ~1e-5, which "%.4f" wrote as 0.
-          optional_number("%.4g", ratio(peak)),
-          optional_number("%.4g", ratio(sgemm)),
+          optional_number("%.4g", ratio(peak)), optional_number("%.4g", ratio(sgemm)),
           path.impl == AttentionImpl::flash ? optional_number("%.4g", ratio(standard)) : "",
-          format("%.1f", peak),
-          format("%.1f", ceilings.fma_gflops),
+          format("%.1f", peak), format("%.1f", ceilings.fma_gflops),
           optional_number("%.1f", ceilings.bf16_dot_gflops),
-          optional_number("%.1f", ceilings.amx_gflops),
-          format("%.1f", sgemm),
+          optional_number("%.1f", ceilings.amx_gflops), format("%.1f", sgemm),
           format("%.2f", ceilings.copy_gbps)};
       fields.insert(fields.end(), backward_fields.begin(), backward_fields.end());
       append_row(fields);
@@ -811,8 +822,9 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
     std::printf(
         "backward GFLOP/s = 2.5 x attention_flops / time (the usual convention: five products of "
         "the forward's size, S, dP, dV, dQ, dK, against its two);\n"
-        "         f b/f, s b/f = backward time / forward time of flash, of standard; bwd f/s = "
-        "flash backward speed-up over the standard backward\n"
+        "         forward and backward runs alternate; f b/f, s b/f = median of backward time / "
+        "the forward run just before it, of flash, of standard; bwd f/s = flash backward "
+        "speed-up over the standard backward\n"
         "         verified on the last (batch, KV head) slice against the fp64 reference "
         "(\"reference\"), or, where that slice's backward exceeds %g GFLOP,\n"
         "         on fp64 dQ of the sampled rows and flash's dK, dV against the standard path's "
@@ -1013,7 +1025,9 @@ Action add_bench_command(CLI::App& app) {
       "sgemm\n"
       "at the same head_dim, and over the standard path.\n"
       "--backward: after each path's forward, its backward on the same inputs, a fixed random dO\n"
-      "and the out and lse of that path's own forward; verified, then timed (median). FLOPs:\n"
+      "and the out and lse of that path's own forward; verified, then timed (median) in runs that\n"
+      "alternate with the forward's (both medians then sample the same stretch of a shared\n"
+      "machine's load; backward/forward is the median over the pairs). FLOPs:\n"
       "2.5x attention_flops, the usual convention (five products of the forward's size: S, dP,\n"
       "dV, dQ, dK; the forward has two). Verified on the last (batch, KV head) slice, its GQA\n"
       "group of query heads, against the fp64 reference backward; where that slice exceeds\n"
