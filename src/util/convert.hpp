@@ -84,8 +84,9 @@ void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n
 // dst[0, n) = bf16_from_f32(src[0, n)), with SIMD where the CPU has it (util/widen.cpp).
 void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
 
-// dst[0, n) = src[0, n) with non-temporal stores where dst is vector-aligned: the lines go to
-// memory without being read first. For outputs too large to stay in cache; the writing thread
+// dst[0, n) = src[0, n) with non-temporal stores (whole vectors where dst is vector-aligned, 16
+// bytes at the row's ends where it is 16-byte aligned): the lines go to memory without being
+// read first. For outputs too large to stay in cache; the writing thread
 // calls fence_streams() before another thread may read them.
 void stream_row_f32(float* dst, const float* src, std::int64_t n);
 void fence_streams();
@@ -159,9 +160,9 @@ inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const flo
 // Asks for the row that store_row_f32(dst, dtype, offset, ..., n, stream) will write, unless
 // that streams it: plain stores read every line they write (write-allocate), and rows lie a
 // page or more apart, so callers ask kRowsAhead rows on, as for loads. bf16 seed shape
-// non-causal, 2 threads, alternating runs: forward 0.0392-0.0428 -> 0.0366-0.0397 s. (Asking for
-// the partial lines at the ends of a streamed row that is not 64-byte aligned, which
-// stream_row_f32 writes with plain stores, made no measurable difference.)
+// non-causal, 2 threads, alternating runs: forward 0.0392-0.0428 -> 0.0366-0.0397 s. A streamed
+// row is read by none of its stores (stream_row_f32 writes even its partial end lines
+// non-temporally where it can).
 inline void prefetch_store_row(void* dst, DType dtype, std::int64_t offset, std::int64_t n,
                                bool stream) {
   if (!streams_rows(dtype, stream)) prefetch_row(dst, dtype, offset, n, true);
