@@ -611,26 +611,49 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                            optional_number("%.3g", backward.checks.dv.error),
                            optional_number("%.3g", backward.checks.dv.tolerance)};
       }
+      // One CSV column per line, in kCsvHeader's order.
+      // clang-format off
       std::vector<std::string> fields = {
-          machine.date, machine.host, machine.cpu_model, machine.simd_target, machine.bf16_products,
-          ceilings.fma_target, machine.openblas_core, machine.openblas_coretype,
-          std::to_string(machine.threads), std::to_string(repeat),
-          shape.seed_shape ? "seed" : "sweep", dtype_name(shape.dtype), std::to_string(shape.batch),
-          std::to_string(shape.heads), std::to_string(shape.seqlen), std::to_string(shape.seqlen),
-          std::to_string(shape.head_dim), shape.causal ? "true" : "false", impl_name(path.impl),
-          format("%.0f", result.flops), optional_number("%.6f", path.seconds),
-          optional_number("%.2f", gflops), optional_number("%.2f", path.cpu_share),
-          path.verified ? "yes" : "no", format("%.3g", path.errors.out.max_abs),
-          format("%.3g", path.tolerance.out), format("%.3g", path.errors.lse.max_abs),
+          machine.date,
+          machine.host,
+          machine.cpu_model,
+          machine.simd_target,
+          machine.bf16_products,
+          ceilings.fma_target,
+          machine.openblas_core,
+          machine.openblas_coretype,
+          std::to_string(machine.threads),
+          std::to_string(repeat),
+          shape.seed_shape ? "seed" : "sweep",
+          dtype_name(shape.dtype),
+          std::to_string(shape.batch),
+          std::to_string(shape.heads),
+          std::to_string(shape.seqlen),
+          std::to_string(shape.seqlen),
+          std::to_string(shape.head_dim),
+          shape.causal ? "true" : "false",
+          impl_name(path.impl),
+          format("%.0f", result.flops),
+          optional_number("%.6f", path.seconds),
+          optional_number("%.2f", gflops),
+          optional_number("%.2f", path.cpu_share),
+          path.verified ? "yes" : "no",
+          format("%.3g", path.errors.out.max_abs),
+          format("%.3g", path.tolerance.out),
+          format("%.3g", path.errors.lse.max_abs),
           format("%.3g", path.tolerance.lse),
           // Significant digits, not decimals: against the AMX peak a slow (sanitized) standard
           // path's ratio is ~1e-5, which "%.4f" wrote as 0.
-          optional_number("%.4g", ratio(peak)), optional_number("%.4g", ratio(sgemm)),
+          optional_number("%.4g", ratio(peak)),
+          optional_number("%.4g", ratio(sgemm)),
           path.impl == AttentionImpl::flash ? optional_number("%.4g", ratio(standard)) : "",
-          format("%.1f", peak), format("%.1f", ceilings.fma_gflops),
+          format("%.1f", peak),
+          format("%.1f", ceilings.fma_gflops),
           optional_number("%.1f", ceilings.bf16_dot_gflops),
-          optional_number("%.1f", ceilings.amx_gflops), format("%.1f", sgemm),
+          optional_number("%.1f", ceilings.amx_gflops),
+          format("%.1f", sgemm),
           format("%.2f", ceilings.copy_gbps)};
+      // clang-format on
       fields.insert(fields.end(), backward_fields.begin(), backward_fields.end());
       append_row(fields);
     }
