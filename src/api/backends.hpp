@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "api/params.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 
 namespace flashattn::detail {
 
@@ -34,8 +35,9 @@ struct FlashTiles {
   std::int64_t blocks_per_task = 1;
 };
 FlashTiles flash_tiles(std::int64_t head_dim);
-// Whether the flash backward multiplies on AMX tiles (bf16 inputs, cpu::active_bf16_products).
-bool backward_on_amx(const AttentionParams& p);
+// How the flash backward's products run: bf16 inputs as cpu::active_bf16_products says, every
+// other dtype widened to fp32.
+cpu::Bf16Products backward_bf16_products(const AttentionParams& p);
 FlashTiles flash_backward_tiles(const AttentionParams& p);
 // How many chunks of K/V blocks the flash backward cuts each (batch, KV head) group into: a
 // function of the shape only.

@@ -22,11 +22,12 @@
 // loop instead, each row block was re-read and re-packed once per K/V block it sees: 8 times at
 // seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
 //
-// bf16 inputs on a CPU with AMX (cpu::active_bf16_products) run all five products on AMX tiles:
-// S = Q·Kᵀ and dP = dO·Vᵀ from the bf16 inputs as they are, and dV += Pᵀ·dO, dQ += dS·K,
-// dK += dSᵀ·Q with P and dS rounded to bf16 as their operands (as the forward rounds P for P·V;
-// README says what that costs), every sum in fp32. A (row block, K/V block) pair where either
-// holds a subnormal bf16, which the tiles would count as zero, takes the fp32 path.
+// bf16 inputs run all five products in bf16 where the forward does (cpu::active_bf16_products:
+// on AMX tiles, or with vdpbf16ps): S = Q·Kᵀ and dP = dO·Vᵀ from the bf16 inputs as they are, and
+// dV += Pᵀ·dO, dQ += dS·K, dK += dSᵀ·Q with P and dS rounded to bf16 as their operands (as the
+// forward rounds P for P·V; README says what that costs), every sum in fp32. Both ways read the
+// same operand layouts (cpu::bf16_tile_product). A (row block, K/V block) pair where either
+// holds a subnormal bf16, which both count as zero, takes the fp32 path.
 //
 // Non-finite inputs: a pair that the mask cuts and that holds an infinity or a NaN on either
 // side adds its three gradient products over its visible (row, key) pairs only, since a masked
@@ -79,12 +80,15 @@ hwy::AlignedFreeUniquePtr<float[]> uninitialized_floats(std::int64_t n) {
 
 struct BackwardTiles {
   std::int64_t rows, keys, dims_padded;
-  bool amx;                    // the products on AMX tiles (bf16 inputs)
-  bool stream_gradients;       // dQ, dK, dV written with non-temporal stores (cpu::stream_output)
-  std::int64_t amx_reduction;  // head_dim zero-padded to a whole AMX tile row
-  std::int64_t amx_rows;       // rows (Br) and keys (Bc) zero-padded the same way
-  std::int64_t amx_keys;
+  // The products in bf16 (bf16 inputs, AMX tiles or vdpbf16ps), or in fp32 (widened).
+  cpu::Bf16Products products;
+  bool stream_gradients;        // dQ, dK, dV written with non-temporal stores (cpu::stream_output)
+  std::int64_t bf16_reduction;  // head_dim zero-padded to a whole AMX tile row (kAmxReduction)
+  std::int64_t bf16_rows;       // rows (Br) and keys (Bc) zero-padded the same way
+  std::int64_t bf16_keys;
   std::int64_t ld_scores;  // row stride of the score-sized tiles (scores_stride)
+
+  bool bf16_operands() const { return products != cpu::Bf16Products::widened; }
 };
 
 // Row stride of the [Br x Bc] tiles S/P and dP/dS: Bc plus one cache line. dV += Pᵀ·dO and
@@ -100,11 +104,11 @@ std::int64_t scores_stride(std::int64_t keys) { return keys + cpu::kTileLanes; }
 // products that read them stream (the scores kernel too, panel by panel), and
 // D_i = rowsum(dO_i ∘ O_i).
 //
-// On AMX the products read bf16 copies, and the fp32 panels serve only the pairs that fall back
-// to fp32 (a subnormal on either side). When one task owns the blocks (`fp32_on_demand`) it lays
-// them out at the first such pair, if any: packing them always, the bf16 backward of the seed
-// shape (non-causal, 2 threads, alternating runs) took 0.0851-0.0866 s instead of
-// 0.0816-0.0848. Blocks that several tasks share are laid out whole in advance.
+// With bf16 products (AMX, vdpbf16ps) the products read bf16 copies, and the fp32 panels serve only
+// the pairs that fall back to fp32 (a subnormal on either side). When one task owns the blocks
+// (`fp32_on_demand`) it lays them out at the first such pair, if any: packing them always, the bf16
+// backward of the seed shape (non-causal, 2 threads, alternating runs) took 0.0851-0.0866 s instead
+// of 0.0816-0.0848. Blocks that several tasks share are laid out whole in advance.
 class QueryBlocks {
  public:
   QueryBlocks(const AttentionParams& p, const BackwardTiles& tiles, std::int64_t groups,
@@ -112,15 +116,15 @@ class QueryBlocks {
       : p_(p),
         tiles_(tiles),
         blocks_per_head_((p.seqlen_q + tiles.rows - 1) / tiles.rows),
-        fp32_on_demand_(fp32_on_demand && tiles.amx) {
+        fp32_on_demand_(fp32_on_demand && tiles.bf16_operands()) {
     const std::int64_t heads = groups * p.group_size();
     q_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     dout_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
     delta_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
     lse_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
-    if (tiles.amx) {
-      const std::int64_t bf16_block = tiles.rows * tiles.amx_reduction;
-      const std::int64_t pairs_block = tiles.amx_rows * tiles.dims_padded;
+    if (tiles.bf16_operands()) {
+      const std::int64_t bf16_block = tiles.rows * tiles.bf16_reduction;
+      const std::int64_t pairs_block = tiles.bf16_rows * tiles.dims_padded;
       q_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
       dout_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
       q_pairs_.assign(heads * blocks_per_head_ * pairs_block, 0);
@@ -147,7 +151,7 @@ class QueryBlocks {
                rows(n), p_.head_dim);
     float* lse = lse_.get() + index * tiles_.rows;
     backward_row_lse(lse, p_, b, h, row_begin, rows(n));
-    if (!tiles_.amx) {
+    if (!tiles_.bf16_operands()) {
       pack_fp32(bp, slot, b, h_kv, g, n);
       finite_[index] = cpu::all_finite(q_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
                        cpu::all_finite(dout_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
@@ -156,25 +160,25 @@ class QueryBlocks {
     }
     // As pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO; packing them also
     // tells whether the block holds a subnormal.
-    const std::int64_t pairs_offset = index * tiles_.amx_rows * tiles_.dims_padded;
+    const std::int64_t pairs_offset = index * tiles_.bf16_rows * tiles_.dims_padded;
     const bool subnormal_q = cpu::pack_row_pairs_bf16(
         q_pairs_.data() + pairs_offset, p_.q, p_.q_strides, b, h, row_begin, rows(n),
-        tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
+        tiles_.bf16_rows, p_.head_dim, tiles_.dims_padded);
     const bool subnormal_dout = cpu::pack_row_pairs_bf16(
         dout_pairs_.data() + pairs_offset, bp.dout, bp.dout_strides, b, h, row_begin, rows(n),
-        tiles_.amx_rows, p_.head_dim, tiles_.dims_padded);
+        tiles_.bf16_rows, p_.head_dim, tiles_.dims_padded);
     bf16_exact_[index] = !subnormal_q && !subnormal_dout;
     // And as row-major bf16 rows, head_dim zero-padded (the padding is never written).
     const auto* q_rows = static_cast<const std::uint16_t*>(p_.q);
     const auto* dout_rows = static_cast<const std::uint16_t*>(bp.dout);
     for (std::int64_t i = 0; i < rows(n); ++i) {
-      const std::int64_t row = (index * tiles_.rows + i) * tiles_.amx_reduction;
+      const std::int64_t row = (index * tiles_.rows + i) * tiles_.bf16_reduction;
       std::copy_n(q_rows + p_.q_strides.offset(b, row_begin + i, h), p_.head_dim,
                   q_bf16_.data() + row);
       std::copy_n(dout_rows + bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim,
                   dout_bf16_.data() + row);
     }
-    const std::int64_t bf16_elements = rows(n) * tiles_.amx_reduction;
+    const std::int64_t bf16_elements = rows(n) * tiles_.bf16_reduction;
     finite_[index] = cpu::all_finite_bf16(q_bf16(slot, g, n), bf16_elements) &&
                      cpu::all_finite_bf16(dout_bf16(slot, g, n), bf16_elements) &&
                      cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
@@ -209,13 +213,13 @@ class QueryBlocks {
   const float* lse(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return lse_.get() + block_index(slot, g, n) * tiles_.rows;
   }
-  // AMX only: the block's Q and dO as bf16 rows [rows x amx_reduction], and whether they hold
-  // no subnormal.
+  // bf16 products only: the block's Q and dO as bf16 rows [rows x bf16_reduction], and whether they
+  // hold no subnormal.
   const std::uint16_t* q_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return q_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.amx_reduction;
+    return q_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.bf16_reduction;
   }
   const std::uint16_t* dout_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return dout_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.amx_reduction;
+    return dout_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.bf16_reduction;
   }
   bool bf16_exact(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return bf16_exact_[block_index(slot, g, n)] != 0;
@@ -225,12 +229,13 @@ class QueryBlocks {
   bool finite(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return finite_[block_index(slot, g, n)] != 0;
   }
-  // AMX only: Q and dO as pairs of rows (cpu::bf16_value_index, rows padded to amx_rows).
+  // bf16 products only: Q and dO as pairs of rows (cpu::bf16_value_index, rows padded to
+  // bf16_rows).
   const std::uint16_t* q_pairs(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return q_pairs_.data() + block_index(slot, g, n) * tiles_.amx_rows * tiles_.dims_padded;
+    return q_pairs_.data() + block_index(slot, g, n) * tiles_.bf16_rows * tiles_.dims_padded;
   }
   const std::uint16_t* dout_pairs(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return dout_pairs_.data() + block_index(slot, g, n) * tiles_.amx_rows * tiles_.dims_padded;
+    return dout_pairs_.data() + block_index(slot, g, n) * tiles_.bf16_rows * tiles_.dims_padded;
   }
 
  private:
@@ -249,8 +254,8 @@ class QueryBlocks {
 
 struct Scratch {
   AlignedVector<float> k_packed_t, k_packed, v_packed_t;  // Kᵀ panels, K panels, Vᵀ panels
-  // AMX: Kᵀ and Vᵀ as pairs of dims (bf16_key_index), K as pairs of keys (bf16_value_index);
-  // Pᵀ and dSᵀ [keys x amx_rows] and dS [rows x amx_keys] rounded to bf16.
+  // bf16 products: Kᵀ and Vᵀ as pairs of dims (bf16_key_index), K as pairs of keys
+  // (bf16_value_index); Pᵀ and dSᵀ [keys x bf16_rows] and dS [rows x bf16_keys] rounded to bf16.
   AlignedVector<std::uint16_t> k_bf16, v_bf16, k_pairs, probabilities_t, dscores_t, dscores_bf16;
   AlignedVector<float> probabilities, dscores;  // [Br x Bc] each
   AlignedVector<float> dk, dv;
@@ -269,13 +274,13 @@ struct Scratch {
         dscores(tiles.rows * tiles.ld_scores),
         dk(tiles.keys * tiles.dims_padded),
         dv(tiles.keys * tiles.dims_padded) {
-    if (tiles.amx) {
-      k_bf16.assign(tiles.keys * tiles.amx_reduction, 0);
-      v_bf16.assign(tiles.keys * tiles.amx_reduction, 0);
-      k_pairs.assign(tiles.amx_keys * tiles.dims_padded, 0);
-      probabilities_t.assign(tiles.keys * tiles.amx_rows, 0);
-      dscores_t.assign(tiles.keys * tiles.amx_rows, 0);
-      dscores_bf16.assign(tiles.rows * tiles.amx_keys, 0);
+    if (tiles.bf16_operands()) {
+      k_bf16.assign(tiles.keys * tiles.bf16_reduction, 0);
+      v_bf16.assign(tiles.keys * tiles.bf16_reduction, 0);
+      k_pairs.assign(tiles.bf16_keys * tiles.dims_padded, 0);
+      probabilities_t.assign(tiles.keys * tiles.bf16_rows, 0);
+      dscores_t.assign(tiles.keys * tiles.bf16_rows, 0);
+      dscores_bf16.assign(tiles.rows * tiles.bf16_keys, 0);
     }
     if (task_owns_queries) {
       queries.emplace(p, tiles, 1, true);
@@ -304,9 +309,9 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
     const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
 
     // K and V of the block in the layouts the three products that read them stream, in fp32
-    // unless they run on AMX (then in bf16, and in fp32 only if a pair needs it).
+    // unless the products are bf16 ones (then in bf16, and in fp32 only if a pair needs it).
     bool kv_bf16_exact = false, fp32_packed = false, kv_finite = true;
-    const std::int64_t amx_keys = cpu::pad_to_amx_reduction(keys);
+    const std::int64_t bf16_keys = cpu::pad_to_amx_reduction(keys);
     auto pack_fp32 = [&] {
       cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
                                 keys, keys_padded, D);
@@ -315,19 +320,20 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
       cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
       fp32_packed = true;
     };
-    const std::int64_t transposed_size = (tiles.amx ? tiles.amx_reduction : D) * keys_padded;
-    if (tiles.amx) {
+    const std::int64_t transposed_size =
+        (tiles.bf16_operands() ? tiles.bf16_reduction : D) * keys_padded;
+    if (tiles.bf16_operands()) {
       const bool subnormal_keys =
           cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, key_begin,
-                                         keys, keys_padded, D, tiles.amx_reduction);
+                                         keys, keys_padded, D, tiles.bf16_reduction);
       const bool subnormal_values =
           cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin,
-                                         keys, keys_padded, D, tiles.amx_reduction);
+                                         keys, keys_padded, D, tiles.bf16_reduction);
       kv_bf16_exact = !subnormal_keys && !subnormal_values;
       kv_finite = cpu::all_finite_bf16(t.k_bf16.data(), transposed_size) &&
                   cpu::all_finite_bf16(t.v_bf16.data(), transposed_size);
       cpu::pack_row_pairs_bf16(t.k_pairs.data(), p.k, p.k_strides, b, h_kv, key_begin, keys,
-                               amx_keys, D, Dp);
+                               bf16_keys, D, Dp);
     } else {
       pack_fp32();
       kv_finite = cpu::all_finite(t.k_packed_t.data(), transposed_size) &&
@@ -351,8 +357,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
       const std::int64_t h = h_kv * p.group_size() + g;
       for (std::int64_t n = first_block; n < end_block; ++n) {
         const std::int64_t row_begin = n * tiles.rows, rows = queries.rows(n);
-        const bool amx = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
-        if (!amx) queries.pack_fp32(bp, task.slot, b, h_kv, g, n);
+        const bool bf16 = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
+        if (!bf16) queries.pack_fp32(bp, task.slot, b, h_kv, g, n);
         const float* q = queries.q_panels(task.slot, g, n);
         const float* dout = queries.dout_panels(task.slot, g, n);
         // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its
@@ -360,13 +366,13 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         const bool fully_visible = p.key_range(row_begin).end >= key_end &&
                                    p.key_range(row_begin + rows - 1).begin <= key_begin;
         const bool visible_only = !fully_visible && !(kv_finite && queries.finite(task.slot, g, n));
-        if (!amx && !fp32_packed) pack_fp32();
+        if (!bf16 && !fp32_packed) pack_fp32();
 
         // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
-        if (amx) {
-          cpu::amx_product(t.probabilities.data(), ld_s, false, queries.q_bf16(task.slot, g, n),
-                           tiles.amx_reduction, t.k_bf16.data(), rows, keys_padded,
-                           tiles.amx_reduction);
+        if (bf16) {
+          cpu::bf16_tile_product(tiles.products, t.probabilities.data(), ld_s, false,
+                                 queries.q_bf16(task.slot, g, n), tiles.bf16_reduction,
+                                 t.k_bf16.data(), rows, keys_padded, tiles.bf16_reduction);
         } else {
           cpu::scores_tile(t.probabilities.data(), ld_s, {q, Dp, rows}, t.k_packed_t.data(), rows,
                            keys_padded, D);
@@ -381,22 +387,23 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
         // dV += Pᵀ·dO                                                     [keys x Dp]
         // (visible_only: with dQ and dK below)
-        if (amx && !visible_only) {
-          cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.amx_rows,
-                                     t.probabilities.data(), ld_s, rows, tiles.amx_rows,
+        if (bf16 && !visible_only) {
+          cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.bf16_rows,
+                                     t.probabilities.data(), ld_s, rows, tiles.bf16_rows,
                                      keys_padded);
-          cpu::amx_product(t.dv.data(), Dp, true, t.probabilities_t.data(), tiles.amx_rows,
-                           queries.dout_pairs(task.slot, g, n), keys, Dp, tiles.amx_rows);
+          cpu::bf16_tile_product(tiles.products, t.dv.data(), Dp, true, t.probabilities_t.data(),
+                                 tiles.bf16_rows, queries.dout_pairs(task.slot, g, n), keys, Dp,
+                                 tiles.bf16_rows);
         } else if (!visible_only) {
           cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, dout,
                                              rows, keys, Dp);
         }
 
         // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
-        if (amx) {
-          cpu::amx_product(t.dscores.data(), ld_s, false, queries.dout_bf16(task.slot, g, n),
-                           tiles.amx_reduction, t.v_bf16.data(), rows, keys_padded,
-                           tiles.amx_reduction);
+        if (bf16) {
+          cpu::bf16_tile_product(tiles.products, t.dscores.data(), ld_s, false,
+                                 queries.dout_bf16(task.slot, g, n), tiles.bf16_reduction,
+                                 t.v_bf16.data(), rows, keys_padded, tiles.bf16_reduction);
         } else {
           cpu::scores_tile(t.dscores.data(), ld_s, {dout, Dp, rows}, t.v_packed_t.data(), rows,
                            keys_padded, D);
@@ -425,15 +432,16 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
               p, {row_begin, rows, key_begin, keys, D, t.probabilities.data(), t.dscores.data(),
                   ld_s, t.q_rows.data(), D, t.dout_rows.data(), D, t.k_rows.data(), D, dq, Dp,
                   t.dk.data(), t.dv.data(), Dp});
-        } else if (amx) {
-          cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.amx_keys, t.dscores.data(),
-                                        ld_s, rows, keys_padded, amx_keys);
-          cpu::amx_product(dq, Dp, true, t.dscores_bf16.data(), tiles.amx_keys, t.k_pairs.data(),
-                           rows, Dp, amx_keys);
-          cpu::round_transposed_bf16(t.dscores_t.data(), tiles.amx_rows, t.dscores.data(), ld_s,
-                                     rows, tiles.amx_rows, keys_padded);
-          cpu::amx_product(t.dk.data(), Dp, true, t.dscores_t.data(), tiles.amx_rows,
-                           queries.q_pairs(task.slot, g, n), keys, Dp, tiles.amx_rows);
+        } else if (bf16) {
+          cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.bf16_keys, t.dscores.data(),
+                                        ld_s, rows, keys_padded, bf16_keys);
+          cpu::bf16_tile_product(tiles.products, dq, Dp, true, t.dscores_bf16.data(),
+                                 tiles.bf16_keys, t.k_pairs.data(), rows, Dp, bf16_keys);
+          cpu::round_transposed_bf16(t.dscores_t.data(), tiles.bf16_rows, t.dscores.data(), ld_s,
+                                     rows, tiles.bf16_rows, keys_padded);
+          cpu::bf16_tile_product(tiles.products, t.dk.data(), Dp, true, t.dscores_t.data(),
+                                 tiles.bf16_rows, queries.q_pairs(task.slot, g, n), keys, Dp,
+                                 tiles.bf16_rows);
         } else {
           cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
                                   rows, Dp);
@@ -463,8 +471,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
 }  // namespace
 
-bool backward_on_amx(const AttentionParams& p) {
-  return p.dtype == DType::bf16 && cpu::active_bf16_products() == cpu::Bf16Products::amx;
+cpu::Bf16Products backward_bf16_products(const AttentionParams& p) {
+  return p.dtype == DType::bf16 ? cpu::active_bf16_products() : cpu::Bf16Products::widened;
 }
 
 FlashTiles flash_backward_tiles(const AttentionParams& p) {
@@ -483,7 +491,7 @@ FlashTiles flash_backward_tiles(const AttentionParams& p) {
   // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
   // slower, the non-causal seed shape.
   const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
-  const bool amx = backward_on_amx(p);
+  const bool amx = backward_bf16_products(p) == cpu::Bf16Products::amx;
   const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
   const bool half_keys = masked && !amx;
   return {amx ? 128 : 64, half_keys ? std::max<std::int64_t>(forward_keys / 2, 64) : forward_keys,
@@ -502,7 +510,7 @@ void flash_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim;
   const FlashTiles sizes = flash_backward_tiles(p);
-  const bool amx = backward_on_amx(p);
+  const cpu::Bf16Products products = backward_bf16_products(p);
   // Written with plain stores, the three gradients' rows were first read from memory: 2-5% of
   // the backward at [1,1024,64,128] causal and [1,1024,32,128] non-causal (2 threads,
   // alternating runs: 0.195-0.203 -> 0.186-0.197 s and 0.156-0.167 -> 0.150-0.164 s).
@@ -512,7 +520,7 @@ void flash_backward(const BackwardParams& bp) {
   const BackwardTiles tiles{sizes.rows,
                             sizes.keys,
                             cpu::pad_to_lanes(D),
-                            amx,
+                            products,
                             cpu::stream_output(gradient_bytes, p.num_threads),
                             cpu::pad_to_amx_reduction(D),
                             cpu::pad_to_amx_reduction(sizes.rows),

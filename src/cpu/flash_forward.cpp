@@ -211,12 +211,10 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
     const std::int64_t rows = row_hi - row_lo;
     float* scores = t.scores.data();
     float* acc = block.acc + row_lo * Dp;
-    if (products == cpu::Bf16Products::amx) {
-      cpu::amx_product(scores, ld_scores, false, block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims,
-                       t.k_bf16.data(), rows, keys_padded, t.bf16_dims);
-    } else if (products == cpu::Bf16Products::avx512_bf16) {
-      cpu::scores_tile_bf16(scores, ld_scores, block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims,
-                            t.k_bf16.data(), rows, keys_padded, t.bf16_dims, 1.0f);
+    if (products != cpu::Bf16Products::widened) {
+      cpu::bf16_tile_product(products, scores, ld_scores, false,
+                             block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims, t.k_bf16.data(),
+                             rows, keys_padded, t.bf16_dims);
     } else {
       cpu::scores_tile(scores, ld_scores, {block.q + row_lo * Dp, Dp}, t.k_packed.data(), rows,
                        keys_padded, p.head_dim);
@@ -233,13 +231,8 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
       // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
       cpu::round_probabilities_bf16(t.p_bf16.data(), t.bf16_keys, scores, ld_scores, rows,
                                     keys_padded, kv.bf16_reduction);
-      if (products == cpu::Bf16Products::amx) {
-        cpu::amx_product(acc, Dp, true, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(), rows, Dp,
-                         kv.bf16_reduction);
-      } else {
-        cpu::accumulate_pv_tile_bf16(acc, Dp, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(),
-                                     kv.bf16_reduction, rows, Dp);
-      }
+      cpu::bf16_tile_product(products, acc, Dp, true, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(),
+                             rows, Dp, kv.bf16_reduction);
       return;
     }
     if (kv.blocked_pv) {

@@ -59,6 +59,36 @@ FLASHATTN_BF16_TARGET inline void DotBlock(float* out, std::int64_t ld_out, cons
     }
 }
 
+// Rows [i, rows) of columns [j, j + C·16) of one panel: blocks of kRows rows, then what is left
+// (at most 5 rows) in blocks of 4, 2 and 1. One row at a time costs C loads and a broadcast per
+// C vdpbf16ps, and a 64-row tile of the backward has 4 such rows.
+template <int C, bool kAccumulate>
+FLASHATTN_BF16_TARGET inline void DotColumns(float* out, std::int64_t ld_out,
+                                             const std::uint16_t* a, std::int64_t ld_a,
+                                             const std::uint16_t* panel, std::int64_t width,
+                                             std::int64_t j, std::int64_t rows, std::int64_t pairs,
+                                             float scale) {
+  std::int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) {
+    DotBlock<kRows, C, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
+                                    width, pairs, scale);
+  }
+  if (rows - i >= 4) {
+    DotBlock<4, C, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
+                                width, pairs, scale);
+    i += 4;
+  }
+  if (rows - i >= 2) {
+    DotBlock<2, C, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
+                                width, pairs, scale);
+    i += 2;
+  }
+  if (rows - i >= 1) {
+    DotBlock<1, C, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
+                                width, pairs, scale);
+  }
+}
+
 // All rows against one panel of `width` columns (a multiple of 16), panel kept in L1.
 template <bool kAccumulate>
 FLASHATTN_BF16_TARGET void DotPanel(float* out, std::int64_t ld_out, const std::uint16_t* a,
@@ -67,26 +97,10 @@ FLASHATTN_BF16_TARGET void DotPanel(float* out, std::int64_t ld_out, const std::
                                     float scale) {
   std::int64_t j = 0;
   for (; j + 4 * kLanes <= width; j += 4 * kLanes) {
-    std::int64_t i = 0;
-    for (; i + kRows <= rows; i += kRows) {
-      DotBlock<kRows, 4, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a,
-                                      panel + 2 * j, width, pairs, scale);
-    }
-    for (; i < rows; ++i) {
-      DotBlock<1, 4, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
-                                  width, pairs, scale);
-    }
+    DotColumns<4, kAccumulate>(out, ld_out, a, ld_a, panel, width, j, rows, pairs, scale);
   }
   for (; j < width; j += kLanes) {
-    std::int64_t i = 0;
-    for (; i + kRows <= rows; i += kRows) {
-      DotBlock<kRows, 1, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a,
-                                      panel + 2 * j, width, pairs, scale);
-    }
-    for (; i < rows; ++i) {
-      DotBlock<1, 1, kAccumulate>(out + i * ld_out + j, ld_out, a + i * ld_a, ld_a, panel + 2 * j,
-                                  width, pairs, scale);
-    }
+    DotColumns<1, kAccumulate>(out, ld_out, a, ld_a, panel, width, j, rows, pairs, scale);
   }
 }
 
@@ -122,11 +136,14 @@ namespace {
 
 // AMX where the CPU has it: on the Sapphire Rapids-class VM of bench/RESULTS.md the seed shape
 // in bf16 ran at 798 GFLOP/s non-causal (3.0x the f32 path, whose speed the widened path
-// matches) and 577 causal (2.8x), 2 threads. vdpbf16ps only on request: on the AVX512-BF16 machine
-// we measure on (a Sapphire Rapids-class VM), a 512-bit vdpbf16ps retires at half the FLOP rate of
-// an fp32 FMA
-// (~105 vs ~215 GFLOP/s per core), and the flash forward at [1, 1024, 8, 128] ran at 0.65-0.7x
-// of the widening path with it.
+// matches) and 577 causal (2.8x), 2 threads. Else vdpbf16ps on AMD CPUs, widening on Intel ones:
+// the rate of a 512-bit vdpbf16ps against an fp32 FMA is a property of the core. On the AMD EPYC
+// (Zen 5) VM of bench/RESULTS.md it retires twice the FLOPs of an FMA (bf16 dot peak 1080 against
+// 538 GFLOP/s, 2 threads) and the bf16 seed shape non-causal ran at 677 GFLOP/s against the
+// widened path's 431; on the Sapphire Rapids-class one half of them (~105 against ~215 GFLOP/s per
+// core), and the flash forward at [1, 1024, 8, 128] ran at 0.65-0.7x of the widening path.
+// Decided by the vendor rather than timed at start-up, so that the choice, and with it the
+// rounding of the results, is the same in every process on one machine.
 Bf16Products default_bf16_products() {
   const std::vector<Bf16Products> supported = supported_bf16_products();
   if (const char* setting = std::getenv("FLASHATTN_BF16_PRODUCTS")) {
@@ -134,7 +151,11 @@ Bf16Products default_bf16_products() {
       if (std::string_view(setting) == bf16_products_name(products)) return products;
     }
   }
-  return supported.back() == Bf16Products::amx ? Bf16Products::amx : Bf16Products::widened;
+  if (supported.back() == Bf16Products::amx) return Bf16Products::amx;
+  if (supported.back() == Bf16Products::avx512_bf16 && __builtin_cpu_is("amd")) {
+    return Bf16Products::avx512_bf16;
+  }
+  return Bf16Products::widened;
 }
 
 constexpr int kDefault = -1;
@@ -247,6 +268,18 @@ FLASHATTN_BF16_TARGET void accumulate_pv_tile_bf16(float* acc, std::int64_t ld_a
     const std::int64_t width = std::min(kPanel, dims_padded - d);
     DotPanel<true>(acc + d, ld_acc, p, ld_p, v_packed + d * keys_even, width, rows, keys_even / 2,
                    1.0f);
+  }
+}
+
+void bf16_tile_product(Bf16Products products, float* c, std::int64_t ld_c, bool accumulate,
+                       const std::uint16_t* a, std::int64_t ld_a, const std::uint16_t* b_packed,
+                       std::int64_t rows, std::int64_t columns, std::int64_t reduction) {
+  if (products == Bf16Products::amx) {
+    amx_product(c, ld_c, accumulate, a, ld_a, b_packed, rows, columns, reduction);
+  } else if (accumulate) {
+    accumulate_pv_tile_bf16(c, ld_c, a, ld_a, b_packed, reduction, rows, columns);
+  } else {
+    scores_tile_bf16(c, ld_c, a, ld_a, b_packed, rows, columns, reduction, 1.0f);
   }
 }
 
