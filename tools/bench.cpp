@@ -823,6 +823,13 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
   std::printf("openblas core %s%s%s\n", machine.openblas_core.c_str(),
               machine.openblas_coretype.empty() ? "" : ", OPENBLAS_CORETYPE=",
               machine.openblas_coretype.c_str());
+  if (!machine.openblas_coretype.empty()) {
+    // On the AMD EPYC (Zen 5) VM of bench/RESULTS.md the environment set Haswell (AVX2): sgemm
+    // at D = 128 ran at 241 GFLOP/s against 444 with OpenBLAS's own choice, Cooperlake.
+    std::printf(
+        "note     OPENBLAS_CORETYPE pins that kernel for the sgemm ceiling and the standard path;\n"
+        "         unset it to compare against the kernel OpenBLAS picks for this CPU\n");
+  }
   std::printf("ceilings f32 FMA peak %.1f GFLOP/s (%s)", ceilings.fma_gflops,
               ceilings.fma_target.c_str());
   if (ceilings.bf16_dot_gflops) {

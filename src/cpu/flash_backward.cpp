@@ -489,7 +489,11 @@ FlashTiles flash_backward_tiles(const AttentionParams& p) {
   // 64, so that the blocks the mask cuts waste half as much. 2 threads, alternating runs, 64
   // instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to 0.176-0.183 s and D = 64 from
   // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
-  // slower, the non-causal seed shape.
+  // slower, the non-causal seed shape. vdpbf16ps (AMD EPYC VM, 2 threads, alternating runs, bf16)
+  // takes the fp32 sizes too: its accumulators are registers, as the fp32 kernels' are; Br = 128
+  // was no faster ([1,1024,32,128] non-causal 0.0595 against 0.0606 s, causal 0.0362 against
+  // 0.0387), and at [1,1024,64,128] causal half the forward's Bc took 0.0701-0.0707 s against
+  // 0.0725-0.0760 with the whole.
   const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
   const bool amx = backward_bf16_products(p) == cpu::Bf16Products::amx;
   const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
