@@ -54,7 +54,7 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
 // Narrowing fp32 rows to bf16 gives exactly the bits of the scalar bf16_from_f32 (round to
 // nearest even, NaN kept NaN and quiet), on every target: the floats of every bf16 pattern and
 // their neighbours half an ulp away and in between (ties both ways), infinities, NaNs and
-// subnormals, in a row whose length leaves a scalar tail.
+// subnormals, in a row whose length leaves a scalar tail; and so does the non-temporal variant.
 TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
   std::vector<float> values;
   for (std::uint32_t pattern = 0; pattern < 65536; ++pattern) {
@@ -66,17 +66,52 @@ TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
   std::vector<std::uint16_t> narrowed(values.size());
   for (const auto& target : detail::cpu::supported_simd_targets()) {
     detail::cpu::force_simd_target(target.id);
-    std::fill(narrowed.begin(), narrowed.end(), std::uint16_t{0x1234});
-    detail::narrow_row_bf16(narrowed.data(), values.data(),
-                            static_cast<std::int64_t>(values.size()));
-    int mismatches = 0;
-    for (std::size_t i = 0; i < values.size() && mismatches < 5; ++i) {
-      const std::uint16_t want = detail::bf16_from_f32(values[i]);
-      if (narrowed[i] != want) {
-        ++mismatches;
-        ADD_FAILURE() << target.name << ": 0x" << std::hex
-                      << std::bit_cast<std::uint32_t>(values[i]) << " -> 0x" << narrowed[i]
-                      << ", want 0x" << want;
+    for (const bool stream : {false, true}) {
+      std::fill(narrowed.begin(), narrowed.end(), std::uint16_t{0x1234});
+      const auto n = static_cast<std::int64_t>(values.size());
+      if (stream) {
+        detail::stream_row_bf16(narrowed.data(), values.data(), n);
+        detail::fence_streams();
+      } else {
+        detail::narrow_row_bf16(narrowed.data(), values.data(), n);
+      }
+      int mismatches = 0;
+      for (std::size_t i = 0; i < values.size() && mismatches < 5; ++i) {
+        const std::uint16_t want = detail::bf16_from_f32(values[i]);
+        if (narrowed[i] != want) {
+          ++mismatches;
+          ADD_FAILURE() << target.name << (stream ? " streamed" : "") << ": 0x" << std::hex
+                        << std::bit_cast<std::uint32_t>(values[i]) << " -> 0x" << narrowed[i]
+                        << ", want 0x" << want;
+        }
+      }
+    }
+  }
+  detail::cpu::force_simd_target(0);
+}
+
+// Non-temporal bf16 rows write exactly the rounded source and nothing around it, whatever the
+// destination's alignment (the elements before the first 16-byte aligned one and the tail are
+// plain stores) and length.
+TEST(StreamRowBf16, WritesEveryElementOnEveryTarget) {
+  std::vector<float> source(300);
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>(i) + 0.25f;
+  std::vector<std::uint16_t> destination(400);
+  for (const auto& target : detail::cpu::supported_simd_targets()) {
+    detail::cpu::force_simd_target(target.id);
+    for (std::int64_t offset = 0; offset < 17; ++offset) {
+      for (const std::int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 100, 255, 300}) {
+        std::fill(destination.begin(), destination.end(), std::uint16_t{0xdead});
+        detail::stream_row_bf16(destination.data() + offset, source.data(), n);
+        detail::fence_streams();
+        for (std::int64_t i = 0; i < static_cast<std::int64_t>(destination.size()); ++i) {
+          const bool inside = i >= offset && i < offset + n;
+          const std::uint16_t want =
+              inside ? detail::bf16_from_f32(source[static_cast<std::size_t>(i - offset)])
+                     : std::uint16_t{0xdead};
+          ASSERT_EQ(destination[static_cast<std::size_t>(i)], want)
+              << target.name << " offset " << offset << " n " << n << " element " << i;
+        }
       }
     }
   }

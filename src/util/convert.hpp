@@ -89,6 +89,9 @@ void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
 // read first. For outputs too large to stay in cache; the writing thread
 // calls fence_streams() before another thread may read them.
 void stream_row_f32(float* dst, const float* src, std::int64_t n);
+// dst[0, n) = bf16_from_f32(src[0, n)) with non-temporal stores of 16 bytes where dst is 16-byte
+// aligned (on SIMD targets with 8 float lanes or more), plain stores before and after.
+void stream_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
 void fence_streams();
 
 // Rows of one head lie a sequence stride apart (H·D elements in [B, S, H, D]), usually 4 KiB
@@ -144,14 +147,21 @@ inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const flo
   for (std::int64_t i = 0; i < n; ++i) store_f32(dst, dtype, offset + i, src[i]);
 }
 
-// Whether store_row_f32(..., stream) writes with non-temporal stores: f32 rows only.
-inline bool streams_rows(DType dtype, bool stream) { return stream && dtype == DType::f32; }
+// Whether store_row_f32(..., stream) writes with non-temporal stores: f32 and bf16 rows.
+inline bool streams_rows(DType dtype, bool stream) {
+  return stream && (dtype == DType::f32 || dtype == DType::bf16);
+}
 
-// As store_row_f32, with non-temporal stores for f32 (stream_row_f32) when `stream`.
+// As store_row_f32, with non-temporal stores for f32 (stream_row_f32) and bf16
+// (stream_row_bf16) when `stream`.
 inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const float* src,
                           std::int64_t n, bool stream) {
   if (streams_rows(dtype, stream)) {
-    stream_row_f32(static_cast<float*>(dst) + offset, src, n);
+    if (dtype == DType::f32) {
+      stream_row_f32(static_cast<float*>(dst) + offset, src, n);
+    } else {
+      stream_row_bf16(static_cast<std::uint16_t*>(dst) + offset, src, n);
+    }
     return;
   }
   store_row_f32(dst, dtype, offset, src, n);

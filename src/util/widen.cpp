@@ -50,25 +50,31 @@ void WidenRow(float* HWY_RESTRICT dst, const std::uint16_t* HWY_RESTRICT src, st
 #endif
 }
 
-// bf16_from_f32 on whole vectors, in integer operations (Highway 1.0's DemoteTo to bf16 does
-// not round to nearest even on every target): the bf16 output rows of the flash forward, which
-// element by element took ~6% of its time once the products ran on AMX.
-void NarrowRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
-  const hn::ScalableTag<std::uint32_t> du;
-  const hn::RebindToSigned<decltype(du)> di;
-  const hn::Rebind<std::uint16_t, decltype(du)> dh;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(du));
+// bf16_from_f32 of the lanes of `values` (float lanes, any width), in integer operations
+// (Highway 1.0's DemoteTo to bf16 does not round to nearest even on every target): the upper 16
+// bits rounded to nearest even, NaN kept NaN (quieted), as u16 lanes.
+template <class DF>
+HWY_INLINE auto RoundToBf16(DF /*df*/, hn::Vec<DF> values) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::uint16_t, DF> dh;
   const auto magnitude_mask = hn::Set(du, 0x7fffffffu), infinity = hn::Set(du, 0x7f800000u);
   const auto half_ulp = hn::Set(du, 0x7fffu), one = hn::Set(du, 1u), quiet = hn::Set(du, 0x40u);
+  const auto bits = hn::BitCast(du, values);
+  const auto upper = hn::ShiftRight<16>(bits);
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(half_ulp, hn::And(upper, one))));
+  const auto is_nan = hn::Gt(hn::And(bits, magnitude_mask), infinity);
+  return hn::DemoteTo(dh, hn::BitCast(di, hn::IfThenElse(is_nan, hn::Or(upper, quiet), rounded)));
+}
+
+// The bf16 output rows of the flash forward, which element by element took ~6% of its time once
+// the products ran on AMX.
+void NarrowRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
+  const hn::ScalableTag<float> df;
+  const hn::Rebind<std::uint16_t, decltype(df)> dh;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(df));
   std::int64_t i = 0;
-  for (; i + N <= n; i += N) {
-    const auto bits = hn::BitCast(du, hn::LoadU(hn::RebindToFloat<decltype(du)>(), src + i));
-    const auto upper = hn::ShiftRight<16>(bits);
-    const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(half_ulp, hn::And(upper, one))));
-    const auto is_nan = hn::Gt(hn::And(bits, magnitude_mask), infinity);
-    const auto result = hn::IfThenElse(is_nan, hn::Or(upper, quiet), rounded);
-    hn::StoreU(hn::DemoteTo(dh, hn::BitCast(di, result)), dh, dst + i);
-  }
+  for (; i + N <= n; i += N) hn::StoreU(RoundToBf16(df, hn::LoadU(df, src + i)), dh, dst + i);
   for (; i < n; ++i) dst[i] = bf16_from_f32(src[i]);
 }
 
@@ -106,6 +112,29 @@ void StreamRowF32(float* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::i
   StreamPart(dst, src, i, n);
 }
 
+// As NarrowRowBf16, with non-temporal stores of 8 bf16 (16 bytes) from the first 16-byte aligned
+// element on; the elements before it and the tail take plain stores.
+void StreamRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
+  const hn::CappedTag<float, 8> df;
+  const hn::Rebind<std::uint16_t, decltype(df)> dh;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(df));
+  constexpr std::int64_t kStoreBytes = 16;
+  std::int64_t i = 0;
+  if (N * static_cast<std::int64_t>(sizeof(std::uint16_t)) == kStoreBytes) {
+    const auto misaligned =
+        static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(dst) % kStoreBytes);
+    if (misaligned % sizeof(std::uint16_t) == 0) {
+      const std::int64_t head = std::min<std::int64_t>(
+          n, (kStoreBytes - misaligned) % kStoreBytes / sizeof(std::uint16_t));
+      for (; i < head; ++i) dst[i] = bf16_from_f32(src[i]);
+      for (; i + N <= n; i += N) {
+        hn::Stream(RoundToBf16(df, hn::LoadU(df, src + i)), dh, dst + i);
+      }
+    }
+  }
+  NarrowRowBf16(dst + i, src + i, n - i);
+}
+
 void FenceStreams() {
 #if HWY_ARCH_X86
   _mm_sfence();
@@ -122,6 +151,7 @@ namespace flashattn::detail {
 HWY_EXPORT(WidenRow);
 HWY_EXPORT(NarrowRowBf16);
 HWY_EXPORT(StreamRowF32);
+HWY_EXPORT(StreamRowBf16);
 HWY_EXPORT(FenceStreams);
 
 void widen_row(float* dst, const std::uint16_t* src, DType dtype, std::int64_t n) {
@@ -134,6 +164,10 @@ void narrow_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n) {
 
 void stream_row_f32(float* dst, const float* src, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(StreamRowF32)(dst, src, n);
+}
+
+void stream_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(StreamRowBf16)(dst, src, n);
 }
 
 void fence_streams() { HWY_DYNAMIC_DISPATCH(FenceStreams)(); }
