@@ -113,7 +113,7 @@ void StreamRowF32(float* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::i
 }
 
 // As NarrowRowBf16, with non-temporal stores of 8 bf16 (16 bytes) from the first 16-byte aligned
-// element on; the elements before it and the tail take plain stores.
+// element on; the elements before it and the tail go through NarrowRowBf16 (plain stores).
 void StreamRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
   const hn::CappedTag<float, 8> df;
   const hn::Rebind<std::uint16_t, decltype(df)> dh;
@@ -124,9 +124,9 @@ void StreamRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT sr
     const auto misaligned =
         static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(dst) % kStoreBytes);
     if (misaligned % sizeof(std::uint16_t) == 0) {
-      const std::int64_t head = std::min<std::int64_t>(
-          n, (kStoreBytes - misaligned) % kStoreBytes / sizeof(std::uint16_t));
-      for (; i < head; ++i) dst[i] = bf16_from_f32(src[i]);
+      i = std::min<std::int64_t>(n,
+                                 (kStoreBytes - misaligned) % kStoreBytes / sizeof(std::uint16_t));
+      NarrowRowBf16(dst, src, i);
       for (; i + N <= n; i += N) {
         hn::Stream(RoundToBf16(df, hn::LoadU(df, src + i)), dh, dst + i);
       }
