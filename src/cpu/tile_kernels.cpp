@@ -57,9 +57,10 @@ HWY_INLINE void RemainderRows(std::int64_t i, std::int64_t rows, const Block& bl
 constexpr float kLog2e = 1.44269504088896341f;
 
 // 2^t for the softmax, whose arguments are (score - row max) · scale · log2 e in the forward, or
-// (scale · score - the row's lse) · log2 e in the backward: t <= 0 up to rounding, -inf or NaN.
+// (scale · score - the row's lse) · log2 e in the backward, there clamped to 127 at most: t <= 0
+// up to rounding, -inf or NaN, and never above 127.
 // 2^t = 2^n · 2^f with n = round(t) and f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
-// (truncation below 1.3e-7 relative, about one ulp; a degree-5 minimax polynomial that keeps
+// (truncation at most 1.2e-7 absolute, about one ulp; a degree-5 minimax polynomial that keeps
 // 2^0 = 1 exactly is off by 4.3e-7), then 2^n applied. Results below 2^-125 (t < -125) are
 // flushed to 0 on every target, so that 2^n·p never underflows to a denormal; masked -inf gives
 // an exact 0; NaN stays NaN; t = 0 gives exactly 1. Half the operations of Highway's general
@@ -76,11 +77,17 @@ HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
   const Vec n = hn::Round(t);
   const Vec f = hn::Sub(t, n);
 #else
-  // 2^n goes into the exponent bits: t is clamped to [-127, 127] so that n fits the field
-  // whatever t is (the backward's t is a score minus a caller-provided lse).
-  const Vec clamped = hn::Min(hn::Max(t, hn::Set(tag, -127.0f)), hn::Set(tag, 127.0f));
-  const Vec n = hn::Round(clamped);
-  const Vec f = hn::Sub(clamped, n);
+  // Rounding by the adder: for t in [-2^21, 2^21], t + (1.5·2^23 + 127) lands in [2^23, 2^24),
+  // where the float spacing is 1, so the sum is round(t) + 1.5·2^23 + 127 (ties to even, as
+  // roundps) and its low 9 mantissa bits are n + 127, the biased exponent of 2^n, for n in
+  // [-127, 128]. 13 operations per vector where the clamp, round, the conversion of n with
+  // Highway's overflow fix-up and the NaN select took 21: one AVX2 core (Zen 3), the online
+  // softmax of a [256 x 128] tile 17.6 -> 13.3 us; the seed shape's forward 2% (non-causal)
+  // and 3.4% (causal) faster, paired runs.
+  const Vec rounding_shift = hn::Set(tag, 12583039.0f);  // 1.5·2^23 + 127
+  const Vec shifted = hn::Add(t, rounding_shift);
+  const Vec n = hn::Sub(shifted, rounding_shift);
+  const Vec f = hn::Sub(t, n);
 #endif
   // Horner on ln2^k / k!, k = 6 .. 0
   Vec p = hn::Set(tag, 1.5403530393381606e-4f);
@@ -94,11 +101,12 @@ HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
   const __mmask16 kept = _mm512_cmp_ps_mask(t.raw, _mm512_set1_ps(kFlushBelow), _CMP_NLT_UQ);
   return Vec{_mm512_maskz_scalef_ps(kept, p.raw, n.raw)};
 #else
-  const hn::RebindToSigned<Tag> int_tag;
-  const auto exponent = hn::ShiftLeft<23>(hn::NearestInt(n));
-  const Vec scaled = hn::BitCast(tag, hn::Add(hn::BitCast(int_tag, p), exponent));
-  const Vec flushed = hn::IfThenZeroElse(hn::Lt(t, hn::Set(tag, kFlushBelow)), scaled);
-  return hn::IfThenElse(hn::IsNaN(t), t, flushed);
+  // Shifted left by 23, the sum's bits are 2^n as a float (sign and mantissa 0). p·2^n is exact
+  // for t >= -125 and, unlike adding n to p's exponent bits, keeps a NaN p NaN whatever its
+  // payload. Where t < -125 (-inf among them, whose f and p are NaN) the result is flushed.
+  const hn::RebindToUnsigned<Tag> bits_tag;
+  const Vec power = hn::BitCast(tag, hn::ShiftLeft<23>(hn::BitCast(bits_tag, shifted)));
+  return hn::IfThenZeroElse(hn::Lt(t, hn::Set(tag, kFlushBelow)), hn::Mul(p, power));
 #endif
 }
 
@@ -345,13 +353,16 @@ void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores
   const Tag tag;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   const Vec scale_vec = hn::Set(tag, scale), log2e = hn::Set(tag, kLog2e);
+  const Vec max_exponent = hn::Set(tag, 127.0f);
   for (std::int64_t i = 0; i < rows; ++i) {
     float* HWY_RESTRICT s = scores + i * ld_scores;
     // lse = -inf: subtracting +inf sends every (masked, -inf or finite) score to exp(-inf) = 0.
     const Vec shift = hn::Set(tag, lse[i] == -kInfinity ? kInfinity : lse[i]);
     for (std::int64_t j = 0; j < keys_padded; j += N) {
-      const Vec x = hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift);
-      hn::StoreU(Exp2Softmax(tag, hn::Mul(x, log2e)), tag, s + j);
+      const Vec x = hn::Mul(hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift), log2e);
+      // A score above the row's lse (a caller's lse, or rounding) would overflow 2^x's exponent.
+      hn::StoreU(Exp2Softmax(tag, hn::IfThenElse(hn::Gt(x, max_exponent), max_exponent, x)), tag,
+                 s + j);
     }
   }
 }
