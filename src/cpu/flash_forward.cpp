@@ -2,7 +2,7 @@
 //
 // A Q block holds Br rows: Br / g positions of each of the g query heads that share a KV head
 // (GQA), so each K/V block is packed once for the whole group. A task is up to 4 consecutive
-// Q blocks of one (batch, KV head) (tile_sizes.cpp: as many as fit in L2), and one OpenMP loop
+// Q blocks of one (batch, KV head) (tile_sizes.cpp says why 4), and one OpenMP loop
 // hands the tasks out. A task walks the K/V blocks of Bc keys that its rows can see, packs each
 // once, and every Q block that sees some of it computes
 //   S = Q_blk · K_blkᵀ                             [Br x Bc]   scores_tile
