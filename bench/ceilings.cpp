@@ -267,6 +267,10 @@ void SgemmPairs::run(std::int64_t count) {
   const auto n = static_cast<int>(seqlen_), d = static_cast<int>(head_dim_);
 #pragma omp parallel num_threads(threads_)
   {
+    // One single-threaded sgemm per thread. A team of one is not an active parallel region, and
+    // there OpenBLAS's OpenMP build would start a team of all cores for each call (--threads 1
+    // measured 2 threads' sgemm); the setting holds for this region's task only.
+    omp_set_num_threads(1);
     Buffers& own = buffers_[static_cast<std::size_t>(omp_get_thread_num())];
     for (std::int64_t i = 0; i < count; ++i) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, d, 1.0f, own.q.data(), d,
