@@ -470,5 +470,126 @@ TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
   }
 }
 
+// Decoding: a few query rows per KV head (group · Sq <= 8) go through cpu/flash_decode.cpp,
+// which reads K and V key by key and splits the keys into chunks of 512 or more (5000 keys make
+// 10), merged at the end. Every mask, GQA groups of 1 to 8, every dtype, ragged head dims and
+// padded rows; one key, fewer keys than a score tile, several tiles, several chunks.
+std::vector<Case> make_decode_grid() {
+  struct Heads {
+    std::int64_t q, kv;
+  };
+  const Heads heads[] = {{2, 2}, {8, 2}, {6, 2}, {8, 1}};
+  const std::int64_t key_counts[] = {1, 19, 700, 5000};
+  const std::int64_t head_dims[] = {59, 128, 40, 96};
+  const int thread_counts[] = {1, 2, 3};
+  const DType dtypes[] = {DType::f32, DType::f16, DType::bf16};
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::padded};
+  std::vector<Case> grid;
+  int n = 0;
+  for (const std::int64_t sq : {1, 2, 3}) {
+    for (const Heads h : heads) {
+      if (h.q / h.kv * sq > 8) continue;
+      for (const std::int64_t skv : key_counts) {
+        Case c{sq == 1 ? 2 : 1, sq, skv, h.q, h.kv, head_dims[n % 4]};
+        switch (n % 4) {
+          case 1:
+            c.causal = true;
+            break;
+          case 2:
+            c.window_left = 100;
+            c.window_right = 0;
+            break;
+          case 3:
+            c.window_left = 30;
+            c.window_right = 5;
+            break;
+        }
+        c.threads = thread_counts[n % 3];
+        c.dtype = dtypes[(n / 3) % 3];
+        c.layout = layouts[(n / 2) % 3];
+        grid.push_back(c);
+        ++n;
+      }
+    }
+  }
+  return grid;
+}
+
+class DecodeVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DecodeVsReference, FlashAndStandardMatchFp64Reference) {
+  const Case& c = GetParam();
+  // The case takes the decode path: this test's coverage must not slip away unnoticed.
+  Tensor q(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+  Tensor kv(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim});
+  Tensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+  AttentionOptions options;
+  options.causal = c.causal;
+  options.window_left = c.window_left;
+  options.window_right = c.window_right;
+  ASSERT_TRUE(detail::use_flash_decode(
+      detail::make_params("test", q.view, kv.view, kv.view, out.view, nullptr, options)));
+  check_against_reference(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeVsReference, ::testing::ValuesIn(make_decode_grid()),
+                         [](const auto& info) {
+                           std::string name = describe(info.param);
+                           std::replace_if(
+                               name.begin(), name.end(), [](char ch) { return !std::isalnum(ch); },
+                               '_');
+                           return name;
+                         });
+
+// The decode path on every SIMD target: dot_rows and axpy_rows, ragged head dims.
+TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
+  for (const auto& target : detail::cpu::supported_simd_targets()) {
+    SCOPED_TRACE("SIMD target " + target.name);
+    detail::cpu::force_simd_target(target.id);
+    Case gqa{2, 1, 1300, 8, 2, 59};
+    gqa.threads = 3;
+    check_against_reference(gqa);
+    Case causal{1, 2, 700, 4, 4, 128};
+    causal.causal = true;
+    causal.dtype = DType::bf16;
+    check_against_reference(causal);
+  }
+  detail::cpu::force_simd_target(0);
+}
+
+// The decode path's chunks follow from the shape, not the threads: the same bits for any
+// thread count, with GQA, a window and a causal mask on two positions.
+TEST(FlashDeterminism, DecodeBitwiseIdenticalForAnyThreadCount) {
+  std::mt19937_64 rng(test_seed());
+  const std::array<std::int64_t, 4> q_shape{1, 2, 8, 64}, kv_shape{1, 3000, 2, 64};
+  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape);
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  for (const bool windowed : {false, true}) {
+    SCOPED_TRACE(windowed ? "window (1700, 0)" : "causal");
+    std::vector<std::vector<std::uint8_t>> outputs;
+    std::vector<std::vector<float>> lses;
+    for (int threads : {1, 2, 3, 7}) {
+      Tensor out(DType::f32, q_shape);
+      out.poison();
+      std::vector<float> lse(2 * 8, NAN);
+      AttentionOptions options;
+      options.causal = !windowed;
+      options.window_left = windowed ? 1700 : -1;
+      options.window_right = windowed ? 0 : -1;
+      options.num_threads = threads;
+      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+      outputs.push_back(out.bytes);
+      lses.push_back(lse);
+    }
+    for (std::size_t i = 1; i < outputs.size(); ++i) {
+      EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
+      EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
+          << "lse differs for thread-count run " << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flashattn::testing

@@ -287,6 +287,57 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, NonFiniteInputs,
                                   std::get<1>(info.param).name;
                          });
 
+// The same policy on the decode path (two positions of a GQA group, group · Sq = 4 rows per KV
+// head, against 1500 keys: 3 chunks merged at the end). Under the causal mask the last key is
+// seen by position 1 only, and a window hides the early keys from position 0 but not from
+// position 1: a poison there must reach exactly the rows that read it, through the chunk merge.
+TEST(NonFiniteInputsDecode, ReachExactlyTheRowsThatReadThem) {
+  constexpr std::int64_t kKeys = 1500;
+  struct DecodePoison {
+    const char* name;
+    bool causal;
+    std::function<void(Problem&)> apply;
+  };
+  const DecodePoison decode_poisons[] = {
+      {"NaNInLastKey", true, [](Problem& p) { p.k.set(0, kKeys - 1, 1, 3, kNaNf); }},
+      {"PlusInfInLastValue", true, [](Problem& p) { p.v.set(0, kKeys - 1, 0, 2, kInff); }},
+      {"NaNInValueOfAChunkBoundary", false, [](Problem& p) { p.v.set(0, 512, 1, 0, kNaNf); }},
+      {"InfInKeyGivesPlusInfScore", false,
+       [](Problem& p) {
+         set_sign_of_column(p.q, 2, 3, 1.0f);
+         p.k.set(0, 900, 1, 3, kInff);
+       }},
+      {"MinusInfInQuery", true,
+       [](Problem& p) {
+         set_sign_of_column(p.k, 0, 4, 1.0f);
+         p.q.set(0, 1, 1, 4, -kInff);
+       }},
+      // With window_left = 1000, position 0 sees keys 498 on and position 1 keys 499 on: key
+      // 498 is seen by position 0 only, key 100 by neither.
+      {"NonFiniteOutsideOneRowsWindow", false,
+       [](Problem& p) {
+         p.k.set(0, 498, 0, 1, kNaNf);
+         p.v.set(0, 100, 1, 1, kInff);
+       }},
+  };
+  for (const DecodePoison& poison : decode_poisons) {
+    for (DType dtype : kAllDtypes) {
+      Problem p = random_problem(dtype, {1, 2, 4, kDim}, {1, kKeys, 2, kDim}, 11);
+      p.options.causal = poison.causal;
+      if (std::string(poison.name) == "NonFiniteOutsideOneRowsWindow") p.options.window_left = 1000;
+      poison.apply(p);
+      const std::string context = std::string(poison.name) + " " + dtype_name(dtype);
+      // Not vacuous: the poison reaches some outputs of the reference and not others.
+      const ReferenceResult ref = reference(p.q, p.k, p.v, p.options);
+      const auto non_finite =
+          std::count_if(ref.out.begin(), ref.out.end(), [](double x) { return !std::isfinite(x); });
+      EXPECT_GT(non_finite, 0) << context;
+      EXPECT_LT(non_finite, static_cast<std::int64_t>(ref.out.size())) << context;
+      expect_reference_result(AttentionImpl::flash, p.q, p.k, p.v, p.options, false, context);
+    }
+  }
+}
+
 class NumericalPolicy : public ::testing::TestWithParam<AttentionImpl> {};
 
 // ---------------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ void reference_forward(const AttentionParams& params);
 void standard_forward(const AttentionParams& params);
 
 void flash_forward(const AttentionParams& params);
+// The FlashAttention forward for decoding, a few query rows per KV head (cpu/flash_decode.cpp):
+// flash_forward takes it where use_flash_decode says so.
+bool use_flash_decode(const AttentionParams& params);
+void flash_decode(const AttentionParams& params);
+std::int64_t flash_decode_scratch_bytes(const AttentionParams& params);
 
 // Backward passes: write params.dq, dk, dv. reference_backward_f64 writes contiguous fp64
 // dq [batch, seqlen_q, heads_q, head_dim], dk and dv [batch, seqlen_kv, heads_kv, head_dim].

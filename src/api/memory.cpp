@@ -54,6 +54,7 @@ std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
   const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
   switch (impl) {
     case AttentionImpl::flash: {
+      if (use_flash_decode(p)) return flash_decode_scratch_bytes(p);
       // Per thread: for each Q block of a task Q and accumulator tiles [rows x Dp], running
       // max and sum; packed K [D x Bc] and V [Bc x Dp], scores [rows x Bc]. A Q block holds at
       // least a whole GQA group.

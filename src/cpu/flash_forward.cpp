@@ -345,6 +345,10 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool stream_out, Scr
 }  // namespace
 
 void flash_forward(const AttentionParams& p) {
+  if (use_flash_decode(p)) {
+    flash_decode(p);
+    return;
+  }
   const FlashTiles tiles = flash_tiles(p.head_dim);
   // A Q block holds Br rows: Br / group positions of each query head of a GQA group.
   const std::int64_t group = p.group_size();

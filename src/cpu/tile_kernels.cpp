@@ -383,6 +383,87 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
   }
 }
 
+// Decode: R dot products against one vector x, each over two chains (even and odd vectors of
+// n) so that the FMAs of 2R chains overlap, then one horizontal sum per row.
+template <int R>
+HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
+                             const float* HWY_RESTRICT rows, std::int64_t ld_rows,
+                             const float* HWY_RESTRICT x, std::int64_t n) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  Vec even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = hn::Zero(tag);
+  std::int64_t d = 0;
+  for (; d + 2 * N <= n; d += 2 * N) {
+    const Vec x_even = hn::LoadU(tag, x + d), x_odd = hn::LoadU(tag, x + d + N);
+    for (int r = 0; r < R; ++r) {
+      even[r] = hn::MulAdd(hn::LoadU(tag, rows + r * ld_rows + d), x_even, even[r]);
+      odd[r] = hn::MulAdd(hn::LoadU(tag, rows + r * ld_rows + d + N), x_odd, odd[r]);
+    }
+  }
+  if (d < n) {
+    const Vec x_even = hn::LoadU(tag, x + d);
+    for (int r = 0; r < R; ++r) {
+      even[r] = hn::MulAdd(hn::LoadU(tag, rows + r * ld_rows + d), x_even, even[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    out[r * out_stride] = hn::GetLane(hn::SumOfLanes(tag, hn::Add(even[r], odd[r])));
+  }
+}
+
+void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
+             std::int64_t ld_rows, std::int64_t count, const float* HWY_RESTRICT x,
+             std::int64_t n) {
+  const Tag tag;
+  std::int64_t r = 0;
+  for (; r + 4 <= count; r += 4) {
+    DotRowsBlock<4>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x, n);
+  }
+  if (count - r >= 2) {
+    DotRowsBlock<2>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x, n);
+    r += 2;
+  }
+  if (count - r >= 1)
+    DotRowsBlock<1>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x, n);
+}
+
+// Decode: R accumulator rows (in memory) += their weight · x, x loaded once for all R.
+template <int R>
+HWY_INLINE void AxpyRowsBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
+                              const float* HWY_RESTRICT weights, std::int64_t weight_stride,
+                              const float* HWY_RESTRICT x, std::int64_t n) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  Vec weight[R];
+  for (int r = 0; r < R; ++r) weight[r] = hn::Set(tag, weights[r * weight_stride]);
+  for (std::int64_t d = 0; d < n; d += N) {
+    const Vec value = hn::LoadU(tag, x + d);
+    for (int r = 0; r < R; ++r) {
+      float* HWY_RESTRICT row = acc + r * ld_acc + d;
+      hn::StoreU(hn::MulAdd(weight[r], value, hn::LoadU(tag, row)), tag, row);
+    }
+  }
+}
+
+void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
+              std::int64_t weight_stride, std::int64_t count, const float* HWY_RESTRICT x,
+              std::int64_t n) {
+  const Tag tag;
+  std::int64_t r = 0;
+  for (; r + 4 <= count; r += 4) {
+    AxpyRowsBlock<4>(tag, acc + r * ld_acc, ld_acc, weights + r * weight_stride, weight_stride, x,
+                     n);
+  }
+  if (count - r >= 2) {
+    AxpyRowsBlock<2>(tag, acc + r * ld_acc, ld_acc, weights + r * weight_stride, weight_stride, x,
+                     n);
+    r += 2;
+  }
+  if (count - r >= 1) {
+    AxpyRowsBlock<1>(tag, acc + r * ld_acc, ld_acc, weights + r * weight_stride, weight_stride, x,
+                     n);
+  }
+}
+
 // Transposes the kLanes x kLanes block v in log2(kLanes) rounds, each splitting every pair of
 // rows into their even and odd lanes (ConcatEven, ConcatOdd): a round moves the lowest column
 // bit of each element's position to the top of its row index and the lowest row bit to the top
@@ -475,6 +556,8 @@ HWY_EXPORT(AccumulateTransposedPvTile);
 HWY_EXPORT(ProbabilitiesFromLseTile);
 HWY_EXPORT(SoftmaxGradientTile);
 HWY_EXPORT(TransposeRows);
+HWY_EXPORT(DotRows);
+HWY_EXPORT(AxpyRows);
 HWY_EXPORT(AllFinite);
 HWY_EXPORT(AllFiniteBf16);
 
@@ -520,6 +603,16 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
 void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, std::int64_t count,
                     std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(TransposeRows)(dst, ld_dst, rows, count, n);
+}
+
+void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
+              std::int64_t count, const float* x, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(DotRows)(out, out_stride, rows, ld_rows, count, x, n);
+}
+
+void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
+               std::int64_t count, const float* x, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AxpyRows)(acc, ld_acc, weights, weight_stride, count, x, n);
 }
 
 bool all_finite(const float* values, std::int64_t n) {

@@ -1,0 +1,284 @@
+// FlashAttention forward for decoding: a few query rows per KV head (the next token, or a few,
+// against a KV cache), where the forward is bound by reading K and V, not by its products.
+//
+// The tiled forward (flash_forward.cpp) packs every K/V block, a transpose of K and a copy of V,
+// and walks one head's rows, Hkv·D floats apart: a page each in [B, S, H, D]. For a handful of
+// query rows the packing is most of the work and the strided walk starves the hardware
+// prefetchers (Zen 3 VM, 2 threads, K and V of [1, 8192, 8, 128]: a strided walk reads 13-19.5
+// GB/s, a sequential one 44.5; the tiled forward decoded at 10). Here K and V are read once, in
+// memory order, key by key and within a key head by head, each row straight from the input
+// (fp32 rows of whole vectors) or widened into one padded row, against all of its head's query
+// rows. Per block of Bk keys and per KV head h, for the rows r of its query heads and positions:
+//   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
+//   online softmax of scale·s                          online_softmax_tile
+//   acc[h][r] += p[h][r][j] · v[j, h]                  axpy_rows         [rows x D] per head
+// Masked (row, key) pairs are never computed: -inf scores, and no product with the value row,
+// so a non-finite value reaches only the rows that see it.
+//
+// Threads take (batch, key chunk) tasks; each chunk keeps its own m, l and acc for every row of
+// its batch entry, and a last pass merges each row's chunks in chunk order:
+//   m = max_c m_c,  l = Σ_c l_c·w_c,  out = Σ_c acc_c·w_c / l,  w_c = exp(scale·(m_c - m)).
+// The chunks follow from the shape alone, so the result is the same for any thread count.
+//
+// Memory: per thread the batch entry's query rows (Hkv·rows x Dp), the score tiles of every head
+// (Hkv·rows x Bk, no larger than the tiled forward's Br x Bc tile) and one padded K/V row; shared,
+// m, l and acc of every chunk: at most 16 chunks per batch entry and 16 in all beyond 16 batch
+// entries, whatever the sequence length.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
+#include "util/aligned_vector.hpp"
+#include "util/convert.hpp"
+#include "util/parallel.hpp"
+
+namespace flashattn::detail {
+namespace {
+
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+
+// Query rows per KV head (group · seqlen_q) up to which decoding takes this path: the register
+// blocks of dot_rows and axpy_rows hold 4 rows, and beyond 8 rows the tiled forward's packing
+// is shared by enough rows to pay for itself.
+constexpr std::int64_t kMaxDecodeRows = 8;
+// A chunk holds at least this many keys, so that its merge costs little against its reads, and
+// a batch entry at most kMaxChunks chunks (fewer with more entries, which are tasks already).
+constexpr std::int64_t kMinChunkKeys = 512;
+constexpr std::int64_t kMaxChunks = 16;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// How one call is cut up: a function of the shape only.
+struct DecodePlan {
+  std::int64_t rows = 0;        // query rows per KV head: row r = gi·seqlen_q + position
+  std::int64_t block_keys = 0;  // Bk, keys per score tile
+  KeyRange keys;                // the keys some row sees
+  std::int64_t chunks = 1;      // key chunks per batch entry
+  std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of Bk
+};
+
+DecodePlan decode_plan(const AttentionParams& p) {
+  DecodePlan plan;
+  plan.rows = p.group_size() * p.seqlen_q;
+  const FlashTiles tiles = flash_tiles(p.head_dim);
+  const std::int64_t tile_floats = tiles.rows * tiles.keys;
+  plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
+                                   cpu::kTileLanes * cpu::kTileLanes,
+                               cpu::kTileLanes, std::int64_t{256});
+  if (p.seqlen_q > 0) plan.keys = p.key_range(0, p.seqlen_q);
+  const std::int64_t visible = plan.keys.empty() ? 0 : plan.keys.end - plan.keys.begin;
+  if (visible == 0) return plan;
+  const std::int64_t max_chunks = std::max<std::int64_t>(1, kMaxChunks / p.batch);
+  const std::int64_t chunks =
+      std::clamp(ceil_div(visible, kMinChunkKeys), std::int64_t{1}, max_chunks);
+  plan.chunk_keys = ceil_div(ceil_div(visible, chunks), plan.block_keys) * plan.block_keys;
+  plan.chunks = ceil_div(visible, plan.chunk_keys);
+  return plan;
+}
+
+// Each chunk's running statistics and accumulator for every row of its batch entry: row
+// (h·rows + r) of chunk c of batch entry b is slot ((b·chunks + c)·Hkv + h)·rows + r.
+struct ChunkResults {
+  AlignedVector<float> max, sum, acc;  // acc: Dp floats per slot
+};
+
+struct Scratch {
+  AlignedVector<float> q;       // [Hkv·rows x Dp] the batch entry's query rows
+  AlignedVector<float> scores;  // [Hkv·rows x Bk]
+  AlignedVector<float> row;     // one K or V row, widened, zeros past head_dim
+};
+
+// The query positions that see key j: [first, last). Key ranges are monotone in the position
+// (both ends), so those positions are one interval.
+struct Positions {
+  std::int64_t first, last;
+};
+Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int64_t j) {
+  std::int64_t first = 0, last = count;
+  while (first < count && ranges[first].end <= j) ++first;
+  while (last > first && ranges[last - 1].begin > j) --last;
+  return {first, last};
+}
+
+// Row (b, j, h) of K or V as fp32 with Dp floats: the input itself for fp32 rows of whole
+// vectors, otherwise widened into `buffer`, whose floats past head_dim stay 0.
+const float* input_row(const AttentionParams& p, const void* base, const Strides& strides,
+                       std::int64_t b, std::int64_t j, std::int64_t h, std::int64_t Dp,
+                       float* buffer) {
+  const std::int64_t offset = strides.offset(b, j, h);
+  if (p.dtype == DType::f32 && p.head_dim == Dp) return static_cast<const float*>(base) + offset;
+  load_row_f32(buffer, base, p.dtype, offset, p.head_dim);
+  return buffer;
+}
+
+// One (batch entry, key chunk) task: every KV head's rows against the chunk's keys.
+void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
+                  ChunkResults& results, std::int64_t b, std::int64_t chunk) {
+  const std::int64_t rows = plan.rows, heads = p.heads_kv, Sq = p.seqlen_q;
+  const std::int64_t group = p.group_size(), Bk = plan.block_keys;
+  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
+  const std::int64_t slot = (b * plan.chunks + chunk) * heads * rows;
+  float* row_max = results.max.data() + slot;
+  float* row_sum = results.sum.data() + slot;
+  float* acc = results.acc.data() + slot * Dp;
+  std::fill_n(row_max, heads * rows, kNegativeInfinity);
+  std::fill_n(row_sum, heads * rows, 0.0f);
+  std::fill_n(acc, heads * rows * Dp, 0.0f);
+  const std::int64_t chunk_begin = plan.keys.begin + chunk * plan.chunk_keys;
+  const std::int64_t chunk_end = std::min(chunk_begin + plan.chunk_keys, plan.keys.end);
+  if (chunk_begin >= chunk_end) return;
+
+  KeyRange ranges[kMaxDecodeRows];
+  for (std::int64_t position = 0; position < Sq; ++position)
+    ranges[position] = p.key_range(position);
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      load_row_f32(t.q.data() + (h * rows + r) * Dp, p.q, p.dtype,
+                   p.q_strides.offset(b, r % Sq, h * group + r / Sq), p.head_dim);
+    }
+  }
+
+  // fn(h, first_row, count) for the rows of KV head h that see key j: all of them, or those of
+  // the positions seeing it, one query head of the group at a time.
+  auto for_rows_seeing = [&](std::int64_t j, auto&& fn) {
+    const Positions seen = positions_seeing(ranges, Sq, j);
+    if (seen.first >= seen.last) return;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      if (seen.first == 0 && seen.last == Sq) {
+        fn(h, h * rows, rows);
+        continue;
+      }
+      for (std::int64_t gi = 0; gi < group; ++gi) {
+        fn(h, h * rows + gi * Sq + seen.first, seen.last - seen.first);
+      }
+    }
+  };
+
+  for (std::int64_t block = chunk_begin; block < chunk_end; block += Bk) {
+    const std::int64_t keys = std::min(Bk, chunk_end - block);
+    const std::int64_t keys_padded = cpu::pad_to_lanes(keys);
+    float* scores = t.scores.data();
+    for (std::int64_t slot_row = 0; slot_row < heads * rows; ++slot_row) {
+      const KeyRange seen = ranges[slot_row % rows % Sq];
+      mask_invisible(scores + slot_row * Bk,
+                     {std::max(seen.begin, block), std::min(seen.end, block + keys)}, block,
+                     keys_padded);
+    }
+    // s = q · k, key by key and head by head: the order of the rows in memory.
+    for (std::int64_t j = block; j < block + keys; ++j) {
+      const float* k_row = nullptr;
+      std::int64_t k_head = -1;
+      for_rows_seeing(j, [&](std::int64_t h, std::int64_t first, std::int64_t count) {
+        if (h != k_head) {
+          k_row = input_row(p, p.k, p.k_strides, b, j, h, Dp, t.row.data());
+          k_head = h;
+        }
+        cpu::dot_rows(scores + first * Bk + (j - block), Bk, t.q.data() + first * Dp, Dp, count,
+                      k_row, Dp);
+      });
+    }
+    for (std::int64_t h = 0; h < heads; ++h) {
+      cpu::online_softmax_tile(scores + h * rows * Bk, Bk, p.scale, row_max + h * rows,
+                               row_sum + h * rows, acc + h * rows * Dp, Dp, rows, keys_padded, Dp);
+    }
+    // acc += p · v in the same order.
+    for (std::int64_t j = block; j < block + keys; ++j) {
+      const float* v_row = nullptr;
+      std::int64_t v_head = -1;
+      for_rows_seeing(j, [&](std::int64_t h, std::int64_t first, std::int64_t count) {
+        if (h != v_head) {
+          v_row = input_row(p, p.v, p.v_strides, b, j, h, Dp, t.row.data());
+          v_head = h;
+        }
+        cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (j - block), Bk, count, v_row,
+                       Dp);
+      });
+    }
+  }
+}
+
+// The chunks of every row of (batch entry b, KV head h) merged into out and lse.
+void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkResults& results,
+                  float* out_row, std::int64_t b, std::int64_t h) {
+  const std::int64_t rows = plan.rows, heads = p.heads_kv, Sq = p.seqlen_q;
+  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t position = r % Sq, head = h * p.group_size() + r / Sq;
+    auto slot = [&](std::int64_t chunk) {
+      return ((b * plan.chunks + chunk) * heads + h) * rows + r;
+    };
+    // A NaN chunk max (a NaN score) is passed over here; its NaN sum makes the row NaN below.
+    float max = kNegativeInfinity;
+    for (std::int64_t chunk = 0; chunk < plan.chunks; ++chunk) {
+      max = results.max[slot(chunk)] > max ? results.max[slot(chunk)] : max;
+    }
+    float sum = 0.0f;
+    std::fill_n(out_row, Dp, 0.0f);
+    for (std::int64_t chunk = 0; chunk < plan.chunks; ++chunk) {
+      const float chunk_max = results.max[slot(chunk)];
+      if (chunk_max == kNegativeInfinity) continue;  // no key of the chunk counts: l = 0, acc = 0
+      const float weight = chunk_max == max ? 1.0f : std::exp(p.scale * (chunk_max - max));
+      sum += results.sum[slot(chunk)] * weight;
+      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, Dp);
+    }
+    // As the tiled forward's epilogue: rows that see no key get 0 and -inf; a row whose scores
+    // are all -inf gets 0/0.
+    const bool no_key_seen = p.key_range(position).empty();
+    const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
+    for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= inverse_sum;
+    store_row_f32(p.out, p.dtype, p.out_strides.offset(b, position, head), out_row, p.head_dim);
+    if (p.lse) {
+      const float shift = max == kNegativeInfinity ? 0.0f : p.scale * max;
+      p.lse[p.lse_index(b, head, position)] =
+          no_key_seen ? kNegativeInfinity : shift + std::log(sum);
+    }
+  }
+}
+
+}  // namespace
+
+bool use_flash_decode(const AttentionParams& p) {
+  if (p.seqlen_q == 0 || p.group_size() * p.seqlen_q > kMaxDecodeRows) return false;
+  // The score tiles of every KV head, Bk = 16 keys at least, within the tiled forward's tile.
+  const FlashTiles tiles = flash_tiles(p.head_dim);
+  return p.heads_kv * p.group_size() * p.seqlen_q * cpu::kTileLanes <= tiles.rows * tiles.keys;
+}
+
+std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
+  const DecodePlan plan = decode_plan(p);
+  const __int128 Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
+  const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + Dp;
+  const __int128 shared = static_cast<__int128>(p.batch) * plan.chunks * slots_per_entry * (Dp + 2);
+  const __int128 bytes = (p.num_threads * per_thread + shared) * 4;
+  return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
+                                                          : static_cast<std::int64_t>(bytes);
+}
+
+void flash_decode(const AttentionParams& p) {
+  if (p.batch == 0 || p.heads_q == 0) return;
+  const DecodePlan plan = decode_plan(p);
+  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
+  const std::int64_t slots = p.batch * plan.chunks * slots_per_entry;
+  ChunkResults results{AlignedVector<float>(slots), AlignedVector<float>(slots),
+                       AlignedVector<float>(slots * Dp)};
+  parallel_tasks(
+      p.num_threads, p.batch * plan.chunks,
+      [&] {
+        return Scratch{AlignedVector<float>(slots_per_entry * Dp),
+                       AlignedVector<float>(slots_per_entry * plan.block_keys),
+                       AlignedVector<float>(Dp)};
+      },
+      [&](Scratch& t, std::int64_t task) {
+        decode_chunk(p, plan, t, results, task / plan.chunks, task % plan.chunks);
+      });
+  parallel_tasks(
+      p.num_threads, p.batch * p.heads_kv, [&] { return AlignedVector<float>(Dp); },
+      [&](AlignedVector<float>& out_row, std::int64_t task) {
+        merge_chunks(p, plan, results, out_row.data(), task / p.heads_kv, task % p.heads_kv);
+      });
+}
+
+}  // namespace flashattn::detail
