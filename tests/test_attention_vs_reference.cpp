@@ -470,15 +470,16 @@ TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
   }
 }
 
-// Decoding: a few query rows per KV head (group · Sq <= 8) go through cpu/flash_decode.cpp,
-// which reads K and V key by key and splits the keys into chunks of 512 or more (5000 keys make
-// 10), merged at the end. Every mask, GQA groups of 1 to 8, every dtype, ragged head dims and
-// padded rows; one key, fewer keys than a score tile, several tiles, several chunks.
+// Decoding: a few query rows per KV head (group · Sq <= 32) go through cpu/flash_decode.cpp,
+// which reads K and V in memory order and splits the keys into chunks of 128 or more (up to 16
+// per batch entry), merged at the end. Every mask, GQA groups of 1 to 8, every dtype, ragged head
+// dims and padded rows; one key, fewer keys than a score tile, several tiles, several chunks; 1 to
+// 32 rows per KV head.
 std::vector<Case> make_decode_grid() {
   struct Heads {
     std::int64_t q, kv;
   };
-  const Heads heads[] = {{2, 2}, {8, 2}, {6, 2}, {8, 1}};
+  const Heads heads[] = {{2, 2}, {8, 2}, {6, 2}, {8, 1}, {32, 1}};
   const std::int64_t key_counts[] = {1, 19, 700, 5000};
   const std::int64_t head_dims[] = {59, 128, 40, 96};
   const int thread_counts[] = {1, 2, 3};
@@ -488,7 +489,7 @@ std::vector<Case> make_decode_grid() {
   int n = 0;
   for (const std::int64_t sq : {1, 2, 3}) {
     for (const Heads h : heads) {
-      if (h.q / h.kv * sq > 8) continue;
+      if (h.q / h.kv * sq > 32) continue;
       for (const std::int64_t skv : key_counts) {
         Case c{sq == 1 ? 2 : 1, sq, skv, h.q, h.kv, head_dims[n % 4]};
         switch (n % 4) {

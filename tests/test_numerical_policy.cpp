@@ -288,9 +288,9 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, NonFiniteInputs,
                          });
 
 // The same policy on the decode path (two positions of a GQA group, group · Sq = 4 rows per KV
-// head, against 1500 keys: 3 chunks merged at the end). Under the causal mask the last key is
-// seen by position 1 only, and a window hides the early keys from position 0 but not from
-// position 1: a poison there must reach exactly the rows that read it, through the chunk merge.
+// head, against 1500 keys: 12 chunks of 128 keys merged at the end). Under the causal mask the
+// last key is seen by position 1 only, and a window shows key 498 to position 0 only: a poison
+// must reach exactly the rows that read it, through the chunk merge.
 TEST(NonFiniteInputsDecode, ReachExactlyTheRowsThatReadThem) {
   constexpr std::int64_t kKeys = 1500;
   struct DecodePoison {

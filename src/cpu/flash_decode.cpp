@@ -1,19 +1,21 @@
 // FlashAttention forward for decoding: a few query rows per KV head (the next token, or a few,
-// against a KV cache), where the forward is bound by reading K and V, not by its products.
+// against a KV cache), where the forward is bound by reading K and V more than by its products.
 //
 // The tiled forward (flash_forward.cpp) packs every K/V block, a transpose of K and a copy of V,
 // and walks one head's rows, Hkv·D floats apart: a page each in [B, S, H, D]. For a handful of
 // query rows the packing is most of the work and the strided walk starves the hardware
 // prefetchers (Zen 3 VM, 2 threads, K and V of [1, 8192, 8, 128]: a strided walk reads 13-19.5
-// GB/s, a sequential one 44.5; the tiled forward decoded at 10). Here K and V are read once, in
-// memory order, key by key and within a key head by head, each row straight from the input
-// (fp32 rows of whole vectors) or widened into one padded row, against all of its head's query
-// rows. Per block of Bk keys and per KV head h, for the rows r of its query heads and positions:
+// GB/s, a sequential one 44.5). Here K and V are read once, in memory order: kKeyGroup keys at a
+// time and within them head by head, the rows straight from the input (fp32 rows of whole
+// vectors) or widened into padded rows, against all of their head's query rows. Per block of Bk
+// keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   online softmax of scale·s                          online_softmax_tile
 //   acc[h][r] += p[h][r][j] · v[j, h]                  axpy_rows         [rows x D] per head
 // Masked (row, key) pairs are never computed: -inf scores, and no product with the value row,
-// so a non-finite value reaches only the rows that see it.
+// so a non-finite value reaches only the rows that see it. Same machine, Sq = 1, Hq = 32,
+// D = 128, f32, K+V read per second: 26.0 GB/s with Hkv = 8 and 33.9 with Hkv = 32 against the
+// tiled forward's 8.9 and 10.7.
 //
 // Threads take (batch, key chunk) tasks; each chunk keeps its own m, l and acc for every row of
 // its batch entry, and a last pass merges each row's chunks in chunk order:
@@ -21,9 +23,9 @@
 // The chunks follow from the shape alone, so the result is the same for any thread count.
 //
 // Memory: per thread the batch entry's query rows (Hkv·rows x Dp), the score tiles of every head
-// (Hkv·rows x Bk, no larger than the tiled forward's Br x Bc tile) and one padded K/V row; shared,
-// m, l and acc of every chunk: at most 16 chunks per batch entry and 16 in all beyond 16 batch
-// entries, whatever the sequence length.
+// (Hkv·rows x Bk, no larger than the tiled forward's Br x Bc tile) and kKeyGroup padded K/V
+// rows; shared, m, l and acc of every chunk of every row: at most 16 / B chunks per batch entry
+// (one beyond 16 entries), max(B, 16)·Hkv·rows·(Dp + 2) floats, whatever the sequence length.
 
 #include <algorithm>
 #include <cmath>
@@ -40,14 +42,22 @@ namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
-// Query rows per KV head (group · seqlen_q) up to which decoding takes this path: the register
-// blocks of dot_rows and axpy_rows hold 4 rows, and beyond 8 rows the tiled forward's packing
-// is shared by enough rows to pay for itself.
-constexpr std::int64_t kMaxDecodeRows = 8;
-// A chunk holds at least this many keys, so that its merge costs little against its reads, and
-// a batch entry at most kMaxChunks chunks (fewer with more entries, which are tasks already).
-constexpr std::int64_t kMinChunkKeys = 512;
+// Query rows per KV head (group · seqlen_q) up to which decoding takes this path. Beyond a few
+// rows the products dominate, but a chunked key walk still beats the tiled forward, whose tasks
+// are one per (batch entry, KV head) here: Zen 3 VM, 2 threads, Skv = 8192, D = 128, f32, K+V
+// read per second against the tiled forward: 16 rows (Hq = 32, Hkv = 2) 12.8 against 9.4 GB/s,
+// (Sq = 4, Hq = 32, Hkv = 8) 10.8 against 7.4; 32 rows (Hkv = 1) 6.8 against 3.5, (Sq = 8,
+// Hkv = 8) 5.8 against 5.4.
+constexpr std::int64_t kMaxDecodeRows = 32;
+// A chunk holds at least this many keys, so that merging it costs a row 1/256 of the chunk's
+// products or less, and a batch entry at most kMaxChunks chunks (fewer with more entries, which
+// are tasks already). Short caches split too: 256 keys, Hq = 32, Hkv = 2, 2 threads, 97 -> 63 us
+// a call with 128 keys per chunk instead of 512.
+constexpr std::int64_t kMinChunkKeys = 128;
 constexpr std::int64_t kMaxChunks = 16;
+// Keys whose K (V) rows one dot_rows (axpy_rows) call takes: each query row's accumulator is
+// loaded and stored once per group instead of once per key.
+constexpr std::int64_t kKeyGroup = 8;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -57,7 +67,7 @@ struct DecodePlan {
   std::int64_t block_keys = 0;  // Bk, keys per score tile
   KeyRange keys;                // the keys some row sees
   std::int64_t chunks = 1;      // key chunks per batch entry
-  std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of Bk
+  std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of kTileLanes
 };
 
 DecodePlan decode_plan(const AttentionParams& p) {
@@ -74,7 +84,7 @@ DecodePlan decode_plan(const AttentionParams& p) {
   const std::int64_t max_chunks = std::max<std::int64_t>(1, kMaxChunks / p.batch);
   const std::int64_t chunks =
       std::clamp(ceil_div(visible, kMinChunkKeys), std::int64_t{1}, max_chunks);
-  plan.chunk_keys = ceil_div(ceil_div(visible, chunks), plan.block_keys) * plan.block_keys;
+  plan.chunk_keys = ceil_div(ceil_div(visible, chunks), cpu::kTileLanes) * cpu::kTileLanes;
   plan.chunks = ceil_div(visible, plan.chunk_keys);
   return plan;
 }
@@ -88,7 +98,7 @@ struct ChunkResults {
 struct Scratch {
   AlignedVector<float> q;       // [Hkv·rows x Dp] the batch entry's query rows
   AlignedVector<float> scores;  // [Hkv·rows x Bk]
-  AlignedVector<float> row;     // one K or V row, widened, zeros past head_dim
+  AlignedVector<float> inputs;  // [kKeyGroup x Dp] K or V rows, widened, zeros past head_dim
 };
 
 // The query positions that see key j: [first, last). Key ranges are monotone in the position
@@ -103,15 +113,22 @@ Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int6
   return {first, last};
 }
 
-// Row (b, j, h) of K or V as fp32 with Dp floats: the input itself for fp32 rows of whole
-// vectors, otherwise widened into `buffer`, whose floats past head_dim stay 0.
-const float* input_row(const AttentionParams& p, const void* base, const Strides& strides,
-                       std::int64_t b, std::int64_t j, std::int64_t h, std::int64_t Dp,
-                       float* buffer) {
-  const std::int64_t offset = strides.offset(b, j, h);
-  if (p.dtype == DType::f32 && p.head_dim == Dp) return static_cast<const float*>(base) + offset;
-  load_row_f32(buffer, base, p.dtype, offset, p.head_dim);
-  return buffer;
+// Rows (b, j .. j + count, h) of K or V as fp32 rows of Dp floats, `ld` apart: the input itself
+// for fp32 rows of whole vectors, otherwise widened into `buffer` (floats past head_dim stay 0).
+struct InputRows {
+  const float* data;
+  std::int64_t ld;
+};
+InputRows input_rows(const AttentionParams& p, const void* base, const Strides& strides,
+                     std::int64_t b, std::int64_t j, std::int64_t count, std::int64_t h,
+                     std::int64_t Dp, float* buffer) {
+  if (p.dtype == DType::f32 && p.head_dim == Dp) {
+    return {static_cast<const float*>(base) + strides.offset(b, j, h), strides.seq};
+  }
+  for (std::int64_t i = 0; i < count; ++i) {
+    load_row_f32(buffer + i * Dp, base, p.dtype, strides.offset(b, j + i, h), p.head_dim);
+  }
+  return {buffer, Dp};
 }
 
 // One (batch entry, key chunk) task: every KV head's rows against the chunk's keys.
@@ -141,20 +158,38 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     }
   }
 
-  // fn(h, first_row, count) for the rows of KV head h that see key j: all of them, or those of
-  // the positions seeing it, one query head of the group at a time.
-  auto for_rows_seeing = [&](std::int64_t j, auto&& fn) {
-    const Positions seen = positions_seeing(ranges, Sq, j);
-    if (seen.first >= seen.last) return;
-    for (std::int64_t h = 0; h < heads; ++h) {
-      if (seen.first == 0 && seen.last == Sq) {
-        fn(h, h * rows, rows);
-        continue;
-      }
-      for (std::int64_t gi = 0; gi < group; ++gi) {
-        fn(h, h * rows + gi * Sq + seen.first, seen.last - seen.first);
+  // Calls fn(h, first_row, row_count, key, key_count) so that each (row, key) pair of the keys
+  // [j, j + n) that the mask shows comes once, and no other: all of them at once for all rows of
+  // each KV head where every position sees the whole group, else key by key for the rows of the
+  // positions that see the key, one query head of the group at a time.
+  auto visit = [&](std::int64_t j, std::int64_t n, auto&& fn) {
+    const Positions first = positions_seeing(ranges, Sq, j);
+    const Positions last = positions_seeing(ranges, Sq, j + n - 1);
+    if (first.first == 0 && first.last == Sq && last.first == 0 && last.last == Sq) {
+      for (std::int64_t h = 0; h < heads; ++h) fn(h, h * rows, rows, j, n);
+      return;
+    }
+    for (std::int64_t key = j; key < j + n; ++key) {
+      const Positions seen = positions_seeing(ranges, Sq, key);
+      if (seen.first >= seen.last) continue;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t gi = 0; gi < group; ++gi) {
+          fn(h, h * rows + gi * Sq + seen.first, seen.last - seen.first, key, 1);
+        }
       }
     }
+  };
+  // The input rows of the last call, kept while the query heads of a group take them in turn.
+  InputRows inputs{nullptr, 0};
+  std::int64_t inputs_head = -1, inputs_key = -1;
+  auto rows_of = [&](const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
+                     std::int64_t count) {
+    if (h != inputs_head || key != inputs_key) {
+      inputs = input_rows(p, base, strides, b, key, count, h, Dp, t.inputs.data());
+      inputs_head = h;
+      inputs_key = key;
+    }
+    return inputs;
   };
 
   for (std::int64_t block = chunk_begin; block < chunk_end; block += Bk) {
@@ -167,35 +202,31 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
                      {std::max(seen.begin, block), std::min(seen.end, block + keys)}, block,
                      keys_padded);
     }
-    // s = q · k, key by key and head by head: the order of the rows in memory.
-    for (std::int64_t j = block; j < block + keys; ++j) {
-      const float* k_row = nullptr;
-      std::int64_t k_head = -1;
-      for_rows_seeing(j, [&](std::int64_t h, std::int64_t first, std::int64_t count) {
-        if (h != k_head) {
-          k_row = input_row(p, p.k, p.k_strides, b, j, h, Dp, t.row.data());
-          k_head = h;
-        }
-        cpu::dot_rows(scores + first * Bk + (j - block), Bk, t.q.data() + first * Dp, Dp, count,
-                      k_row, Dp);
-      });
+    // s = q · k, kKeyGroup keys at a time and head by head: the order of the rows in memory.
+    inputs_head = -1;
+    for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
+      visit(j, std::min(kKeyGroup, block + keys - j),
+            [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
+                std::int64_t key_count) {
+              const InputRows k = rows_of(p.k, p.k_strides, h, key, key_count);
+              cpu::dot_rows(scores + first * Bk + (key - block), Bk, t.q.data() + first * Dp, Dp,
+                            count, k.data, k.ld, key_count, Dp);
+            });
     }
     for (std::int64_t h = 0; h < heads; ++h) {
       cpu::online_softmax_tile(scores + h * rows * Bk, Bk, p.scale, row_max + h * rows,
                                row_sum + h * rows, acc + h * rows * Dp, Dp, rows, keys_padded, Dp);
     }
     // acc += p · v in the same order.
-    for (std::int64_t j = block; j < block + keys; ++j) {
-      const float* v_row = nullptr;
-      std::int64_t v_head = -1;
-      for_rows_seeing(j, [&](std::int64_t h, std::int64_t first, std::int64_t count) {
-        if (h != v_head) {
-          v_row = input_row(p, p.v, p.v_strides, b, j, h, Dp, t.row.data());
-          v_head = h;
-        }
-        cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (j - block), Bk, count, v_row,
-                       Dp);
-      });
+    inputs_head = -1;
+    for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
+      visit(j, std::min(kKeyGroup, block + keys - j),
+            [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
+                std::int64_t key_count) {
+              const InputRows v = rows_of(p.v, p.v_strides, h, key, key_count);
+              cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (key - block), Bk, count,
+                             v.data, v.ld, key_count, Dp);
+            });
     }
   }
 }
@@ -222,7 +253,7 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
       if (chunk_max == kNegativeInfinity) continue;  // no key of the chunk counts: l = 0, acc = 0
       const float weight = chunk_max == max ? 1.0f : std::exp(p.scale * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weight;
-      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, Dp);
+      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, Dp, 1, Dp);
     }
     // As the tiled forward's epilogue: rows that see no key get 0 and -inf; a row whose scores
     // are all -inf gets 0/0.
@@ -250,7 +281,7 @@ bool use_flash_decode(const AttentionParams& p) {
 std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
   const DecodePlan plan = decode_plan(p);
   const __int128 Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
-  const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + Dp;
+  const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + kKeyGroup * Dp;
   const __int128 shared = static_cast<__int128>(p.batch) * plan.chunks * slots_per_entry * (Dp + 2);
   const __int128 bytes = (p.num_threads * per_thread + shared) * 4;
   return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
@@ -269,7 +300,7 @@ void flash_decode(const AttentionParams& p) {
       [&] {
         return Scratch{AlignedVector<float>(slots_per_entry * Dp),
                        AlignedVector<float>(slots_per_entry * plan.block_keys),
-                       AlignedVector<float>(Dp)};
+                       AlignedVector<float>(kKeyGroup * Dp)};
       },
       [&](Scratch& t, std::int64_t task) {
         decode_chunk(p, plan, t, results, task / plan.chunks, task % plan.chunks);

@@ -383,84 +383,79 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
   }
 }
 
-// Decode: R dot products against one vector x, each over two chains (even and odd vectors of
-// n) so that the FMAs of 2R chains overlap, then one horizontal sum per row.
-template <int R>
+// Decode: the dot products of R rows with K vectors, R·K chains of FMAs (8 in the blocks
+// DotRows picks, enough to cover the FMA latency), then one horizontal sum per product.
+template <int R, int K>
 HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                              const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                             const float* HWY_RESTRICT x, std::int64_t n) {
+                             const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  Vec even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = hn::Zero(tag);
-  std::int64_t d = 0;
-  for (; d + 2 * N <= n; d += 2 * N) {
-    const Vec x_even = hn::LoadU(tag, x + d), x_odd = hn::LoadU(tag, x + d + N);
+  Vec sums[R][K];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
+  for (std::int64_t d = 0; d < n; d += N) {
+    Vec xs[K];
+    for (int k = 0; k < K; ++k) xs[k] = hn::LoadU(tag, x + k * ld_x + d);
     for (int r = 0; r < R; ++r) {
-      even[r] = hn::MulAdd(hn::LoadU(tag, rows + r * ld_rows + d), x_even, even[r]);
-      odd[r] = hn::MulAdd(hn::LoadU(tag, rows + r * ld_rows + d + N), x_odd, odd[r]);
+      const Vec row = hn::LoadU(tag, rows + r * ld_rows + d);
+      for (int k = 0; k < K; ++k) sums[r][k] = hn::MulAdd(row, xs[k], sums[r][k]);
     }
   }
-  if (d < n) {
-    const Vec x_even = hn::LoadU(tag, x + d);
-    for (int r = 0; r < R; ++r) {
-      even[r] = hn::MulAdd(hn::LoadU(tag, rows + r * ld_rows + d), x_even, even[r]);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) {
+      out[r * out_stride + k] = hn::GetLane(hn::SumOfLanes(tag, sums[r][k]));
     }
+}
+
+// All `count` rows against the x vectors [0, x_count) for rows [row, row + R): K of them at a
+// time, the last one by one.
+template <int R, int K>
+HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
+                               const float* HWY_RESTRICT rows, std::int64_t ld_rows,
+                               const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
+                               std::int64_t n) {
+  std::int64_t k = 0;
+  for (; k + K <= x_count; k += K) {
+    DotRowsBlock<R, K>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
   }
-  for (int r = 0; r < R; ++r) {
-    out[r * out_stride] = hn::GetLane(hn::SumOfLanes(tag, hn::Add(even[r], odd[r])));
+  for (; k < x_count; ++k) {
+    DotRowsBlock<R, 1>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
   }
 }
 
 void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
              std::int64_t ld_rows, std::int64_t count, const float* HWY_RESTRICT x,
-             std::int64_t n) {
+             std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
   const Tag tag;
   std::int64_t r = 0;
   for (; r + 4 <= count; r += 4) {
-    DotRowsBlock<4>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x, n);
+    DotRowsAgainst<4, 2>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,
+                         ld_x, x_count, n);
   }
   if (count - r >= 2) {
-    DotRowsBlock<2>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x, n);
-    r += 2;
-  }
-  if (count - r >= 1)
-    DotRowsBlock<1>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x, n);
-}
-
-// Decode: R accumulator rows (in memory) += their weight · x, x loaded once for all R.
-template <int R>
-HWY_INLINE void AxpyRowsBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                              const float* HWY_RESTRICT weights, std::int64_t weight_stride,
-                              const float* HWY_RESTRICT x, std::int64_t n) {
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  Vec weight[R];
-  for (int r = 0; r < R; ++r) weight[r] = hn::Set(tag, weights[r * weight_stride]);
-  for (std::int64_t d = 0; d < n; d += N) {
-    const Vec value = hn::LoadU(tag, x + d);
-    for (int r = 0; r < R; ++r) {
-      float* HWY_RESTRICT row = acc + r * ld_acc + d;
-      hn::StoreU(hn::MulAdd(weight[r], value, hn::LoadU(tag, row)), tag, row);
-    }
-  }
-}
-
-void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
-              std::int64_t weight_stride, std::int64_t count, const float* HWY_RESTRICT x,
-              std::int64_t n) {
-  const Tag tag;
-  std::int64_t r = 0;
-  for (; r + 4 <= count; r += 4) {
-    AxpyRowsBlock<4>(tag, acc + r * ld_acc, ld_acc, weights + r * weight_stride, weight_stride, x,
-                     n);
-  }
-  if (count - r >= 2) {
-    AxpyRowsBlock<2>(tag, acc + r * ld_acc, ld_acc, weights + r * weight_stride, weight_stride, x,
-                     n);
+    DotRowsAgainst<2, 4>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,
+                         ld_x, x_count, n);
     r += 2;
   }
   if (count - r >= 1) {
-    AxpyRowsBlock<1>(tag, acc + r * ld_acc, ld_acc, weights + r * weight_stride, weight_stride, x,
-                     n);
+    DotRowsAgainst<1, 8>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,
+                         ld_x, x_count, n);
+  }
+}
+
+// Decode: acc += weights · x for unpacked x rows ld_x apart, the P·V blocks of PvTile on them.
+void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
+              std::int64_t weight_stride, std::int64_t count, const float* HWY_RESTRICT x,
+              std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+  const Tag tag;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const WeightStrides ps{weight_stride, 1};
+  std::int64_t d = 0;
+  for (; d + kBlockVectors * N <= n; d += kBlockVectors * N) {
+    PvColumns<kBlockVectors>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
+  }
+  for (; d < n; d += N) {
+    PvColumns<1>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
   }
 }
 
@@ -606,13 +601,16 @@ void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, s
 }
 
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, const float* x, std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(DotRows)(out, out_stride, rows, ld_rows, count, x, n);
+              std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
+              std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(DotRows)(out, out_stride, rows, ld_rows, count, x, ld_x, x_count, n);
 }
 
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, const float* x, std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(AxpyRows)(acc, ld_acc, weights, weight_stride, count, x, n);
+               std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
+               std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AxpyRows)
+  (acc, ld_acc, weights, weight_stride, count, x, ld_x, x_count, n);
 }
 
 bool all_finite(const float* values, std::int64_t n) {

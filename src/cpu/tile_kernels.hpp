@@ -97,13 +97,15 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
                            std::int64_t keys_padded);
 
 // Decode (few query rows against a long key sequence, flash_decode.cpp), on rows padded with
-// zeros to n, a multiple of kTileLanes:
-// out[r · out_stride] = rows[r · ld_rows .. + n) · x[0, n)                  r < count
+// zeros to n, a multiple of kTileLanes, and x_count vectors x ld_x apart:
+// out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k · ld_x .. + n)   r < count, k < x_count
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, const float* x, std::int64_t n);
-// acc[r · ld_acc + d] += weights[r · weight_stride] · x[d]                   r < count, d < n
+              std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
+              std::int64_t n);
+// acc[r · ld_acc + d] += Σ_k weights[r · weight_stride + k] · x[k · ld_x + d]   r < count, d < n
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, const float* x, std::int64_t n);
+               std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
+               std::int64_t n);
 
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
 // patterns): the backward asks it of each packed block (cpu/visible_gradients.hpp).
