@@ -31,7 +31,7 @@ const char* const kHeader =
     "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
-    "dv_tol";
+    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy";
 
 const char* const kBackwardColumns[] = {"backward_flops",
                                         "backward_seconds",
@@ -161,9 +161,13 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
       run({"bench", "--quick", "--threads", "2", "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
 
-  // The quick sweep: seqlens 128 and 256 at head_dim 32, both masks, f32 and bf16, both paths.
-  const auto rows = read_rows();
-  ASSERT_EQ(rows.size(), 16u) << completed.out;
+  // The quick sweep: seqlens 128 and 256 at head_dim 32, both masks, f32 and bf16, both paths;
+  // then a decode case per dtype, checked below.
+  const auto all_rows = read_rows();
+  ASSERT_EQ(all_rows.size(), 20u) << completed.out;
+  std::vector<std::map<std::string, std::string>> rows, decode_rows;
+  for (const auto& row : all_rows) (row.at("case") == "decode" ? decode_rows : rows).push_back(row);
+  ASSERT_EQ(rows.size(), 16u);
   std::set<std::string> cases;
   for (const auto& row : rows) {
     const std::string where =
@@ -199,15 +203,57 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     }
     // Without --backward the backward columns are there and empty.
     for (const char* column : kBackwardColumns) EXPECT_EQ(row.at(column), "") << where << column;
+    // Bandwidth is the decode cases' measure.
+    EXPECT_EQ(row.at("heads_kv"), row.at("heads")) << where;
+    for (const char* column : {"kv_bytes", "kv_gbps", "ratio_copy"}) {
+      EXPECT_EQ(row.at(column), "") << where << column;
+    }
   }
   EXPECT_EQ(cases.size(), 16u);
+
+  // Decode: one query position against 300 keys of 8 KV heads, K and V bytes per second.
+  ASSERT_EQ(decode_rows.size(), 4u);
+  std::set<std::string> decode_cases;
+  for (const auto& row : decode_rows) {
+    const std::string where = "decode " + row.at("dtype") + " " + row.at("impl");
+    decode_cases.insert(where);
+    EXPECT_EQ(row.at("verified"), "yes") << where;
+    EXPECT_EQ(row.at("seqlen_q"), "1") << where;
+    EXPECT_EQ(row.at("seqlen_kv"), "300") << where;
+    EXPECT_EQ(row.at("heads"), "32") << where;
+    EXPECT_EQ(row.at("heads_kv"), "8") << where;
+    EXPECT_EQ(row.at("head_dim"), "128") << where;
+    const double element = row.at("dtype") == "f32" ? 4.0 : 2.0;
+    EXPECT_DOUBLE_EQ(std::stod(row.at("kv_bytes")), 2.0 * 300 * 8 * 128 * element) << where;
+    flashattn::AttentionOptions options;
+    options.causal = true;
+    EXPECT_DOUBLE_EQ(std::stod(row.at("flops")),
+                     flashattn::attention_flops(1, 32, 1, 300, 128, options))
+        << where;
+    EXPECT_LE(std::stod(row.at("out_err")), std::stod(row.at("out_tol"))) << where;
+    const double seconds = std::stod(row.at("seconds")), gbps = std::stod(row.at("kv_gbps"));
+    EXPECT_GT(seconds, 0.0) << where;
+    // The CSV rounds seconds to 1e-6 and GB/s to 1e-2.
+    EXPECT_NEAR(gbps, std::stod(row.at("kv_bytes")) / seconds * 1e-9,
+                gbps * 0.5e-6 / seconds + 0.01)
+        << where;
+    // ratio_copy is of the unrounded figures, to 4 digits; gbps and copy_gbps are rounded to 0.01.
+    const double copy = std::stod(row.at("copy_gbps")), ratio = gbps / copy;
+    EXPECT_NEAR(std::stod(row.at("ratio_copy")), ratio,
+                ratio * (0.005 / gbps + 0.005 / copy + 1e-4))
+        << where;
+    // No sgemm ceiling at the decode head_dim in this sweep: the copy ceiling is the decode's.
+    EXPECT_EQ(row.at("sgemm_gflops"), "") << where;
+  }
+  EXPECT_EQ(decode_cases.size(), 4u);
+  EXPECT_NE(completed.out.find("decode   one query position"), std::string::npos) << completed.out;
   for (const std::string dtype : {"f32", "bf16"}) {
     EXPECT_EQ(cases.count(dtype + " 256 false flash"), 1u) << dtype;
     EXPECT_EQ(cases.count(dtype + " 128 true standard"), 1u) << dtype;
   }
 
   // Progress on stderr, one line per case; where the outputs went on stdout.
-  EXPECT_NE(completed.err.find("[8/8]"), std::string::npos) << completed.err;
+  EXPECT_NE(completed.err.find("[10/10]"), std::string::npos) << completed.err;
   std::string csv_name;
   for (const auto& entry : fs::directory_iterator(results())) {
     if (entry.path().extension() == ".csv") csv_name = entry.path().filename().string();
@@ -229,9 +275,9 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
 }
 
 TEST_F(BenchCliTest, OptionsSelectTheCasesAndPaths) {
-  const Completed completed =
-      run({"bench", "--quick", "--seqlens", "64,96", "--head-dims", "16", "--dtypes", "f32",
-           "--impls", "flash", "--non-causal", "--no-plot", "--out-dir", results().string()});
+  const Completed completed = run({"bench", "--quick", "--seqlens", "64,96", "--head-dims", "16",
+                                   "--dtypes", "f32", "--impls", "flash", "--non-causal",
+                                   "--no-plot", "--no-decode", "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
   EXPECT_NE(completed.out.find("no plot: --no-plot"), std::string::npos) << completed.out;
   const auto rows = read_rows();
@@ -269,8 +315,8 @@ void expect_backward_checks(const std::map<std::string, std::string>& row,
 }
 
 TEST_F(BenchCliTest, BackwardVerifiesAndTimesEveryPath) {
-  const Completed completed =
-      run({"bench", "--quick", "--backward", "--threads", "2", "--out-dir", results().string()});
+  const Completed completed = run({"bench", "--quick", "--backward", "--threads", "2",
+                                   "--no-decode", "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
   EXPECT_NE(completed.out.find("2.5 x attention_flops"), std::string::npos) << completed.out;
 
@@ -338,7 +384,7 @@ TEST_F(BenchCliTest, BackwardVerifiesAndTimesEveryPath) {
 TEST_F(BenchCliTest, BackwardBeyondTheReferenceBudgetComparesWithTheStandardPath) {
   const Completed completed =
       run({"bench", "--quick", "--backward", "--backward-reference-work", "1e-6", "--dtypes", "f32",
-           "--impls", "flash", "--no-plot", "--out-dir", results().string()});
+           "--impls", "flash", "--no-plot", "--no-decode", "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
   EXPECT_NE(completed.out.find("reference-dq-rows+standard"), std::string::npos) << completed.out;
   const auto rows = read_rows();
@@ -357,10 +403,34 @@ TEST_F(BenchCliTest, BackwardBeyondTheReferenceBudgetComparesWithTheStandardPath
   // The standard path alone: only its dQ rows have an oracle.
   const Completed standard =
       run({"bench", "--quick", "--backward", "--backward-reference-work", "1e-6", "--dtypes", "f32",
-           "--impls", "standard", "--seqlens", "128", "--causal", "--no-plot", "--out-dir",
-           (work_ / "standard").string()});
+           "--impls", "standard", "--seqlens", "128", "--causal", "--no-plot", "--no-decode",
+           "--out-dir", (work_ / "standard").string()});
   ASSERT_EQ(standard.exit_code, 0) << standard.out << standard.err;
   EXPECT_NE(standard.out.find("against reference-dq-rows"), std::string::npos) << standard.out;
+}
+
+// Decode cases alone: --no-sweep and --no-seed-shape leave them, one per dtype and KV cache
+// length, each verified; the plot, which shows the sweep, is not drawn, and the output says why.
+TEST_F(BenchCliTest, DecodeCasesAloneReportBandwidth) {
+  const Completed completed =
+      run({"bench", "--quick", "--no-sweep", "--no-seed-shape", "--dtypes", "f16", "--impls",
+           "flash", "--decode-seqlens", "100,700", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  EXPECT_NE(completed.out.find("no plot: no sweep case"), std::string::npos) << completed.out;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(rows[0].at("seqlen_kv"), "100");
+  EXPECT_EQ(rows[1].at("seqlen_kv"), "700");
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.at("case"), "decode");
+    EXPECT_EQ(row.at("impl"), "flash");
+    EXPECT_EQ(row.at("dtype"), "f16");
+    EXPECT_EQ(row.at("verified"), "yes");
+    EXPECT_GT(std::stod(row.at("kv_gbps")), 0.0);
+    // Without a timed standard path there is nothing to compare with.
+    EXPECT_EQ(row.at("ratio_standard"), "");
+  }
+  EXPECT_EQ(files().size(), 2u);  // results/ and the CSV
 }
 
 TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
@@ -378,6 +448,7 @@ TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   expect_clean_failure({"--work", "0"}, 2, "--work");
   expect_clean_failure({"--threads", "-1"}, 2, "--threads");
   expect_clean_failure({"--frobnicate"}, 2, "--frobnicate");
+  expect_clean_failure({"--decode-seqlens", "0"}, 2, "--decode-seqlens");
 
   // An --out-dir that cannot be a directory: fails before any work, creates nothing.
   const fs::path blocker = work_ / "file";
@@ -395,9 +466,11 @@ TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
 TEST_F(BenchCliTest, HelpStatesTheSweepRule) {
   const Completed completed = run({"bench", "--help"});
   EXPECT_EQ(completed.exit_code, 0);
-  for (const char* text : {"bench [OPTIONS]", "--seqlens", "--head-dims", "--dtypes", "--impls",
-                           "--out-dir", "--quick", "H = max(1, round(W / FLOPs of one head))",
-                           "--backward", "2.5x attention_flops", "--backward-reference-work"}) {
+  for (const char* text :
+       {"bench [OPTIONS]", "--seqlens", "--head-dims", "--dtypes", "--impls", "--out-dir",
+        "--quick", "H = max(1, round(W / FLOPs of one head))", "--backward", "2.5x attention_flops",
+        "--backward-reference-work", "--decode-seqlens", "--no-decode", "--no-sweep",
+        "GB/s of K and V read"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

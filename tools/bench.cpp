@@ -2,6 +2,8 @@
 // threads, each verified against the fp64 reference before it is timed, next to the machine's
 // ceilings measured in the same run (DESIGN.md §5). With --backward, each path's backward follows
 // its forward on the same inputs, verified on one (batch, KV head) slice before it is timed.
+// Decode cases (one query position against a long KV cache) come last, timed as K and V bytes
+// read per second against the memory copy ceiling (DESIGN.md §5: decode is memory-bound).
 // Writes one CSV row per case and path, and a plot of GFLOP/s against seqlen (and one of the
 // backward's).
 
@@ -68,6 +70,7 @@ struct BenchOptions {
   std::vector<std::string> impls = {"flash", "standard"};
   bool causal = false, non_causal = false, both = false;
   bool no_seed_shape = false;
+  bool no_sweep = false;
   double work_gflop = kDefaultWorkGflop;
   int threads = 0;
   int repeat = 3;
@@ -78,7 +81,15 @@ struct BenchOptions {
   bool quick = false;
   bool backward = false;
   double backward_reference_gflop = kReferenceBackwardBudgetFlops * 1e-9;
+  std::vector<std::int64_t> decode_seqlens = {4096, 16384, 65536};
+  bool no_decode = false;
 };
+
+// The decode cases: one new query position per sequence against a KV cache, GQA as in current
+// models (32 query heads reading 8 KV heads of 128 dims).
+constexpr std::int64_t kDecodeHeadsQ = 32, kDecodeHeadsKv = 8, kDecodeHeadDim = 128;
+// Decode calls take milliseconds: more timed runs than a sweep point's for a steady median.
+constexpr int kDecodeMinRepeat = 15;
 
 // How long and how often each ceiling is measured.
 struct CeilingBudget {
@@ -102,6 +113,18 @@ struct Case {
   std::int64_t batch = 1, heads = 1, seqlen = 0, head_dim = 0;
   bool causal = true;
   bool seed_shape = false;  // the seed's [2, 32, 1024, 128], not a sweep point
+  // Decode: one query position against `seqlen` keys and values of heads_kv heads, timed as K
+  // and V bytes read per second; the sweep's cases have seqlen_q = seqlen_kv and heads_kv = heads.
+  bool decode = false;
+  std::int64_t heads_kv = 0;  // 0: heads
+
+  std::int64_t seqlen_q() const { return decode ? 1 : seqlen; }
+  std::int64_t kv_heads() const { return heads_kv > 0 ? heads_kv : heads; }
+  // The bytes of K and V, each read once by a decode call.
+  double kv_bytes() const {
+    return 2.0 * static_cast<double>(batch * seqlen * kv_heads() * head_dim) *
+           static_cast<double>(dtype_size(dtype));
+  }
 };
 
 // One path's backward: verified then timed, failed (not timed), or skipped (not run, `reason`
@@ -157,6 +180,14 @@ struct CaseResult {
     const PathResult* path = find(impl);
     if (path == nullptr || !path->seconds || *path->seconds <= 0.0) return std::nullopt;
     return flops / *path->seconds * 1e-9;
+  }
+  // Decode cases: K and V bytes read per second, in GB/s.
+  std::optional<double> kv_gbps(AttentionImpl impl) const {
+    const PathResult* path = find(impl);
+    if (!shape.decode || path == nullptr || !path->seconds || *path->seconds <= 0.0) {
+      return std::nullopt;
+    }
+    return shape.kv_bytes() / *path->seconds * 1e-9;
   }
   std::optional<double> backward_gflops(AttentionImpl impl) const {
     const PathResult* path = find(impl);
@@ -301,7 +332,8 @@ std::vector<Case> make_cases(const BenchOptions& options, const std::vector<bool
         cases.push_back({dtype, 2, 32, 1024, 128, causal, true});
       }
     }
-    for (const std::int64_t head_dim : options.head_dims) {
+    for (const std::int64_t head_dim :
+         options.no_sweep ? std::vector<std::int64_t>{} : options.head_dims) {
       for (const std::int64_t seqlen : options.seqlens) {
         for (const bool causal : sweep_masks) {
           AttentionOptions mask;
@@ -311,6 +343,14 @@ std::vector<Case> make_cases(const BenchOptions& options, const std::vector<bool
               std::max<std::int64_t>(1, std::llround(options.work_gflop * 1e9 / per_head));
           cases.push_back({dtype, 1, heads, seqlen, head_dim, causal, false});
         }
+      }
+    }
+  }
+  if (!options.no_decode) {
+    for (const std::string& dtype_text : options.dtypes) {
+      for (const std::int64_t seqlen : options.decode_seqlens) {
+        cases.push_back({parse_dtype(dtype_text), 1, kDecodeHeadsQ, seqlen, kDecodeHeadDim, true,
+                         false, true, kDecodeHeadsKv});
       }
     }
   }
@@ -335,6 +375,13 @@ void poison(HostTensor& tensor, std::vector<float>& lse) {
 
 std::string case_label(const Case& shape) {
   char text[160];
+  if (shape.decode) {
+    std::snprintf(text, sizeof(text), "%s decode B=%lld Hq=%lld Hkv=%lld Skv=%lld D=%lld",
+                  dtype_name(shape.dtype), static_cast<long long>(shape.batch),
+                  static_cast<long long>(shape.heads), static_cast<long long>(shape.kv_heads()),
+                  static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim));
+    return text;
+  }
   std::snprintf(text, sizeof(text), "%s %s B=%lld H=%lld S=%lld D=%lld%s", dtype_name(shape.dtype),
                 shape.causal ? "causal" : "non-causal", static_cast<long long>(shape.batch),
                 static_cast<long long>(shape.heads), static_cast<long long>(shape.seqlen),
@@ -461,29 +508,33 @@ class BackwardRun {
 // runs (backward / forward then compares calls made back to back on a machine whose load drifts).
 CaseResult run_case(const Case& shape, const BenchOptions& options, int threads) {
   std::mt19937_64 rng(options.seed);
-  const std::array<std::int64_t, 4> dims = {shape.batch, shape.seqlen, shape.heads, shape.head_dim};
+  const std::array<std::int64_t, 4> dims = {shape.batch, shape.seqlen_q(), shape.heads,
+                                            shape.head_dim};
+  const std::array<std::int64_t, 4> kv_dims = {shape.batch, shape.seqlen, shape.kv_heads(),
+                                               shape.head_dim};
   const HostTensor q = random_tensor(shape.dtype, dims, rng);
-  const HostTensor k = random_tensor(shape.dtype, dims, rng);
-  const HostTensor v = random_tensor(shape.dtype, dims, rng);
+  const HostTensor k = random_tensor(shape.dtype, kv_dims, rng);
+  const HostTensor v = random_tensor(shape.dtype, kv_dims, rng);
+  const int repeat = shape.decode ? std::max(options.repeat, kDecodeMinRepeat) : options.repeat;
   AttentionOptions attention;
   attention.causal = shape.causal;
   attention.num_threads = threads;
 
   CaseResult result;
   result.shape = shape;
-  result.flops = attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen,
+  result.flops = attention_flops(shape.batch, shape.heads, shape.seqlen_q(), shape.seqlen,
                                  shape.head_dim, attention);
-  result.backward_flops = attention_backward_flops(shape.batch, shape.heads, shape.seqlen,
+  result.backward_flops = attention_backward_flops(shape.batch, shape.heads, shape.seqlen_q(),
                                                    shape.seqlen, shape.head_dim, attention);
-  const std::vector<std::int64_t> rows = sample_rows(shape.seqlen, options.check_rows, rng);
+  const std::vector<std::int64_t> rows = sample_rows(shape.seqlen_q(), options.check_rows, rng);
   const ReferenceRows reference = reference_rows(q, k, v, attention, rows);
 
   HostTensor out(shape.dtype, dims);
-  std::vector<float> lse(static_cast<std::size_t>(shape.batch * shape.heads * shape.seqlen));
+  std::vector<float> lse(static_cast<std::size_t>(shape.batch * shape.heads * shape.seqlen_q()));
   // After the forward's draws, so that --backward leaves the forward's inputs and rows as they
-  // were.
+  // were. Decoding has no backward.
   std::optional<BackwardRun> backward;
-  if (options.backward)
+  if (options.backward && !shape.decode)
     backward.emplace(q, k, v, out, lse, attention, rows, options.backward_reference_gflop * 1e9,
                      rng);
   PathErrors standard_errors;
@@ -513,7 +564,7 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
     if (backward) {
       if (path.verified) {
         const std::function<void()> forward = call;
-        path.backward = backward->run(impl, timed, options.repeat, threads, &forward);
+        path.backward = backward->run(impl, timed, repeat, threads, &forward);
         if (path.backward->forward_seconds) {
           path.seconds = path.backward->forward_seconds;
           path.cpu_share = path.backward->cpu_share;
@@ -524,7 +575,7 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
       }
     }
     if (timed && path.verified && !path.seconds) {
-      const Timing timing = time_calls(options.repeat, threads, call);
+      const Timing timing = time_calls(repeat, threads, call);
       path.seconds = timing.seconds;
       path.cpu_share = timing.cpu_share;
     }
@@ -555,7 +606,8 @@ std::string csv_field(const std::string& text) {
 // Machine, case, result, ratios, ceilings; then the backward (empty without --backward):
 // backward_flops = 2.5 x flops, backward_over_forward = the median over alternating runs of
 // backward time / the same path's forward run just before it, backward_ratio_standard = flash
-// backward GFLOP/s / standard backward GFLOP/s.
+// backward GFLOP/s / standard backward GFLOP/s; then the KV heads and, for the decode cases, the
+// K and V bytes, the GB/s they were read at and that over the memory copy ceiling.
 constexpr const char* kCsvHeader =
     "date,host,cpu_model,simd_target,bf16_products,fma_target,openblas_core,openblas_coretype_env,"
     "threads,"
@@ -564,7 +616,7 @@ constexpr const char* kCsvHeader =
     "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
-    "dv_tol\n";
+    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy\n";
 
 std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                      const std::vector<CaseResult>& results, int repeat) {
@@ -579,7 +631,11 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
   for (const CaseResult& result : results) {
     const Case& shape = result.shape;
     const double peak = peak_for(ceilings, shape.dtype);
-    const double sgemm = ceilings.sgemm_gflops.at(shape.head_dim);
+    // The decode cases' head_dim may have no sgemm ceiling: their ceiling is the memory copy.
+    const auto sgemm_entry = ceilings.sgemm_gflops.find(shape.head_dim);
+    const std::optional<double> sgemm = sgemm_entry == ceilings.sgemm_gflops.end()
+                                            ? std::nullopt
+                                            : std::optional<double>(sgemm_entry->second);
     const std::optional<double> standard = result.gflops(AttentionImpl::standard);
     const std::optional<double> standard_backward = result.backward_gflops(AttentionImpl::standard);
     for (const PathResult& path : result.paths) {
@@ -623,12 +679,12 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
           machine.openblas_core,
           machine.openblas_coretype,
           std::to_string(machine.threads),
-          std::to_string(repeat),
-          shape.seed_shape ? "seed" : "sweep",
+          std::to_string(shape.decode ? std::max(repeat, kDecodeMinRepeat) : repeat),
+          shape.decode ? "decode" : shape.seed_shape ? "seed" : "sweep",
           dtype_name(shape.dtype),
           std::to_string(shape.batch),
           std::to_string(shape.heads),
-          std::to_string(shape.seqlen),
+          std::to_string(shape.seqlen_q()),
           std::to_string(shape.seqlen),
           std::to_string(shape.head_dim),
           shape.causal ? "true" : "false",
@@ -651,10 +707,15 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
           format("%.1f", ceilings.fma_gflops),
           optional_number("%.1f", ceilings.bf16_dot_gflops),
           optional_number("%.1f", ceilings.amx_gflops),
-          format("%.1f", sgemm),
+          optional_number("%.1f", sgemm),
           format("%.2f", ceilings.copy_gbps)};
       // clang-format on
       fields.insert(fields.end(), backward_fields.begin(), backward_fields.end());
+      const std::optional<double> kv_gbps = result.kv_gbps(path.impl);
+      fields.push_back(std::to_string(shape.kv_heads()));
+      fields.push_back(shape.decode ? format("%.0f", shape.kv_bytes()) : "");
+      fields.push_back(optional_number("%.2f", kv_gbps));
+      fields.push_back(kv_gbps ? format("%.4g", *kv_gbps / ceilings.copy_gbps) : "");
       append_row(fields);
     }
   }
@@ -688,7 +749,7 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
   std::set<DType> dtypes;
   std::set<std::int64_t> head_dims;
   for (const CaseResult& result : results) {
-    if (result.shape.seed_shape) continue;
+    if (result.shape.seed_shape || result.shape.decode) continue;
     for (const PathResult& path : result.paths) {
       const std::optional<double> gflops =
           pass == Pass::forward ? result.gflops(path.impl) : result.backward_gflops(path.impl);
@@ -815,7 +876,10 @@ std::optional<std::string> run_gnuplot(const fs::path& gnuplot, const std::strin
   return std::nullopt;
 }
 
-void print_header(const Machine& machine, const Ceilings& ceilings, const BenchOptions& options) {
+// The machine, the ceilings and what the columns mean; then the sweep table's header, when there
+// are sweep or seed-shape cases (`sweep_table`).
+void print_header(const Machine& machine, const Ceilings& ceilings, const BenchOptions& options,
+                  bool sweep_table) {
   std::printf("flashattn bench: flash and standard attention against the machine's ceilings\n");
   std::printf("machine  %s, %s; %d threads; library SIMD target %s, bf16 products %s\n",
               machine.host.c_str(), machine.cpu_model.c_str(), machine.threads,
@@ -861,6 +925,7 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
         "(\"reference-dq-rows+standard\")\n",
         options.backward_reference_gflop);
   }
+  if (!sweep_table) return;
   std::printf("\n%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %9s ", "dtype", "mask", "B", "H",
               "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "cpu");
   if (options.backward) {
@@ -934,6 +999,47 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
   std::fflush(stdout);
 }
 
+// The decode table's header: printed before its first case, after the sweep's.
+void print_decode_header(const BenchOptions& options) {
+  std::printf(
+      "\ndecode   one query position against a KV cache of Skv keys (B = 1, Hq = %lld, Hkv = %lld, "
+      "D = %lld): K and V bytes / time (median of %d runs), f/copy = flash over the memory copy "
+      "ceiling\n",
+      static_cast<long long>(kDecodeHeadsQ), static_cast<long long>(kDecodeHeadsKv),
+      static_cast<long long>(kDecodeHeadDim), std::max(options.repeat, kDecodeMinRepeat));
+  std::printf("%-5s %7s %8s %10s %10s %8s %8s %9s verified\n", "dtype", "Skv", "KV MiB",
+              "flash GB/s", "std GB/s", "f/copy", "f/std", "cpu");
+  std::fflush(stdout);
+}
+
+void print_decode_case(const CaseResult& result, const Ceilings& ceilings) {
+  const Case& shape = result.shape;
+  const std::optional<double> flash = result.kv_gbps(AttentionImpl::flash);
+  const std::optional<double> standard = result.kv_gbps(AttentionImpl::standard);
+  auto column = [](std::optional<double> value, const char* pattern) {
+    return value ? format(pattern, *value) : std::string("-");
+  };
+  std::optional<double> over_copy, over_standard;
+  if (flash && ceilings.copy_gbps > 0.0) over_copy = *flash / ceilings.copy_gbps;
+  if (flash && standard && *standard > 0.0) over_standard = *flash / *standard;
+  std::string cpu_share, verified;
+  for (const AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard}) {
+    const PathResult* path = result.find(impl);
+    if (path == nullptr) continue;
+    cpu_share += (cpu_share.empty() ? "" : "/") + column(path->cpu_share, "%.2f");
+  }
+  for (const PathResult& path : result.paths) {
+    verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
+                (path.verified ? "yes" : "NO");
+  }
+  std::printf("%-5s %7lld %8.1f %10s %10s %8s %8s %9s %s\n", dtype_name(shape.dtype),
+              static_cast<long long>(shape.seqlen), shape.kv_bytes() / (1 << 20),
+              column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
+              column(over_copy, "%.3f").c_str(), column(over_standard, "%.3f").c_str(),
+              cpu_share.c_str(), verified.c_str());
+  std::fflush(stdout);
+}
+
 // --quick: a tiny sweep for tests and smoke runs; options given explicitly still win.
 void apply_quick(BenchOptions& options, CeilingBudget& budget, const CLI::App& command) {
   auto unset = [&](const char* name) { return command.count(name) == 0; };
@@ -941,6 +1047,7 @@ void apply_quick(BenchOptions& options, CeilingBudget& budget, const CLI::App& c
   if (unset("--head-dims")) options.head_dims = {32};
   if (unset("--work")) options.work_gflop = 0x1p22 * 1e-9;
   if (unset("--repeat")) options.repeat = 1;
+  if (unset("--decode-seqlens")) options.decode_seqlens = {300};
   if (unset("--causal") && unset("--non-causal") && unset("--both")) options.both = true;
   options.no_seed_shape = true;
   budget = {.seconds = 0.01, .trials = 2, .sgemm_seqlen = 128, .copy_bytes = 16u << 20};
@@ -973,6 +1080,9 @@ int run_bench(BenchOptions options, const CLI::App& command) {
   std::string no_plot_reason;
   if (options.no_plot) {
     no_plot_reason = "--no-plot";
+  } else if (std::none_of(cases.begin(), cases.end(),
+                          [](const Case& shape) { return !shape.seed_shape && !shape.decode; })) {
+    no_plot_reason = "no sweep case (the plot shows the sweep's GFLOP/s against seqlen)";
   } else if (gnuplot = find_on_path("gnuplot"); !gnuplot) {
     no_plot_reason =
         "gnuplot is not on PATH; install gnuplot-nox (scripts/install-deps.sh) for the plot";
@@ -984,12 +1094,14 @@ int run_bench(BenchOptions options, const CLI::App& command) {
   }
 
   std::set<std::int64_t> head_dims;
-  for (const Case& shape : cases) head_dims.insert(shape.head_dim);
+  for (const Case& shape : cases) {
+    if (!shape.decode) head_dims.insert(shape.head_dim);
+  }
   const Ceilings ceilings = measure_ceilings(threads, head_dims, budget);
-  print_header(machine, ceilings, options);
+  print_header(machine, ceilings, options, !head_dims.empty());
 
   std::vector<CaseResult> results;
-  bool all_verified = true;
+  bool all_verified = true, decode_header = false;
   for (std::size_t i = 0; i < cases.size(); ++i) {
     std::fprintf(stderr, "flashattn bench: [%zu/%zu] %s\n", i + 1, cases.size(),
                  case_label(cases[i]).c_str());
@@ -998,7 +1110,13 @@ int run_bench(BenchOptions options, const CLI::App& command) {
       all_verified &= path.verified;
       if (path.backward) all_verified &= path.backward->status != BackwardResult::Status::failed;
     }
-    print_case(results.back(), ceilings, options.backward);
+    if (!cases[i].decode) {
+      print_case(results.back(), ceilings, options.backward);
+      continue;
+    }
+    if (!decode_header) print_decode_header(options);
+    decode_header = true;
+    print_decode_case(results.back(), ceilings);
   }
 
   csv.append(csv_text(machine, ceilings, results, options.repeat));
@@ -1046,7 +1164,9 @@ Action add_bench_command(CLI::App& app) {
       "and seqlen a causal point with B=1 and H = max(1, round(W / FLOPs of one head)),\n"
       "W = --work GFLOP (default 2^34 FLOPs, the seed shape's causal work), so that every point\n"
       "does about the same work (where one head exceeds W, one head). --causal, --non-causal or\n"
-      "--both set the masks of all cases.\n"
+      "--both set the masks of all cases. Then, per dtype and --decode-seqlens Skv, a decode\n"
+      "case: one query position (B = 1, 32 query heads, 8 KV heads, D = 128) against Skv keys,\n"
+      "timed as the GB/s of K and V read (each byte once), against the memory copy ceiling.\n"
       "Each case runs the standard path, then flash, on the same inputs; each path's first run is\n"
       "verified against the fp64 reference on sampled query rows (flash: within 4x the standard\n"
       "path's error + 1 ulp; standard: within a worst-case fp32 bound), then timed (median).\n"
@@ -1097,6 +1217,7 @@ Action add_bench_command(CLI::App& app) {
   causal->excludes(non_causal)->excludes(both);
   non_causal->excludes(both);
   command->add_flag("--no-seed-shape", options->no_seed_shape, "Leave out the seed shape cases");
+  command->add_flag("--no-sweep", options->no_sweep, "Leave out the seqlen sweep");
   command->add_option("--work", options->work_gflop, "GFLOP per sweep point (sets H)")
       ->check(CLI::PositiveNumber);
   command->add_option("--threads", options->threads, "Worker threads, 0 = all")
@@ -1118,9 +1239,15 @@ Action add_bench_command(CLI::App& app) {
                    "GFLOP (backward) of the largest slice checked against the fp64 reference as a "
                    "whole")
       ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--decode-seqlens", options->decode_seqlens,
+                   "KV cache lengths of the decode cases")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--no-decode", options->no_decode, "Leave out the decode cases");
   command->add_flag("--quick", options->quick,
                     "A tiny sweep (seqlens 128,256, head_dim 32, both masks, no seed shape, "
-                    "short ceilings) for tests; explicit options still apply");
+                    "decode at 300 keys, short ceilings) for tests; explicit options still apply");
   return [options, command] { return run_bench(*options, *command); };
 }
 

@@ -192,6 +192,18 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     return inputs;
   };
 
+  // Asks for the rows the next call will read (the next KV head's, or the next group's first)
+  // while this one computes: the rows of a group lie a key stride apart, in pages the hardware
+  // prefetchers have not seen yet. One thread, Sq = 1, Hkv = 8, 32768 keys: 10.3-10.5 -> 11.2-12.2
+  // GB/s.
+  auto prefetch_next = [&](const void* base, const Strides& strides, std::int64_t h,
+                           std::int64_t key, std::int64_t count) {
+    const bool last_head = h + 1 == heads;
+    const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
+    for (std::int64_t i = 0; i < count && next_key + i < chunk_end; ++i) {
+      prefetch_row(base, p.dtype, strides.offset(b, next_key + i, next_head), p.head_dim);
+    }
+  };
   for (std::int64_t block = chunk_begin; block < chunk_end; block += Bk) {
     const std::int64_t keys = std::min(Bk, chunk_end - block);
     const std::int64_t keys_padded = cpu::pad_to_lanes(keys);
@@ -208,6 +220,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
       visit(j, std::min(kKeyGroup, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
                 std::int64_t key_count) {
+              prefetch_next(p.k, p.k_strides, h, key, key_count);
               const InputRows k = rows_of(p.k, p.k_strides, h, key, key_count);
               cpu::dot_rows(scores + first * Bk + (key - block), Bk, t.q.data() + first * Dp, Dp,
                             count, k.data, k.ld, key_count, Dp);
@@ -223,6 +236,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
       visit(j, std::min(kKeyGroup, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
                 std::int64_t key_count) {
+              prefetch_next(p.v, p.v_strides, h, key, key_count);
               const InputRows v = rows_of(p.v, p.v_strides, h, key, key_count);
               cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (key - block), Bk, count,
                              v.data, v.ld, key_count, Dp);
