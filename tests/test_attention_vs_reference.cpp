@@ -223,20 +223,21 @@ void check_against_reference(const Case& c) {
       << ", reference " << flash_lse_error.want;
 }
 
+// A test name from a case: describe() with every non-alphanumeric character as '_'.
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  std::string name = describe(info.param);
+  std::replace_if(
+      name.begin(), name.end(), [](char ch) { return !std::isalnum(ch); }, '_');
+  return name;
+}
+
 class AttentionVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AttentionVsReference, FlashAndStandardMatchFp64Reference) {
   check_against_reference(GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, AttentionVsReference, ::testing::ValuesIn(make_grid()),
-                         [](const auto& info) {
-                           std::string name = describe(info.param);
-                           std::replace_if(
-                               name.begin(), name.end(), [](char ch) { return !std::isalnum(ch); },
-                               '_');
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Grid, AttentionVsReference, ::testing::ValuesIn(make_grid()), case_name);
 
 // Every SIMD target compiled into the library that this CPU runs, forced in turn, on shapes
 // with ragged edges in every tile dimension (rows, keys and head_dim not multiples of 4 or 16).
@@ -435,39 +436,46 @@ TEST(AttentionVsReferenceFlash, TasksOfSeveralQueryBlocks) {
   check_against_reference(windowed);
 }
 
-// Each task owns its output rows, so the thread count must not change a single bit. The thread
-// count also sets how many Q blocks share a task here (3, 2 and 1 block for 1, 2 and 3+
-// threads), which must not matter either.
-TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
+// The flash forward's out and lse on the same inputs with 1, 2, 3 and 7 threads: the same bits.
+void expect_same_bits_for_any_thread_count(const std::array<std::int64_t, 4>& q_shape,
+                                           const std::array<std::int64_t, 4>& kv_shape,
+                                           AttentionOptions options) {
   std::mt19937_64 rng(test_seed());
-  const std::array<std::int64_t, 4> q_shape{2, 301, 4, 72}, kv_shape{2, 517, 2, 72};
   Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape);
   q.fill_normal(rng);
   k.fill_normal(rng);
   v.fill_normal(rng);
-  for (const bool windowed : {false, true}) {
-    SCOPED_TRACE(windowed ? "window (200, 30)" : "causal");
-    std::vector<std::vector<std::uint8_t>> outputs;
-    std::vector<std::vector<float>> lses;
-    for (int threads : {1, 2, 3, 7}) {
-      Tensor out(DType::f32, q_shape);
-      out.poison();
-      std::vector<float> lse(2 * 4 * 301, NAN);
-      AttentionOptions options;
-      options.causal = !windowed;
-      options.window_left = windowed ? 200 : -1;
-      options.window_right = windowed ? 30 : -1;
-      options.num_threads = threads;
-      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
-      outputs.push_back(out.bytes);
-      lses.push_back(lse);
-    }
-    for (std::size_t i = 1; i < outputs.size(); ++i) {
-      EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
-      EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
-          << "lse differs for thread-count run " << i;
-    }
+  std::vector<std::vector<std::uint8_t>> outputs;
+  std::vector<std::vector<float>> lses;
+  for (int threads : {1, 2, 3, 7}) {
+    Tensor out(DType::f32, q_shape);
+    out.poison();
+    std::vector<float> lse(static_cast<std::size_t>(q_shape[0] * q_shape[1] * q_shape[2]), NAN);
+    options.num_threads = threads;
+    flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+    outputs.push_back(out.bytes);
+    lses.push_back(lse);
   }
+  for (std::size_t i = 1; i < outputs.size(); ++i) {
+    EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
+    EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
+        << "lse differs for thread-count run " << i;
+  }
+}
+
+// Each task owns its output rows, so the thread count must not change a single bit. The thread
+// count also sets how many Q blocks share a task here (3, 2 and 1 block for 1, 2 and 3+
+// threads), which must not matter either.
+TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
+  AttentionOptions causal;
+  causal.causal = true;
+  SCOPED_TRACE("causal");
+  expect_same_bits_for_any_thread_count({2, 301, 4, 72}, {2, 517, 2, 72}, causal);
+  AttentionOptions windowed;
+  windowed.window_left = 200;
+  windowed.window_right = 30;
+  SCOPED_TRACE("window (200, 30)");
+  expect_same_bits_for_any_thread_count({2, 301, 4, 72}, {2, 517, 2, 72}, windowed);
 }
 
 // Decoding: a few query rows per KV head (group · Sq <= 32) go through cpu/flash_decode.cpp,
@@ -534,13 +542,7 @@ TEST_P(DecodeVsReference, FlashAndStandardMatchFp64Reference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, DecodeVsReference, ::testing::ValuesIn(make_decode_grid()),
-                         [](const auto& info) {
-                           std::string name = describe(info.param);
-                           std::replace_if(
-                               name.begin(), name.end(), [](char ch) { return !std::isalnum(ch); },
-                               '_');
-                           return name;
-                         });
+                         case_name);
 
 // The decode path on every SIMD target: dot_rows and axpy_rows, ragged head dims.
 TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
@@ -561,35 +563,15 @@ TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
 // The decode path's chunks follow from the shape, not the threads: the same bits for any
 // thread count, with GQA, a window and a causal mask on two positions.
 TEST(FlashDeterminism, DecodeBitwiseIdenticalForAnyThreadCount) {
-  std::mt19937_64 rng(test_seed());
-  const std::array<std::int64_t, 4> q_shape{1, 2, 8, 64}, kv_shape{1, 3000, 2, 64};
-  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape);
-  q.fill_normal(rng);
-  k.fill_normal(rng);
-  v.fill_normal(rng);
-  for (const bool windowed : {false, true}) {
-    SCOPED_TRACE(windowed ? "window (1700, 0)" : "causal");
-    std::vector<std::vector<std::uint8_t>> outputs;
-    std::vector<std::vector<float>> lses;
-    for (int threads : {1, 2, 3, 7}) {
-      Tensor out(DType::f32, q_shape);
-      out.poison();
-      std::vector<float> lse(2 * 8, NAN);
-      AttentionOptions options;
-      options.causal = !windowed;
-      options.window_left = windowed ? 1700 : -1;
-      options.window_right = windowed ? 0 : -1;
-      options.num_threads = threads;
-      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
-      outputs.push_back(out.bytes);
-      lses.push_back(lse);
-    }
-    for (std::size_t i = 1; i < outputs.size(); ++i) {
-      EXPECT_EQ(outputs[i], outputs[0]) << "output differs for thread-count run " << i;
-      EXPECT_EQ(0, std::memcmp(lses[i].data(), lses[0].data(), lses[0].size() * sizeof(float)))
-          << "lse differs for thread-count run " << i;
-    }
-  }
+  AttentionOptions causal;
+  causal.causal = true;
+  SCOPED_TRACE("causal");
+  expect_same_bits_for_any_thread_count({1, 2, 8, 64}, {1, 3000, 2, 64}, causal);
+  AttentionOptions windowed;
+  windowed.window_left = 1700;
+  windowed.window_right = 0;
+  SCOPED_TRACE("window (1700, 0)");
+  expect_same_bits_for_any_thread_count({1, 2, 8, 64}, {1, 3000, 2, 64}, windowed);
 }
 
 }  // namespace

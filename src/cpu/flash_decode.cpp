@@ -204,6 +204,21 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
       prefetch_row(base, p.dtype, strides.offset(b, next_key + i, next_head), p.head_dim);
     }
   };
+  // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or
+  // V, kKeyGroup at a time, with their input rows.
+  auto walk_inputs = [&](const void* base, const Strides& strides, std::int64_t block,
+                         std::int64_t keys, auto&& fn) {
+    inputs_head = -1;
+    for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
+      visit(j, std::min(kKeyGroup, block + keys - j),
+            [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
+                std::int64_t key_count) {
+              prefetch_next(base, strides, h, key, key_count);
+              fn(first, count, key, key_count, rows_of(base, strides, h, key, key_count));
+            });
+    }
+  };
+
   for (std::int64_t block = chunk_begin; block < chunk_end; block += Bk) {
     const std::int64_t keys = std::min(Bk, chunk_end - block);
     const std::int64_t keys_padded = cpu::pad_to_lanes(keys);
@@ -215,33 +230,23 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
                      keys_padded);
     }
     // s = q · k, kKeyGroup keys at a time and head by head: the order of the rows in memory.
-    inputs_head = -1;
-    for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
-      visit(j, std::min(kKeyGroup, block + keys - j),
-            [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
-                std::int64_t key_count) {
-              prefetch_next(p.k, p.k_strides, h, key, key_count);
-              const InputRows k = rows_of(p.k, p.k_strides, h, key, key_count);
-              cpu::dot_rows(scores + first * Bk + (key - block), Bk, t.q.data() + first * Dp, Dp,
-                            count, k.data, k.ld, key_count, Dp);
-            });
-    }
+    walk_inputs(p.k, p.k_strides, block, keys,
+                [&](std::int64_t first, std::int64_t count, std::int64_t key,
+                    std::int64_t key_count, const InputRows& k) {
+                  cpu::dot_rows(scores + first * Bk + (key - block), Bk, t.q.data() + first * Dp,
+                                Dp, count, k.data, k.ld, key_count, Dp);
+                });
     for (std::int64_t h = 0; h < heads; ++h) {
       cpu::online_softmax_tile(scores + h * rows * Bk, Bk, p.scale, row_max + h * rows,
                                row_sum + h * rows, acc + h * rows * Dp, Dp, rows, keys_padded, Dp);
     }
     // acc += p · v in the same order.
-    inputs_head = -1;
-    for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
-      visit(j, std::min(kKeyGroup, block + keys - j),
-            [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
-                std::int64_t key_count) {
-              prefetch_next(p.v, p.v_strides, h, key, key_count);
-              const InputRows v = rows_of(p.v, p.v_strides, h, key, key_count);
-              cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (key - block), Bk, count,
-                             v.data, v.ld, key_count, Dp);
-            });
-    }
+    walk_inputs(p.v, p.v_strides, block, keys,
+                [&](std::int64_t first, std::int64_t count, std::int64_t key,
+                    std::int64_t key_count, const InputRows& v) {
+                  cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (key - block), Bk,
+                                 count, v.data, v.ld, key_count, Dp);
+                });
   }
 }
 
