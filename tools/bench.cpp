@@ -349,8 +349,12 @@ std::vector<Case> make_cases(const BenchOptions& options, const std::vector<bool
   if (!options.no_decode) {
     for (const std::string& dtype_text : options.dtypes) {
       for (const std::int64_t seqlen : options.decode_seqlens) {
-        cases.push_back({parse_dtype(dtype_text), 1, kDecodeHeadsQ, seqlen, kDecodeHeadDim, true,
-                         false, true, kDecodeHeadsKv});
+        cases.push_back({.dtype = parse_dtype(dtype_text),
+                         .heads = kDecodeHeadsQ,
+                         .seqlen = seqlen,
+                         .head_dim = kDecodeHeadDim,
+                         .decode = true,
+                         .heads_kv = kDecodeHeadsKv});
       }
     }
   }

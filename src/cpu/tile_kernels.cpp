@@ -360,7 +360,7 @@ void ProbabilitiesFromLseTile(float* HWY_RESTRICT scores, std::int64_t ld_scores
     const Vec shift = hn::Set(tag, lse[i] == -kInfinity ? kInfinity : lse[i]);
     for (std::int64_t j = 0; j < keys_padded; j += N) {
       const Vec x = hn::Mul(hn::Sub(hn::Mul(hn::LoadU(tag, s + j), scale_vec), shift), log2e);
-      // A score above the row's lse (a caller's lse, or rounding) would overflow 2^x's exponent.
+      // An exponent above 127 (a caller's lse far below the row's scores) would not fit 2^n.
       hn::StoreU(Exp2Softmax(tag, hn::IfThenElse(hn::Gt(x, max_exponent), max_exponent, x)), tag,
                  s + j);
     }
