@@ -544,7 +544,8 @@ TEST_P(DecodeVsReference, FlashAndStandardMatchFp64Reference) {
 INSTANTIATE_TEST_SUITE_P(Grid, DecodeVsReference, ::testing::ValuesIn(make_decode_grid()),
                          case_name);
 
-// The decode path on every SIMD target: dot_rows and axpy_rows, ragged head dims.
+// The decode path on every SIMD target: dot_rows and axpy_rows on fp32, bf16 and f16 rows
+// (widened in registers, or by the scalar conversion for f16 without F16C), ragged head dims.
 TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
   for (const auto& target : detail::cpu::supported_simd_targets()) {
     SCOPED_TRACE("SIMD target " + target.name);
@@ -556,6 +557,10 @@ TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
     causal.causal = true;
     causal.dtype = DType::bf16;
     check_against_reference(causal);
+    Case half{2, 1, 900, 8, 2, 64};
+    half.dtype = DType::f16;
+    half.layout = Layout::bhsd;
+    check_against_reference(half);
   }
   detail::cpu::force_simd_target(0);
 }

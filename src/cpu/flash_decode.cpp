@@ -6,8 +6,9 @@
 // query rows the packing is most of the work and the strided walk starves the hardware
 // prefetchers (Zen 3 VM, 2 threads, K and V of [1, 8192, 8, 128]: a strided walk reads 13-19.5
 // GB/s, a sequential one 44.5). Here K and V are read once, in memory order: kKeyGroup keys at a
-// time and within them head by head, the rows straight from the input (fp32 rows of whole
-// vectors) or widened into padded rows, against all of their head's query rows. Per block of Bk
+// time and within them head by head, the rows straight from the input (bf16 and f16 widened in
+// registers) or, where head_dim is not a whole number of vectors, widened into padded rows,
+// against all of their head's query rows. Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   online softmax of scale·s                          online_softmax_tile
@@ -113,22 +114,26 @@ Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int6
   return {first, last};
 }
 
-// Rows (b, j .. j + count, h) of K or V as fp32 rows of Dp floats, `ld` apart: the input itself
-// for fp32 rows of whole vectors, otherwise widened into `buffer` (floats past head_dim stay 0).
+// Rows (b, j .. j + count, h) of K or V, Dp elements of `dtype` each, `ld` elements apart: the
+// input itself where head_dim is a whole number of vectors (the kernels widen bf16 and f16 in
+// registers), otherwise widened to fp32 into `buffer` (floats past head_dim stay 0).
 struct InputRows {
-  const float* data;
+  const void* data;
+  DType dtype;
   std::int64_t ld;
 };
 InputRows input_rows(const AttentionParams& p, const void* base, const Strides& strides,
                      std::int64_t b, std::int64_t j, std::int64_t count, std::int64_t h,
                      std::int64_t Dp, float* buffer) {
-  if (p.dtype == DType::f32 && p.head_dim == Dp) {
-    return {static_cast<const float*>(base) + strides.offset(b, j, h), strides.seq};
+  if (p.head_dim == Dp) {
+    return {static_cast<const char*>(base) +
+                strides.offset(b, j, h) * static_cast<std::int64_t>(dtype_size(p.dtype)),
+            p.dtype, strides.seq};
   }
   for (std::int64_t i = 0; i < count; ++i) {
     load_row_f32(buffer + i * Dp, base, p.dtype, strides.offset(b, j + i, h), p.head_dim);
   }
-  return {buffer, Dp};
+  return {buffer, DType::f32, Dp};
 }
 
 // One (batch entry, key chunk) task: every KV head's rows against the chunk's keys.
@@ -180,7 +185,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     }
   };
   // The input rows of the last call, kept while the query heads of a group take them in turn.
-  InputRows inputs{nullptr, 0};
+  InputRows inputs{nullptr, DType::f32, 0};
   std::int64_t inputs_head = -1, inputs_key = -1;
   auto rows_of = [&](const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                      std::int64_t count) {
@@ -234,7 +239,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
                 [&](std::int64_t first, std::int64_t count, std::int64_t key,
                     std::int64_t key_count, const InputRows& k) {
                   cpu::dot_rows(scores + first * Bk + (key - block), Bk, t.q.data() + first * Dp,
-                                Dp, count, k.data, k.ld, key_count, Dp);
+                                Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
                 });
     for (std::int64_t h = 0; h < heads; ++h) {
       cpu::online_softmax_tile(scores + h * rows * Bk, Bk, p.scale, row_max + h * rows,
@@ -245,7 +250,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
                 [&](std::int64_t first, std::int64_t count, std::int64_t key,
                     std::int64_t key_count, const InputRows& v) {
                   cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (key - block), Bk,
-                                 count, v.data, v.ld, key_count, Dp);
+                                 count, v.data, v.dtype, v.ld, key_count, Dp);
                 });
   }
 }
@@ -272,7 +277,8 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
       if (chunk_max == kNegativeInfinity) continue;  // no key of the chunk counts: l = 0, acc = 0
       const float weight = chunk_max == max ? 1.0f : std::exp(p.scale * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weight;
-      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, Dp, 1, Dp);
+      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, DType::f32,
+                     Dp, 1, Dp);
     }
     // As the tiled forward's epilogue: rows that see no key get 0 and -inf; a row whose scores
     // are all -inf gets 0/0.

@@ -23,6 +23,9 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
+
+#include "util/convert.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::detail::cpu {
@@ -271,10 +274,28 @@ struct WeightStrides {
   std::int64_t row, key;
 };
 
-// acc[R x C·N] += p[R x keys] · v[keys x C·N]
-template <int R, int C>
+// One vector of fp32 lanes from values of the input dtype: fp32 as they are, bf16 and (where
+// F16C converts it, see util/widen.cpp) f16 widened in registers, exactly.
+HWY_INLINE Vec LoadWidened(Tag tag, const float* HWY_RESTRICT values) {
+  return hn::LoadU(tag, values);
+}
+HWY_INLINE Vec LoadWidened(Tag tag, const hwy::bfloat16_t* HWY_RESTRICT values) {
+  return hn::PromoteTo(tag, hn::LoadU(hn::Rebind<hwy::bfloat16_t, Tag>(), values));
+}
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+constexpr bool kWidensF16 = true;
+HWY_INLINE Vec LoadWidened(Tag tag, const hwy::float16_t* HWY_RESTRICT values) {
+  return hn::PromoteTo(tag, hn::LoadU(hn::Rebind<hwy::float16_t, Tag>(), values));
+}
+#else
+constexpr bool kWidensF16 = false;
+#endif
+
+// acc[R x C·N] += p[R x keys] · v[keys x C·N]; v of fp32 (the tiles) or of an input dtype (the
+// decode path's rows).
+template <int R, int C, class Value = float>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                        const float* HWY_RESTRICT p, WeightStrides ps, const float* HWY_RESTRICT v,
+                        const float* HWY_RESTRICT p, WeightStrides ps, const Value* HWY_RESTRICT v,
                         std::int64_t ld_v, std::int64_t keys) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
@@ -282,7 +303,7 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
     for (int c = 0; c < C; ++c) sums[r][c] = hn::LoadU(tag, acc + r * ld_acc + c * N);
   for (std::int64_t j = 0; j < keys; ++j) {
     Vec values[C];
-    for (int c = 0; c < C; ++c) values[c] = hn::LoadU(tag, v + j * ld_v + c * N);
+    for (int c = 0; c < C; ++c) values[c] = LoadWidened(tag, v + j * ld_v + c * N);
     const float* HWY_RESTRICT weights = p + j * ps.key;
     for (int r = 0; r < R; ++r) {
       const Vec weight = hn::Set(tag, weights[r * ps.row]);
@@ -295,18 +316,19 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
 
 // All rows against one packed panel of value dims (keys rows of `width` floats, contiguous:
 // 32 KiB for 128 keys), kept in L1 while every row block passes over it; as for the scores.
-template <int C>
+template <int C, class Value = float>
 HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                           const float* HWY_RESTRICT p, WeightStrides ps,
-                          const float* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
+                          const Value* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
                           std::int64_t keys) {
   std::int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
-    PvBlock<kBlockRows, C>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width, keys);
+    PvBlock<kBlockRows, C, Value>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width,
+                                  keys);
   }
   RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
-    PvBlock<decltype(block_rows)::value, C>(tag, acc + row * ld_acc, ld_acc, p + row * ps.row, ps,
-                                            panel, width, keys);
+    PvBlock<decltype(block_rows)::value, C, Value>(tag, acc + row * ld_acc, ld_acc,
+                                                   p + row * ps.row, ps, panel, width, keys);
   });
 }
 
@@ -385,17 +407,17 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
 
 // Decode: the dot products of R rows with K vectors, R·K chains of FMAs (8 in the blocks
 // DotRows picks, enough to cover the FMA latency), then one horizontal sum per product.
-template <int R, int K>
+template <int R, int K, class X>
 HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                              const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                             const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
+                             const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][K];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += N) {
     Vec xs[K];
-    for (int k = 0; k < K; ++k) xs[k] = hn::LoadU(tag, x + k * ld_x + d);
+    for (int k = 0; k < K; ++k) xs[k] = LoadWidened(tag, x + k * ld_x + d);
     for (int r = 0; r < R; ++r) {
       const Vec row = hn::LoadU(tag, rows + r * ld_rows + d);
       for (int k = 0; k < K; ++k) sums[r][k] = hn::MulAdd(row, xs[k], sums[r][k]);
@@ -407,12 +429,11 @@ HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_
     }
 }
 
-// All `count` rows against the x vectors [0, x_count) for rows [row, row + R): K of them at a
-// time, the last one by one.
-template <int R, int K>
+// R rows against the x vectors [0, x_count): K of them at a time, the last ones one by one.
+template <int R, int K, class X>
 HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                                const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                               const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
+                               const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
                                std::int64_t n) {
   std::int64_t k = 0;
   for (; k + K <= x_count; k += K) {
@@ -423,9 +444,10 @@ HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t ou
   }
 }
 
-void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
-             std::int64_t ld_rows, std::int64_t count, const float* HWY_RESTRICT x,
-             std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+template <class X>
+void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
+               std::int64_t ld_rows, std::int64_t count, const X* HWY_RESTRICT x, std::int64_t ld_x,
+               std::int64_t x_count, std::int64_t n) {
   const Tag tag;
   std::int64_t r = 0;
   for (; r + 4 <= count; r += 4) {
@@ -444,9 +466,10 @@ void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_
 }
 
 // Decode: acc += weights · x for unpacked x rows ld_x apart, the P·V blocks of PvTile on them.
-void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
-              std::int64_t weight_stride, std::int64_t count, const float* HWY_RESTRICT x,
-              std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+template <class X>
+void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
+                std::int64_t weight_stride, std::int64_t count, const X* HWY_RESTRICT x,
+                std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
   const Tag tag;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   const WeightStrides ps{weight_stride, 1};
@@ -457,6 +480,53 @@ void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RES
   for (; d < n; d += N) {
     PvColumns<1>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
   }
+}
+
+// Calls kernel(x) with x of the input dtype's element type, or, for f16 on targets without
+// F16C, once per x row widened by the scalar conversion (the portable targets).
+template <class Kernel>
+HWY_INLINE void WithInputRows(const void* x, DType x_dtype, std::int64_t ld_x, std::int64_t x_count,
+                              std::int64_t n, const Kernel& kernel) {
+  switch (x_dtype) {
+    case DType::f32:
+      kernel(static_cast<const float*>(x), ld_x, x_count, std::int64_t{0});
+      return;
+    case DType::bf16:
+      kernel(static_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, std::int64_t{0});
+      return;
+    case DType::f16:
+      if constexpr (kWidensF16) {
+        kernel(static_cast<const hwy::float16_t*>(x), ld_x, x_count, std::int64_t{0});
+      } else {
+        std::vector<float> row(static_cast<std::size_t>(n));
+        for (std::int64_t k = 0; k < x_count; ++k) {
+          const auto* bits = static_cast<const std::uint16_t*>(x) + k * ld_x;
+          for (std::int64_t d = 0; d < n; ++d) row[d] = f32_from_f16(bits[d]);
+          kernel(static_cast<const float*>(row.data()), n, std::int64_t{1}, k);
+        }
+      }
+      return;
+  }
+}
+
+void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
+             std::int64_t ld_rows, std::int64_t count, const void* HWY_RESTRICT x, DType x_dtype,
+             std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+  WithInputRows(
+      x, x_dtype, ld_x, x_count, n,
+      [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
+        DotRowsOf(out + first, out_stride, rows, ld_rows, count, typed, ld, typed_count, n);
+      });
+}
+
+void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
+              std::int64_t weight_stride, std::int64_t count, const void* HWY_RESTRICT x,
+              DType x_dtype, std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+  WithInputRows(
+      x, x_dtype, ld_x, x_count, n,
+      [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
+        AxpyRowsOf(acc, ld_acc, weights + first, weight_stride, count, typed, ld, typed_count, n);
+      });
 }
 
 // Transposes the kLanes x kLanes block v in log2(kLanes) rounds, each splitting every pair of
@@ -601,16 +671,17 @@ void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, s
 }
 
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
-              std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(DotRows)(out, out_stride, rows, ld_rows, count, x, ld_x, x_count, n);
+              std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
+              std::int64_t x_count, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(DotRows)
+  (out, out_stride, rows, ld_rows, count, x, x_dtype, ld_x, x_count, n);
 }
 
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
-               std::int64_t n) {
+               std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
+               std::int64_t x_count, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(AxpyRows)
-  (acc, ld_acc, weights, weight_stride, count, x, ld_x, x_count, n);
+  (acc, ld_acc, weights, weight_stride, count, x, x_dtype, ld_x, x_count, n);
 }
 
 bool all_finite(const float* values, std::int64_t n) {

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "flashattn/tensor.hpp"
+
 namespace flashattn::detail::cpu {
 
 // Row widths are padded to this many floats: a whole number of vectors on every target
@@ -96,16 +98,17 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
                            const float* row_delta, float scale, std::int64_t rows,
                            std::int64_t keys_padded);
 
-// Decode (few query rows against a long key sequence, flash_decode.cpp), on rows padded with
-// zeros to n, a multiple of kTileLanes, and x_count vectors x ld_x apart:
+// Decode (few query rows against a long key sequence, flash_decode.cpp): fp32 rows padded with
+// zeros to n, a multiple of kTileLanes, against x_count rows x of n elements, ld_x elements
+// apart, of dtype x_dtype (widened exactly in registers):
 // out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k · ld_x .. + n)   r < count, k < x_count
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
-              std::int64_t n);
+              std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
+              std::int64_t x_count, std::int64_t n);
 // acc[r · ld_acc + d] += Σ_k weights[r · weight_stride + k] · x[k · ld_x + d]   r < count, d < n
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, const float* x, std::int64_t ld_x, std::int64_t x_count,
-               std::int64_t n);
+               std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
+               std::int64_t x_count, std::int64_t n);
 
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
 // patterns): the backward asks it of each packed block (cpu/visible_gradients.hpp).
