@@ -67,8 +67,9 @@ void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, co
 // l = l·exp(scale·(m - m_new)) + rowsum(p); the accumulator row is rescaled by
 // exp(scale·(m - m_new)) only when the max grew. m is the running max of the unscaled scores
 // (the row's lse is scale·m + log(l)); scale > 0. Masked scores are -inf and give p = 0; a row
-// whose scores are all -inf so far keeps m = -inf, l = 0 and never computes (-inf) - (-inf). A
-// NaN score makes its row NaN.
+// whose scores are all -inf so far keeps m = -inf (the lowest float on Highway's EMU128 target,
+// whose max reduction starts there: the same p, l and lse), l = 0 and never computes
+// (-inf) - (-inf). A NaN score makes its row NaN.
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,
                          float* row_sum, float* acc, std::int64_t ld_acc, std::int64_t rows,
                          std::int64_t keys_padded, std::int64_t dims_padded);
