@@ -306,6 +306,12 @@ INSTANTIATE_TEST_SUITE_P(BothPaths, BackwardAllocationFailureDeathTest,
 // keeps and the gradients of a backward ([32768, 512] rows: 64 MiB per matrix, x and y and dy
 // real memory allocated before the cap) raise Error, not std::bad_alloc.
 TEST(MultiHeadAttentionAllocationFailureDeathTest, RaisesErrorNotTerminate) {
+#ifdef FLASHATTN_TEST_SANITIZED
+  // Each check below is skipped there (expect_out_of_memory_error says why), and the forward the
+  // last one needs first, [8, 4096, 512] with the plain-loop sgemm of the sanitizer builds, ran
+  // past CTest's 600 s under ThreadSanitizer on a Zen 3 guest.
+  GTEST_SKIP() << "RLIMIT_AS cannot cap a sanitized process";
+#endif
   constexpr std::int64_t kHidden = 512, kBatch = 8, kSeq = 4096;
   auto warm_up = [] {
     MultiHeadAttention small({16, 2});
