@@ -312,6 +312,15 @@ TEST(NonFiniteInputsDecode, ReachExactlyTheRowsThatReadThem) {
          set_sign_of_column(p.k, 0, 4, 1.0f);
          p.q.set(0, 1, 1, 4, -kInff);
        }},
+      // Row (position 1, head 1) has nothing but -inf scores, and NaN at key 700: the chunk's
+      // max skips the NaN, its sum does not, and the merge must keep the row NaN (a fuzzer
+      // found the merge skipping such a chunk: lse -inf).
+      {"NaNScoreAmongMinusInfScores", false,
+       [](Problem& p) {
+         set_sign_of_column(p.k, 0, 4, 1.0f);
+         p.q.set(0, 1, 1, 4, -kInff);
+         p.k.set(0, 700, 0, 2, kNaNf);
+       }},
       // With window_left = 1000, position 0 sees keys 498 on and position 1 keys 499 on: key
       // 498 is seen by position 0 only, key 100 by neither.
       {"NonFiniteOutsideOneRowsWindow", false,

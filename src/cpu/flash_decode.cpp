@@ -272,9 +272,10 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     }
     float sum = 0.0f;
     std::fill_n(out_row, Dp, 0.0f);
+    // A chunk whose max is -inf gets weight 0 (or 1, when every chunk's is): not skipped, since
+    // its l is NaN where a NaN score hid from the max, and 0·NaN keeps the row NaN.
     for (std::int64_t chunk = 0; chunk < plan.chunks; ++chunk) {
       const float chunk_max = results.max[slot(chunk)];
-      if (chunk_max == kNegativeInfinity) continue;  // no key of the chunk counts: l = 0, acc = 0
       const float weight = chunk_max == max ? 1.0f : std::exp(p.scale * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weight;
       cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, DType::f32,
