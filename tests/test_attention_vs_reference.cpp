@@ -547,9 +547,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, DecodeVsReference, ::testing::ValuesIn(make_decod
 // The decode path on every SIMD target: dot_rows and axpy_rows on fp32, bf16 and f16 rows
 // (widened in registers, or by the scalar conversion for f16 without F16C), ragged head dims.
 TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    SCOPED_TRACE("SIMD target " + target.name);
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([] {
     Case gqa{2, 1, 1300, 8, 2, 59};
     gqa.threads = 3;
     check_against_reference(gqa);
@@ -561,8 +559,7 @@ TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
     half.dtype = DType::f16;
     half.layout = Layout::bhsd;
     check_against_reference(half);
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 // The decode path's chunks follow from the shape, not the threads: the same bits for any

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cpu/tile_kernels.hpp"
+#include "test_support.hpp"
 
 namespace flashattn::testing {
 namespace {
@@ -34,17 +35,6 @@ constexpr double kRelativeTolerance = 6 * 0x1p-24;
 // an exponent computed from the pattern would pick up.
 const std::uint32_t kNaNPatterns[] = {0x7fc00000u, 0xffc00000u, 0x7fc001ffu, 0x7f800001u,
                                       0xffffffffu, 0x7fbfffffu, 0x7fc00080u, 0xff8000ffu};
-
-// Runs check once per supported SIMD target, each forced in turn, then restores the default.
-template <class Check>
-void on_every_target(const Check& check) {
-  for (const cpu::SimdTarget& target : cpu::supported_simd_targets()) {
-    SCOPED_TRACE("SIMD target " + target.name);
-    cpu::force_simd_target(target.id);
-    check();
-  }
-  cpu::force_simd_target(0);
-}
 
 // The arguments t = s·log2 e that a score s gives with scale 1 and lse 0, as the kernel forms
 // them in fp32.

@@ -3,6 +3,8 @@
 // Shared helpers for the attention tests: owned tensors in any dtype, random fill, NaN poison,
 // and the fp64 oracle on the same inputs.
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/tile_kernels.hpp"
 #include "flashattn/flashattn.hpp"
 #include "util/convert.hpp"
 
@@ -75,6 +78,18 @@ inline std::uint64_t test_seed() {
     return (static_cast<std::uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   }();
   return seed;
+}
+
+// Runs check once per SIMD target compiled in that this CPU supports, each forced in turn (with
+// gtest's SCOPED_TRACE naming it where the caller includes gtest), then restores the default.
+template <class Check>
+void on_every_target(const Check& check) {
+  for (const detail::cpu::SimdTarget& target : detail::cpu::supported_simd_targets()) {
+    SCOPED_TRACE("SIMD target " + target.name);
+    detail::cpu::force_simd_target(target.id);
+    check();
+  }
+  detail::cpu::force_simd_target(0);
 }
 
 // Unit roundoff of a storage dtype (half an ulp at 1).

@@ -444,11 +444,69 @@ HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t ou
   }
 }
 
+// Eight vectors of eight lanes to one whose lane i is the sum of the lanes of v[i], in three
+// rounds of pairwise sums (within 128-bit blocks by 32 and 64 bits, then across the halves):
+// 14 shuffles and 7 additions, against 8 horizontal sums of 6 operations and a store each.
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+HWY_INLINE Vec SumsOfEight(Tag tag, const Vec (&v)[8]) {
+  const hn::Repartition<double, Tag> pairs;
+  Vec sums_of_two[4];
+  for (int i = 0; i < 4; ++i) {
+    sums_of_two[i] = hn::Add(hn::InterleaveLower(tag, v[2 * i], v[2 * i + 1]),
+                             hn::InterleaveUpper(tag, v[2 * i], v[2 * i + 1]));
+  }
+  Vec sums_of_four[2];
+  for (int i = 0; i < 2; ++i) {
+    const auto low = hn::BitCast(pairs, sums_of_two[2 * i]);
+    const auto high = hn::BitCast(pairs, sums_of_two[2 * i + 1]);
+    sums_of_four[i] = hn::Add(hn::BitCast(tag, hn::InterleaveLower(pairs, low, high)),
+                              hn::BitCast(tag, hn::InterleaveUpper(pairs, low, high)));
+  }
+  return hn::Add(hn::ConcatLowerLower(tag, sums_of_four[1], sums_of_four[0]),
+                 hn::ConcatUpperUpper(tag, sums_of_four[1], sums_of_four[0]));
+}
+
+// One row against 8 fp32 x vectors: each x vector loaded once and used once, the row kept in a
+// register, 9 loads per 8 FMAs. The 4 x 2 blocks load each row vector twice where the compiler
+// folds the loads into the FMAs (GCC 12 does), 10 loads per 8 FMAs, and end in 8 horizontal sums
+// instead of one SumsOfEight. One Zen 3 core, 4 rows x 8 keys x 128 dims in L1, cycles per key
+// (32 at the FMA rate): 62 -> 41 on contiguous rows, 59.5 -> 54 on rows 4 KiB apart as in a
+// [B, S, 8, 128] cache. Not for bf16 and f16: the 4 x 2 blocks widen each x vector once, these
+// once per row, and the decode path went 3-15% slower on bf16 with them.
+template <class X>
+HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float* HWY_RESTRICT row,
+                                   const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  Vec sums[8];
+  for (int k = 0; k < 8; ++k) sums[k] = hn::Zero(tag);
+  for (std::int64_t d = 0; d < n; d += N) {
+    const Vec row_d = hn::LoadU(tag, row + d);
+    for (int k = 0; k < 8; ++k) {
+      sums[k] = hn::MulAdd(row_d, LoadWidened(tag, x + k * ld_x + d), sums[k]);
+    }
+  }
+  hn::StoreU(SumsOfEight(tag, sums), tag, out);
+}
+#endif
+
 template <class X>
 void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
                std::int64_t ld_rows, std::int64_t count, const X* HWY_RESTRICT x, std::int64_t ld_x,
                std::int64_t x_count, std::int64_t n) {
   const Tag tag;
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+  // Groups of 8 x vectors row by row, the group staying in L1 while the rows pass over it.
+  std::int64_t first = 0;
+  for (; std::is_same_v<X, float> && first + 8 <= x_count; first += 8) {
+    for (std::int64_t r = 0; r < count; ++r) {
+      DotRowEightVectors(tag, out + r * out_stride + first, rows + r * ld_rows, x + first * ld_x,
+                         ld_x, n);
+    }
+  }
+  out += first;
+  x += first * ld_x;
+  x_count -= first;
+#endif
   std::int64_t r = 0;
   for (; r + 4 <= count; r += 4) {
     DotRowsAgainst<4, 2>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,

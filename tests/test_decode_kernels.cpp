@@ -1,0 +1,151 @@
+// The decode path's two products (cpu/tile_kernels.hpp: dot_rows, axpy_rows) on every SIMD
+// target compiled in that this CPU runs, against sums in double: every row count up to 9 and
+// every x count up to 19, so that each block shape the kernels pick (rows by 4, 2 and 1; x rows
+// by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and f16 rows that lie apart in
+// memory, with nothing written outside the outputs. The attention tests reach these kernels only
+// through the shapes they happen to run.
+//
+// Inputs are representable in every dtype (multiples of 1/16 below 8: bf16's 8 bits hold them),
+// so the widening is exact and the double sums are the exact results. Tolerance: a sum of m
+// products formed by fp32 FMAs and additions in any order is off by at most (m - 1)·u·Σ|terms|
+// up to terms of order u² (Higham, Accuracy and Stability of Numerical Algorithms, §3.1), u =
+// 2^-24; the test allows m·u·Σ|terms|. A dropped, doubled or misplaced term is off by a whole
+// term, at least 1/256 here, orders of magnitude more.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cpu/tile_kernels.hpp"
+#include "test_support.hpp"
+#include "util/convert.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+namespace cpu = detail::cpu;
+
+constexpr double kUnitRoundoff = 0x1p-24;
+constexpr float kSentinel = -12345.0f;
+
+// x rows of `dtype` whose elements are the floats `values` (exactly representable).
+std::vector<std::uint8_t> rows_in(DType dtype, const std::vector<float>& values) {
+  std::vector<std::uint8_t> bytes(values.size() * dtype_size(dtype));
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    detail::store_f32(bytes.data(), dtype, static_cast<std::int64_t>(i), values[i]);
+  }
+  return bytes;
+}
+
+// Multiples of 1/16 in (-8, 8), zero included.
+std::vector<float> random_values(std::mt19937_64& rng, std::size_t n) {
+  std::uniform_int_distribution<int> sixteenths(-127, 127);
+  std::vector<float> values(n);
+  for (float& value : values) value = static_cast<float>(sixteenths(rng)) / 16.0f;
+  return values;
+}
+
+struct Shape {
+  std::int64_t rows, x_count, n;
+};
+
+std::vector<Shape> shapes() {
+  std::vector<Shape> all;
+  for (std::int64_t n : {16, 64, 128}) {
+    for (std::int64_t rows = 1; rows <= 9; ++rows) {
+      for (std::int64_t x_count = 0; x_count <= 19; ++x_count) all.push_back({rows, x_count, n});
+    }
+  }
+  return all;
+}
+
+// Row and x strides beyond n, an output stride beyond x_count: the kernels must honour them.
+constexpr std::int64_t kRowPadding = 16, kXPadding = 24, kOutPadding = 5;
+
+TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  on_every_target([&] {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      for (const Shape& shape : shapes()) {
+        SCOPED_TRACE(::testing::Message() << "rows " << shape.rows << ", x rows " << shape.x_count
+                                          << ", n " << shape.n << ", seed " << test_seed());
+        const std::int64_t ld_rows = shape.n + kRowPadding, ld_x = shape.n + kXPadding;
+        const std::int64_t out_stride = shape.x_count + kOutPadding;
+        const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
+        const std::vector<float> x =
+            random_values(rng, std::max<std::int64_t>(1, shape.x_count) * ld_x);
+        const std::vector<std::uint8_t> x_bytes = rows_in(dtype, x);
+        std::vector<float> out(shape.rows * out_stride, kSentinel);
+        cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x_bytes.data(),
+                      dtype, ld_x, shape.x_count, shape.n);
+        for (std::int64_t r = 0; r < shape.rows; ++r) {
+          for (std::int64_t k = 0; k < out_stride; ++k) {
+            const float got = out[r * out_stride + k];
+            if (k >= shape.x_count) {
+              ASSERT_EQ(got, kSentinel)
+                  << "written past x row " << shape.x_count << " of row " << r;
+              continue;
+            }
+            double exact = 0.0, magnitude = 0.0;
+            for (std::int64_t d = 0; d < shape.n; ++d) {
+              const double term = static_cast<double>(rows[r * ld_rows + d]) * x[k * ld_x + d];
+              exact += term;
+              magnitude += std::fabs(term);
+            }
+            ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
+                << "row " << r << ", x row " << k;
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST(DecodeKernels, AxpyRowsMatchesDoubleSumsOnEveryTarget) {
+  std::mt19937_64 rng(test_seed() + 1);
+  on_every_target([&] {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      for (const Shape& shape : shapes()) {
+        SCOPED_TRACE(::testing::Message() << "rows " << shape.rows << ", x rows " << shape.x_count
+                                          << ", n " << shape.n << ", seed " << test_seed());
+        const std::int64_t ld_acc = shape.n + kRowPadding, ld_x = shape.n + kXPadding;
+        const std::int64_t weight_stride = shape.x_count + kOutPadding;
+        std::vector<float> acc = random_values(rng, shape.rows * ld_acc);
+        const std::vector<float> initial = acc;
+        const std::vector<float> weights = random_values(rng, shape.rows * weight_stride);
+        const std::vector<float> x =
+            random_values(rng, std::max<std::int64_t>(1, shape.x_count) * ld_x);
+        const std::vector<std::uint8_t> x_bytes = rows_in(dtype, x);
+        cpu::axpy_rows(acc.data(), ld_acc, weights.data(), weight_stride, shape.rows,
+                       x_bytes.data(), dtype, ld_x, shape.x_count, shape.n);
+        for (std::int64_t r = 0; r < shape.rows; ++r) {
+          for (std::int64_t d = 0; d < ld_acc; ++d) {
+            const float got = acc[r * ld_acc + d];
+            if (d >= shape.n) {
+              ASSERT_EQ(got, initial[r * ld_acc + d])
+                  << "written past column " << shape.n << " of row " << r;
+              continue;
+            }
+            double exact = initial[r * ld_acc + d], magnitude = std::fabs(exact);
+            for (std::int64_t k = 0; k < shape.x_count; ++k) {
+              const double term =
+                  static_cast<double>(weights[r * weight_stride + k]) * x[k * ld_x + d];
+              exact += term;
+              magnitude += std::fabs(term);
+            }
+            ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
+                << "row " << r << ", column " << d;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace flashattn::testing
