@@ -939,29 +939,42 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
   std::fflush(stdout);
 }
 
-void print_case(const CaseResult& result, const Ceilings& ceilings, bool backward) {
-  const Case& shape = result.shape;
-  const std::optional<double> flash = result.gflops(AttentionImpl::flash);
-  const std::optional<double> standard = result.gflops(AttentionImpl::standard);
-  auto column = [](std::optional<double> value, const char* pattern) {
-    return value ? format(pattern, *value) : std::string("-");
-  };
-  auto ratio = [&](std::optional<double> denominator) -> std::optional<double> {
-    if (!flash || !denominator || *denominator <= 0.0) return std::nullopt;
-    return *flash / *denominator;
-  };
+// A table cell: the value by `pattern`, or "-" where there is none.
+std::string cell(std::optional<double> value, const char* pattern) {
+  return value ? format(pattern, *value) : std::string("-");
+}
+
+// The cpu column, flash/standard: CPU time over wall time x threads of each path timed.
+std::string cpu_share_column(const CaseResult& result) {
   std::string cpu_share;
   for (const AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard}) {
     const PathResult* path = result.find(impl);
     if (path == nullptr) continue;
-    if (!cpu_share.empty()) cpu_share += '/';
-    cpu_share += column(path->cpu_share, "%.2f");
+    cpu_share += (cpu_share.empty() ? "" : "/") + cell(path->cpu_share, "%.2f");
   }
+  return cpu_share;
+}
+
+// The verified column: "flash yes, standard yes", NO for an output the oracle rejected.
+std::string verified_column(const CaseResult& result) {
   std::string verified;
   for (const PathResult& path : result.paths) {
     verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
                 (path.verified ? "yes" : "NO");
   }
+  return verified;
+}
+
+void print_case(const CaseResult& result, const Ceilings& ceilings, bool backward) {
+  const Case& shape = result.shape;
+  const std::optional<double> flash = result.gflops(AttentionImpl::flash);
+  const std::optional<double> standard = result.gflops(AttentionImpl::standard);
+  auto ratio = [&](std::optional<double> denominator) -> std::optional<double> {
+    if (!flash || !denominator || *denominator <= 0.0) return std::nullopt;
+    return *flash / *denominator;
+  };
+  const std::string cpu_share = cpu_share_column(result);
+  std::string verified = verified_column(result);
   std::string backward_columns, skipped;
   if (backward) {
     const std::optional<double> flash_backward = result.backward_gflops(AttentionImpl::flash);
@@ -972,10 +985,10 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
     }
     char text[64];
     std::snprintf(text, sizeof(text), "%10s %10s %6s %6s %8s ",
-                  column(flash_backward, "%.1f").c_str(), column(standard_backward, "%.1f").c_str(),
-                  column(result.backward_over_forward(AttentionImpl::flash), "%.2f").c_str(),
-                  column(result.backward_over_forward(AttentionImpl::standard), "%.2f").c_str(),
-                  column(speedup, "%.2f").c_str());
+                  cell(flash_backward, "%.1f").c_str(), cell(standard_backward, "%.1f").c_str(),
+                  cell(result.backward_over_forward(AttentionImpl::flash), "%.2f").c_str(),
+                  cell(result.backward_over_forward(AttentionImpl::standard), "%.2f").c_str(),
+                  cell(speedup, "%.2f").c_str());
     backward_columns = text;
     std::string statuses, oracle;
     for (const PathResult& path : result.paths) {
@@ -995,10 +1008,10 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
               dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
               static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
-              column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
-              column(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
-              column(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
-              column(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), backward_columns.c_str(),
+              cell(flash, "%.1f").c_str(), cell(standard, "%.1f").c_str(),
+              cell(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
+              cell(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
+              cell(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), backward_columns.c_str(),
               verified.c_str(), skipped.c_str());
   std::fflush(stdout);
 }
@@ -1020,27 +1033,14 @@ void print_decode_case(const CaseResult& result, const Ceilings& ceilings) {
   const Case& shape = result.shape;
   const std::optional<double> flash = result.kv_gbps(AttentionImpl::flash);
   const std::optional<double> standard = result.kv_gbps(AttentionImpl::standard);
-  auto column = [](std::optional<double> value, const char* pattern) {
-    return value ? format(pattern, *value) : std::string("-");
-  };
   std::optional<double> over_copy, over_standard;
   if (flash && ceilings.copy_gbps > 0.0) over_copy = *flash / ceilings.copy_gbps;
   if (flash && standard && *standard > 0.0) over_standard = *flash / *standard;
-  std::string cpu_share, verified;
-  for (const AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard}) {
-    const PathResult* path = result.find(impl);
-    if (path == nullptr) continue;
-    cpu_share += (cpu_share.empty() ? "" : "/") + column(path->cpu_share, "%.2f");
-  }
-  for (const PathResult& path : result.paths) {
-    verified += std::string(verified.empty() ? "" : ", ") + impl_name(path.impl) + " " +
-                (path.verified ? "yes" : "NO");
-  }
   std::printf("%-5s %7lld %8.1f %10s %10s %8s %8s %9s %s\n", dtype_name(shape.dtype),
               static_cast<long long>(shape.seqlen), shape.kv_bytes() / (1 << 20),
-              column(flash, "%.1f").c_str(), column(standard, "%.1f").c_str(),
-              column(over_copy, "%.3f").c_str(), column(over_standard, "%.3f").c_str(),
-              cpu_share.c_str(), verified.c_str());
+              cell(flash, "%.1f").c_str(), cell(standard, "%.1f").c_str(),
+              cell(over_copy, "%.3f").c_str(), cell(over_standard, "%.3f").c_str(),
+              cpu_share_column(result).c_str(), verified_column(result).c_str());
   std::fflush(stdout);
 }
 

@@ -184,19 +184,6 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
       }
     }
   };
-  // The input rows of the last call, kept while the query heads of a group take them in turn.
-  InputRows inputs{nullptr, DType::f32, 0};
-  std::int64_t inputs_head = -1, inputs_key = -1;
-  auto rows_of = [&](const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
-                     std::int64_t count) {
-    if (h != inputs_head || key != inputs_key) {
-      inputs = input_rows(p, base, strides, b, key, count, h, Dp, t.inputs.data());
-      inputs_head = h;
-      inputs_key = key;
-    }
-    return inputs;
-  };
-
   // Asks for the rows the next call will read (the next KV head's, or the next group's first)
   // while this one computes: the rows of a group lie a key stride apart, in pages the hardware
   // prefetchers have not seen yet. One thread, Sq = 1, Hkv = 8, 32768 keys: 10.3-10.5 -> 11.2-12.2
@@ -209,6 +196,20 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
       prefetch_row(base, p.dtype, strides.offset(b, next_key + i, next_head), p.head_dim);
     }
   };
+  // The input rows of the last call, kept while the query heads of a group take them in turn;
+  // the next rows are asked for when these are first taken.
+  InputRows inputs{nullptr, DType::f32, 0};
+  std::int64_t inputs_head = -1, inputs_key = -1;
+  auto rows_of = [&](const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
+                     std::int64_t count) {
+    if (h != inputs_head || key != inputs_key) {
+      prefetch_next(base, strides, h, key, count);
+      inputs = input_rows(p, base, strides, b, key, count, h, Dp, t.inputs.data());
+      inputs_head = h;
+      inputs_key = key;
+    }
+    return inputs;
+  };
   // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or
   // V, kKeyGroup at a time, with their input rows.
   auto walk_inputs = [&](const void* base, const Strides& strides, std::int64_t block,
@@ -218,7 +219,6 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
       visit(j, std::min(kKeyGroup, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
                 std::int64_t key_count) {
-              prefetch_next(base, strides, h, key, key_count);
               fn(first, count, key, key_count, rows_of(base, strides, h, key, key_count));
             });
     }
@@ -315,7 +315,7 @@ std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
 }
 
 void flash_decode(const AttentionParams& p) {
-  if (p.batch == 0 || p.heads_q == 0) return;
+  if (p.batch == 0) return;
   const DecodePlan plan = decode_plan(p);
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
   const std::int64_t slots = p.batch * plan.chunks * slots_per_entry;
