@@ -260,6 +260,8 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
   }
   EXPECT_NE(completed.out.find("wrote "), std::string::npos) << completed.out;
   EXPECT_NE(completed.out.find(csv_name), std::string::npos) << completed.out;
+  // A quick run's own name: a smoke test never replaces the day's full results.
+  EXPECT_TRUE(csv_name.ends_with("-quick.csv")) << csv_name;
 
   // The plot, or the reason there is none; never a leftover temporary file.
   const std::string png_name = fs::path(csv_name).replace_extension(".png").string();

@@ -1077,7 +1077,9 @@ int run_bench(BenchOptions options, const CLI::App& command) {
     throw Error("--out-dir: cannot create " + out_dir.string() + ": " + error.message());
   }
   Machine machine = describe_machine(threads);
-  const std::string stem = machine.date + "-" + file_name_safe(machine.host);
+  // A --quick run gets its own name: a smoke test must not replace the day's full results.
+  const std::string stem =
+      machine.date + "-" + file_name_safe(machine.host) + (options.quick ? "-quick" : "");
   AtomicFile csv(out_dir / (stem + ".csv"));
   std::unique_ptr<AtomicFile> png, backward_png;
   std::optional<fs::path> gnuplot;
@@ -1195,8 +1197,8 @@ Action add_bench_command(CLI::App& app) {
       "error + (2 roundings of the dtype + 4 score roundings)·G; flash against standard within\n"
       "5x the standard bound + the same floor. The standard backward holds two S x S fp32\n"
       "matrices per thread: where the machine's memory cannot, it is skipped with the reason.\n"
-      "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (a row per case and path; backward columns empty\n"
-      "without --backward) and .png (gnuplot; with --backward also -backward.png), each whole or\n"
+      "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (-quick.csv with --quick; a row per case and path;\n"
+      "backward columns empty without --backward) and .png (gnuplot; with --backward also -backward.png), each whole or\n"
       "not at all, and prints where. Progress goes to stderr.\n"
       "Exit codes: 0 every path verified, 1 invalid arguments or unwritable output, 2 bad\n"
       "command line, 3 a path or its backward failed verification (then not timed; the CSV says\n"
