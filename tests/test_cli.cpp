@@ -462,6 +462,15 @@ TEST_F(CliTest, DemoOnSmallShapesAgrees) {
   EXPECT_EQ(f16.exit_code, 0) << f16.out << f16.err;
   EXPECT_NE(f16.out.find("\nagree: yes"), std::string::npos) << f16.out;
   EXPECT_NE(f16.out.find("no mask, f16"), std::string::npos) << f16.out;
+
+  // Decoding: one query position against a cache; K and V each hold 2·300·2·64 bf16 (150 KiB).
+  const Completed decode =
+      run({"demo", "--seqlen", "1", "--seqlen-kv", "300", "--heads", "8", "--kv-heads", "2",
+           "--head-dim", "64", "--dtype", "bf16", "--repeat", "1"});
+  EXPECT_EQ(decode.exit_code, 0) << decode.out << decode.err;
+  EXPECT_NE(decode.out.find("\nagree: yes"), std::string::npos) << decode.out;
+  EXPECT_NE(decode.out.find("K+V GB/s: bytes of k and v (300.00 KiB) / time"), std::string::npos)
+      << decode.out;
 }
 
 TEST_F(CliTest, DemoRejectsBadArguments) {

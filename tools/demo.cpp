@@ -166,17 +166,24 @@ int run_demo(const DemoOptions& demo) {
   const PathRun standard = run_path(AttentionImpl::standard, q, k, v, options, demo.repeat);
   const PathRun flash = run_path(AttentionImpl::flash, q, k, v, options, demo.repeat);
 
-  std::printf("%-10s %12s %10s %14s %16s\n", "path", "time (ms)", "GFLOP/s", "score buffer",
-              "peak extra RSS");
+  // K and V each read once per call: what bounds decoding (a few query rows per KV head).
+  const double kv_bytes = 2.0 * static_cast<double>(k.numel()) * dtype_size(dtype);
+  std::printf("%-10s %12s %10s %10s %14s %16s\n", "path", "time (ms)", "GFLOP/s", "K+V GB/s",
+              "score buffer", "peak extra RSS");
   for (const PathRun* run : {&standard, &flash}) {
-    std::printf("%-10s %12.2f %10.2f %14s %16s\n", impl_name(run->impl), run->seconds * 1e3,
-                run->seconds > 0.0 ? flops / run->seconds * 1e-9 : 0.0,
+    const double seconds = run->seconds;
+    std::printf("%-10s %12.2f %10.2f %10.2f %14s %16s\n", impl_name(run->impl), seconds * 1e3,
+                seconds > 0.0 ? flops / seconds * 1e-9 : 0.0,
+                seconds > 0.0 ? kv_bytes / seconds * 1e-9 : 0.0,
                 format_bytes(run->score_bytes).c_str(),
                 run->peak_extra_bytes ? format_bytes(*run->peak_extra_bytes).c_str() : "n/a");
   }
   std::printf(
+      "K+V GB/s: bytes of k and v (%s) / time, the measure of decoding, where a few query rows "
+      "per KV head make GFLOP/s small\n"
       "score buffer: score_buffer_bytes(); peak extra RSS: rise of the peak resident set "
       "during the first call%s\n",
+      format_bytes(static_cast<std::int64_t>(kv_bytes)).c_str(),
       standard.peak_extra_bytes ? "" : " (n/a: /proc/self/clear_refs is not writable here)");
   if (flash.seconds > 0.0) {
     std::printf("flash is %.2fx the speed of standard\n", standard.seconds / flash.seconds);
