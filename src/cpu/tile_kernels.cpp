@@ -473,17 +473,15 @@ HWY_INLINE Vec SumsOfEight(Tag tag, const Vec (&v)[8]) {
 // (32 at the FMA rate): 62 -> 41 on contiguous rows, 59.5 -> 54 on rows 4 KiB apart as in a
 // [B, S, 8, 128] cache. Not for bf16 and f16: the 4 x 2 blocks widen each x vector once, these
 // once per row, and the decode path went 3-15% slower on bf16 with them.
-template <class X>
 HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float* HWY_RESTRICT row,
-                                   const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
+                                   const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[8];
   for (int k = 0; k < 8; ++k) sums[k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += N) {
     const Vec row_d = hn::LoadU(tag, row + d);
-    for (int k = 0; k < 8; ++k) {
-      sums[k] = hn::MulAdd(row_d, LoadWidened(tag, x + k * ld_x + d), sums[k]);
-    }
+    for (int k = 0; k < 8; ++k)
+      sums[k] = hn::MulAdd(row_d, hn::LoadU(tag, x + k * ld_x + d), sums[k]);
   }
   hn::StoreU(SumsOfEight(tag, sums), tag, out);
 }
@@ -495,17 +493,19 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
                std::int64_t x_count, std::int64_t n) {
   const Tag tag;
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
-  // Groups of 8 x vectors row by row, the group staying in L1 while the rows pass over it.
-  std::int64_t first = 0;
-  for (; std::is_same_v<X, float> && first + 8 <= x_count; first += 8) {
-    for (std::int64_t r = 0; r < count; ++r) {
-      DotRowEightVectors(tag, out + r * out_stride + first, rows + r * ld_rows, x + first * ld_x,
-                         ld_x, n);
+  if constexpr (std::is_same_v<X, float>) {
+    // Groups of 8 x vectors row by row, the group staying in L1 while the rows pass over it.
+    std::int64_t first = 0;
+    for (; first + 8 <= x_count; first += 8) {
+      for (std::int64_t r = 0; r < count; ++r) {
+        DotRowEightVectors(tag, out + r * out_stride + first, rows + r * ld_rows, x + first * ld_x,
+                           ld_x, n);
+      }
     }
+    out += first;
+    x += first * ld_x;
+    x_count -= first;
   }
-  out += first;
-  x += first * ld_x;
-  x_count -= first;
 #endif
   std::int64_t r = 0;
   for (; r + 4 <= count; r += 4) {
@@ -527,9 +527,9 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
 // One or two rows take wider blocks: a block's accumulators are its FMA chains, and the FMA
 // latency needs 8 of them in flight (4 cycles x 2 pipes on Zen 3 and on Sapphire Rapids),
 // which 1 x kBlockVectors or 2 x 2 accumulators are not. One Zen 3 core, 8 keys x 128 dims in
-// L1, rows 4 KiB apart, cycles per key, old and new code alternated in one process: one row
-// (MHA decoding) f32 47-50 -> 17-20, bf16 41-44 -> 33; two rows f32 42-62 -> 35-46, bf16 38-54
-// -> 33-40.
+// L1, rows 1024 elements apart, cycles per key, old and new code alternated in one process:
+// one row (MHA decoding) f32 47-50 -> 17-20, bf16 41-44 -> 33; two rows f32 42-62 -> 35-46,
+// bf16 38-54 -> 33-40.
 template <int R, int C, class X>
 HWY_INLINE void AxpyFewRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                             const float* HWY_RESTRICT weights, WeightStrides ps,
