@@ -14,9 +14,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "cpu/tile_kernels.hpp"
@@ -65,41 +67,56 @@ std::vector<Shape> shapes() {
 // Row and x strides beyond n, an output stride beyond x_count: the kernels must honour them.
 constexpr std::int64_t kRowPadding = 16, kXPadding = 24, kOutPadding = 5;
 
-TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
-  std::mt19937_64 rng(test_seed());
+// x rows of random values, kXPadding past n apart, as floats and as the bytes of `dtype`.
+struct XRows {
+  std::vector<float> values;
+  std::vector<std::uint8_t> bytes;
+  std::int64_t ld;
+};
+
+// check(dtype, shape, x) on every SIMD target, dtype and shape, until an assertion fails.
+template <class Check>
+void for_every_case(std::mt19937_64& rng, const Check& check) {
   on_every_target([&] {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
       SCOPED_TRACE(dtype_name(dtype));
       for (const Shape& shape : shapes()) {
         SCOPED_TRACE(::testing::Message() << "rows " << shape.rows << ", x rows " << shape.x_count
                                           << ", n " << shape.n << ", seed " << test_seed());
-        const std::int64_t ld_rows = shape.n + kRowPadding, ld_x = shape.n + kXPadding;
-        const std::int64_t out_stride = shape.x_count + kOutPadding;
-        const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
-        const std::vector<float> x =
-            random_values(rng, std::max<std::int64_t>(1, shape.x_count) * ld_x);
-        const std::vector<std::uint8_t> x_bytes = rows_in(dtype, x);
-        std::vector<float> out(shape.rows * out_stride, kSentinel);
-        cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x_bytes.data(),
-                      dtype, ld_x, shape.x_count, shape.n);
-        for (std::int64_t r = 0; r < shape.rows; ++r) {
-          for (std::int64_t k = 0; k < out_stride; ++k) {
-            const float got = out[r * out_stride + k];
-            if (k >= shape.x_count) {
-              ASSERT_EQ(got, kSentinel)
-                  << "written past x row " << shape.x_count << " of row " << r;
-              continue;
-            }
-            double exact = 0.0, magnitude = 0.0;
-            for (std::int64_t d = 0; d < shape.n; ++d) {
-              const double term = static_cast<double>(rows[r * ld_rows + d]) * x[k * ld_x + d];
-              exact += term;
-              magnitude += std::fabs(term);
-            }
-            ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
-                << "row " << r << ", x row " << k;
-          }
+        const std::int64_t ld_x = shape.n + kXPadding;
+        std::vector<float> x = random_values(rng, std::max<std::int64_t>(1, shape.x_count) * ld_x);
+        std::vector<std::uint8_t> bytes = rows_in(dtype, x);
+        check(dtype, shape, XRows{std::move(x), std::move(bytes), ld_x});
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  });
+}
+
+TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
+  std::mt19937_64 rng(test_seed());
+  for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
+    const std::int64_t ld_rows = shape.n + kRowPadding;
+    const std::int64_t out_stride = shape.x_count + kOutPadding;
+    const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
+    std::vector<float> out(shape.rows * out_stride, kSentinel);
+    cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(), dtype,
+                  x.ld, shape.x_count, shape.n);
+    for (std::int64_t r = 0; r < shape.rows; ++r) {
+      for (std::int64_t k = 0; k < out_stride; ++k) {
+        const float got = out[r * out_stride + k];
+        if (k >= shape.x_count) {
+          ASSERT_EQ(got, kSentinel) << "written past x row " << shape.x_count << " of row " << r;
+          continue;
         }
+        double exact = 0.0, magnitude = 0.0;
+        for (std::int64_t d = 0; d < shape.n; ++d) {
+          const double term = static_cast<double>(rows[r * ld_rows + d]) * x.values[k * x.ld + d];
+          exact += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
+            << "row " << r << ", x row " << k;
       }
     }
   });
@@ -107,41 +124,31 @@ TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
 
 TEST(DecodeKernels, AxpyRowsMatchesDoubleSumsOnEveryTarget) {
   std::mt19937_64 rng(test_seed() + 1);
-  on_every_target([&] {
-    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
-      SCOPED_TRACE(dtype_name(dtype));
-      for (const Shape& shape : shapes()) {
-        SCOPED_TRACE(::testing::Message() << "rows " << shape.rows << ", x rows " << shape.x_count
-                                          << ", n " << shape.n << ", seed " << test_seed());
-        const std::int64_t ld_acc = shape.n + kRowPadding, ld_x = shape.n + kXPadding;
-        const std::int64_t weight_stride = shape.x_count + kOutPadding;
-        std::vector<float> acc = random_values(rng, shape.rows * ld_acc);
-        const std::vector<float> initial = acc;
-        const std::vector<float> weights = random_values(rng, shape.rows * weight_stride);
-        const std::vector<float> x =
-            random_values(rng, std::max<std::int64_t>(1, shape.x_count) * ld_x);
-        const std::vector<std::uint8_t> x_bytes = rows_in(dtype, x);
-        cpu::axpy_rows(acc.data(), ld_acc, weights.data(), weight_stride, shape.rows,
-                       x_bytes.data(), dtype, ld_x, shape.x_count, shape.n);
-        for (std::int64_t r = 0; r < shape.rows; ++r) {
-          for (std::int64_t d = 0; d < ld_acc; ++d) {
-            const float got = acc[r * ld_acc + d];
-            if (d >= shape.n) {
-              ASSERT_EQ(got, initial[r * ld_acc + d])
-                  << "written past column " << shape.n << " of row " << r;
-              continue;
-            }
-            double exact = initial[r * ld_acc + d], magnitude = std::fabs(exact);
-            for (std::int64_t k = 0; k < shape.x_count; ++k) {
-              const double term =
-                  static_cast<double>(weights[r * weight_stride + k]) * x[k * ld_x + d];
-              exact += term;
-              magnitude += std::fabs(term);
-            }
-            ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
-                << "row " << r << ", column " << d;
-          }
+  for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
+    const std::int64_t ld_acc = shape.n + kRowPadding;
+    const std::int64_t weight_stride = shape.x_count + kOutPadding;
+    std::vector<float> acc = random_values(rng, shape.rows * ld_acc);
+    const std::vector<float> initial = acc;
+    const std::vector<float> weights = random_values(rng, shape.rows * weight_stride);
+    cpu::axpy_rows(acc.data(), ld_acc, weights.data(), weight_stride, shape.rows, x.bytes.data(),
+                   dtype, x.ld, shape.x_count, shape.n);
+    for (std::int64_t r = 0; r < shape.rows; ++r) {
+      for (std::int64_t d = 0; d < ld_acc; ++d) {
+        const float got = acc[r * ld_acc + d];
+        if (d >= shape.n) {
+          ASSERT_EQ(got, initial[r * ld_acc + d])
+              << "written past column " << shape.n << " of row " << r;
+          continue;
         }
+        double exact = initial[r * ld_acc + d], magnitude = std::fabs(exact);
+        for (std::int64_t k = 0; k < shape.x_count; ++k) {
+          const double term =
+              static_cast<double>(weights[r * weight_stride + k]) * x.values[k * x.ld + d];
+          exact += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
+            << "row " << r << ", column " << d;
       }
     }
   });
