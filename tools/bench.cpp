@@ -658,7 +658,7 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
         }
         backward_fields = {format("%.0f", result.backward_flops),
                            optional_number("%.6f", backward.seconds),
-                           optional_number("%.2f", backward_gflops),
+                           optional_number("%.5g", backward_gflops),
                            optional_number("%.2f", backward.cpu_share),
                            optional_number("%.4f", result.backward_over_forward(path.impl)),
                            optional_number("%.4f", speedup),
@@ -695,30 +695,32 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
           impl_name(path.impl),
           format("%.0f", result.flops),
           optional_number("%.6f", path.seconds),
-          optional_number("%.2f", gflops),
+          optional_number("%.5g", gflops),
           optional_number("%.2f", path.cpu_share),
           path.verified ? "yes" : "no",
           format("%.3g", path.errors.out.max_abs),
           format("%.3g", path.tolerance.out),
           format("%.3g", path.errors.lse.max_abs),
           format("%.3g", path.tolerance.lse),
-          // Significant digits, not decimals: against the AMX peak a slow (sanitized) standard
-          // path's ratio is ~1e-5, which "%.4f" wrote as 0.
+          // Rates and ratios in significant digits, not decimals: in a sanitized build a
+          // ratio against the AMX peak is ~1e-5, which "%.4f" wrote as 0, and the plain-loop
+          // sgemm under ThreadSanitizer on a busy host ran below 0.05 GFLOP/s, which "%.1f"
+          // wrote as 0.
           optional_number("%.4g", ratio(peak)),
           optional_number("%.4g", ratio(sgemm)),
           path.impl == AttentionImpl::flash ? optional_number("%.4g", ratio(standard)) : "",
-          format("%.1f", peak),
-          format("%.1f", ceilings.fma_gflops),
-          optional_number("%.1f", ceilings.bf16_dot_gflops),
-          optional_number("%.1f", ceilings.amx_gflops),
-          optional_number("%.1f", sgemm),
-          format("%.2f", ceilings.copy_gbps)};
+          format("%.5g", peak),
+          format("%.5g", ceilings.fma_gflops),
+          optional_number("%.5g", ceilings.bf16_dot_gflops),
+          optional_number("%.5g", ceilings.amx_gflops),
+          optional_number("%.5g", sgemm),
+          format("%.5g", ceilings.copy_gbps)};
       // clang-format on
       fields.insert(fields.end(), backward_fields.begin(), backward_fields.end());
       const std::optional<double> kv_gbps = result.kv_gbps(path.impl);
       fields.push_back(std::to_string(shape.kv_heads()));
       fields.push_back(shape.decode ? format("%.0f", shape.kv_bytes()) : "");
-      fields.push_back(optional_number("%.2f", kv_gbps));
+      fields.push_back(optional_number("%.5g", kv_gbps));
       fields.push_back(kv_gbps ? format("%.4g", *kv_gbps / ceilings.copy_gbps) : "");
       append_row(fields);
     }
