@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -574,6 +575,53 @@ TEST(FlashDeterminism, DecodeBitwiseIdenticalForAnyThreadCount) {
   windowed.window_right = 0;
   SCOPED_TRACE("window (1700, 0)");
   expect_same_bits_for_any_thread_count({1, 2, 8, 64}, {1, 3000, 2, 64}, windowed);
+}
+
+// Decoding against a cache allocated for more tokens than it holds: k and v are views of the
+// first S of Smax rows, with the strides of the whole buffer, and the rows past S are NaN. The
+// decode path must read the S rows and no other: the same bits as on contiguous copies of them.
+TEST(FlashDecode, PreallocatedCacheReadsOnlyTheFilledRows) {
+  std::mt19937_64 rng(test_seed());
+  constexpr std::int64_t kBatch = 2, kHeadsQ = 8, kHeadsKv = 2, kFilled = 517, kCapacity = 600;
+  for (const DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (const std::int64_t head_dim : {std::int64_t{64}, std::int64_t{59}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << dtype_name(dtype) << ", head_dim " << head_dim << ", seed " << test_seed());
+      const std::array<std::int64_t, 4> q_shape{kBatch, 1, kHeadsQ, head_dim};
+      const std::array<std::int64_t, 4> filled{kBatch, kFilled, kHeadsKv, head_dim};
+      Tensor q(dtype, q_shape);
+      q.fill_normal(rng);
+      Tensor k_cache(dtype, {kBatch, kCapacity, kHeadsKv, head_dim});
+      Tensor v_cache(dtype, {kBatch, kCapacity, kHeadsKv, head_dim});
+      Tensor k(dtype, filled), v(dtype, filled);
+      for (Tensor* cache : {&k_cache, &v_cache}) {
+        cache->fill_normal(rng);
+        cache->for_each_index([&](auto b, auto s, auto h, auto d) {
+          if (s >= kFilled) cache->set(b, s, h, d, NAN);
+        });
+      }
+      k.for_each_index([&](auto b, auto s, auto h, auto d) {
+        k.set(b, s, h, d, k_cache.at(b, s, h, d));
+        v.set(b, s, h, d, v_cache.at(b, s, h, d));
+      });
+      const ConstTensorView k_view{k_cache.view.data, dtype, filled, k_cache.view.strides};
+      const ConstTensorView v_view{v_cache.view.data, dtype, filled, v_cache.view.strides};
+
+      AttentionOptions options;
+      options.causal = true;
+      Tensor out_cache(dtype, q_shape), out(dtype, q_shape);
+      out_cache.poison();
+      out.poison();
+      std::vector<float> lse_cache(kBatch * kHeadsQ, NAN), lse(kBatch * kHeadsQ, NAN);
+      ASSERT_TRUE(detail::use_flash_decode(
+          detail::make_params("test", q.view, k_view, v_view, out_cache.view, nullptr, options)));
+      flash_attention_forward(q.view, k_view, v_view, out_cache.view, lse_cache.data(), options);
+      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+      EXPECT_EQ(out_cache.bytes, out.bytes);
+      EXPECT_EQ(std::memcmp(lse_cache.data(), lse.data(), lse.size() * sizeof(float)), 0);
+      EXPECT_FALSE(std::isnan(out.at(0, 0, 0, 0)));
+    }
+  }
 }
 
 }  // namespace
