@@ -45,6 +45,27 @@ std::int64_t FmaFlopsPerIteration() {
 
 const char* FmaTargetName() { return hwy::TargetName(HWY_TARGET); }
 
+// The XOR of `count` words, 4 vectors per step so that the loads, not the XOR chains, set the
+// pace: the caller's bytes, each read once.
+std::uint64_t XorWords(const std::uint64_t* HWY_RESTRICT words, std::int64_t count) {
+  const hn::ScalableTag<std::uint64_t> d;
+  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(d));
+  auto acc0 = hn::Zero(d), acc1 = hn::Zero(d), acc2 = hn::Zero(d), acc3 = hn::Zero(d);
+  std::int64_t i = 0;
+  for (; i + 4 * N <= count; i += 4 * N) {
+    acc0 = hn::Xor(acc0, hn::LoadU(d, words + i));
+    acc1 = hn::Xor(acc1, hn::LoadU(d, words + i + N));
+    acc2 = hn::Xor(acc2, hn::LoadU(d, words + i + 2 * N));
+    acc3 = hn::Xor(acc3, hn::LoadU(d, words + i + 3 * N));
+  }
+  for (; i + N <= count; i += N) acc0 = hn::Xor(acc0, hn::LoadU(d, words + i));
+  const auto acc = hn::Xor(hn::Xor(acc0, acc1), hn::Xor(acc2, acc3));
+  std::uint64_t sum = 0;
+  for (std::int64_t lane = 0; lane < N; ++lane) sum ^= hn::ExtractLane(acc, lane);
+  for (; i < count; ++i) sum ^= words[i];
+  return sum;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashattn::bench
 HWY_AFTER_NAMESPACE();
@@ -57,6 +78,7 @@ HWY_AFTER_NAMESPACE();
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <random>
 
@@ -70,6 +92,7 @@ namespace flashattn::bench {
 HWY_EXPORT(FmaChains);
 HWY_EXPORT(FmaFlopsPerIteration);
 HWY_EXPORT(FmaTargetName);
+HWY_EXPORT(XorWords);
 
 namespace {
 
@@ -310,6 +333,59 @@ void MemoryCopy::run(std::int64_t count) {
 }
 
 double MemoryCopy::work_per_unit() const { return 2.0 * static_cast<double>(bytes_); }
+
+MemoryRead::MemoryRead(int threads, std::vector<std::span<const std::byte>> buffers)
+    : threads_(threads), buffers_(std::move(buffers)) {}
+
+namespace {
+
+// The XOR of the bytes [first, last), each shifted to its place in the aligned 8-byte word that
+// holds it: the whole words by the SIMD loop, the ragged ends byte by byte.
+std::uint64_t xor_of_bytes(const std::byte* first, const std::byte* last) {
+  auto placed = [](const std::byte* byte) {
+    return std::to_integer<std::uint64_t>(*byte)
+           << (8 * (reinterpret_cast<std::uintptr_t>(byte) % 8));
+  };
+  const auto* words =
+      reinterpret_cast<const std::byte*>((reinterpret_cast<std::uintptr_t>(first) + 7) / 8 * 8);
+  if (words >= last) {
+    std::uint64_t sum = 0;
+    for (const std::byte* byte = first; byte < last; ++byte) sum ^= placed(byte);
+    return sum;
+  }
+  const std::int64_t word_count = (last - words) / 8;
+  std::uint64_t sum =
+      HWY_DYNAMIC_DISPATCH(XorWords)(reinterpret_cast<const std::uint64_t*>(words), word_count);
+  for (const std::byte* byte = first; byte < words; ++byte) sum ^= placed(byte);
+  for (const std::byte* byte = words + word_count * 8; byte < last; ++byte) sum ^= placed(byte);
+  return sum;
+}
+
+}  // namespace
+
+void MemoryRead::run(std::int64_t count) {
+  std::uint64_t checksum = 0;
+#pragma omp parallel num_threads(threads_) reduction(^ : checksum)
+  {
+    std::uint64_t pass_checksum = 0;
+    for (std::int64_t i = 0; i < count; ++i) {
+      pass_checksum = 0;
+      for (const std::span<const std::byte> buffer : buffers_) {
+        const auto [begin, end] = share(buffer.size(), omp_get_thread_num(), threads_);
+        pass_checksum ^= xor_of_bytes(buffer.data() + begin, buffer.data() + end);
+      }
+    }
+    checksum ^= pass_checksum;
+  }
+  checksum_ = checksum;
+}
+
+double MemoryRead::work_per_unit() const {
+  double bytes = 0.0;
+  for (const std::span<const std::byte> buffer : buffers_)
+    bytes += static_cast<double>(buffer.size());
+  return bytes;
+}
 
 std::size_t default_copy_bytes() {
   constexpr std::size_t kMiB = std::size_t{1} << 20;

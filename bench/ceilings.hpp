@@ -2,12 +2,13 @@
 
 // The machine's own ceilings, measured on the same OpenMP threads as the attention paths
 // (DESIGN.md §5): the f32 FMA peak, the bf16 dot-product peak (AVX512-BF16 CPUs), OpenBLAS
-// sgemm on attention-shaped products, and memory copy bandwidth. Each is a Workload; best_rate()
-// times it.
+// sgemm on attention-shaped products, memory copy bandwidth, and the read bandwidth of given
+// buffers (a decode call's K and V). Each is a Workload; best_rate() times it.
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -107,6 +108,24 @@ class MemoryCopy final : public Workload {
   int threads_;
   std::size_t bytes_;
   std::unique_ptr<char[]> source_, destination_;
+};
+
+// Reads the given buffers once per unit, each thread its own slice of each, as the decode path
+// reads K and V: the least time a call that must read those bytes can take on these threads.
+// One unit: one pass; its work is the bytes read.
+class MemoryRead final : public Workload {
+ public:
+  MemoryRead(int threads, std::vector<std::span<const std::byte>> buffers);
+  void run(std::int64_t count) override;
+  double work_per_unit() const override;
+  // What the last run read: the XOR of every byte of the buffers, each shifted to its place
+  // (its address mod 8) in a little-endian 64-bit word. Proof that each byte was read once.
+  std::uint64_t checksum() const { return checksum_; }
+
+ private:
+  int threads_;
+  std::vector<std::span<const std::byte>> buffers_;
+  std::uint64_t checksum_ = 0;
 };
 
 // Copy buffers large enough to defeat the caches: twice the last-level cache (as sysconf reports

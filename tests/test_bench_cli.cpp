@@ -31,7 +31,7 @@ const char* const kHeader =
     "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
-    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy";
+    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read";
 
 const char* const kBackwardColumns[] = {"backward_flops",
                                         "backward_seconds",
@@ -205,7 +205,7 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     for (const char* column : kBackwardColumns) EXPECT_EQ(row.at(column), "") << where << column;
     // Bandwidth is the decode cases' measure.
     EXPECT_EQ(row.at("heads_kv"), row.at("heads")) << where;
-    for (const char* column : {"kv_bytes", "kv_gbps", "ratio_copy"}) {
+    for (const char* column : {"kv_bytes", "kv_gbps", "ratio_copy", "read_gbps", "ratio_read"}) {
       EXPECT_EQ(row.at(column), "") << where << column;
     }
   }
@@ -242,6 +242,10 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     EXPECT_NEAR(std::stod(row.at("ratio_copy")), ratio,
                 ratio * (0.005 / gbps + 0.005 / copy + 1e-4))
         << where;
+    // Each call was timed after a read of the same K and V: that read's rate and the median
+    // ratio over the pairs.
+    EXPECT_GT(std::stod(row.at("read_gbps")), 0.0) << where;
+    EXPECT_GT(std::stod(row.at("ratio_read")), 0.0) << where;
     // No sgemm ceiling at the decode head_dim in this sweep: the copy ceiling is the decode's.
     EXPECT_EQ(row.at("sgemm_gflops"), "") << where;
   }

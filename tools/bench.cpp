@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +32,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -162,6 +164,10 @@ struct PathResult {
   // about 1 when the threads had the cores to themselves, less when another process took some.
   std::optional<double> cpu_share;
   std::optional<BackwardResult> backward;  // with --backward
+  // Decode cases: each call alternated with a read of the same K and V on the same threads
+  // (bench::MemoryRead): that read's median seconds and the median over the pairs of read time /
+  // call time, the call's bandwidth as a fraction of that ceiling in the same stretch of load.
+  std::optional<double> read_seconds, over_read;
 };
 
 struct CaseResult {
@@ -188,6 +194,12 @@ struct CaseResult {
       return std::nullopt;
     }
     return shape.kv_bytes() / *path->seconds * 1e-9;
+  }
+  // Decode cases: the read ceiling timed with `impl`'s calls, in GB/s.
+  std::optional<double> read_gbps(AttentionImpl impl) const {
+    const PathResult* path = find(impl);
+    if (path == nullptr || !path->read_seconds || *path->read_seconds <= 0.0) return std::nullopt;
+    return shape.kv_bytes() / *path->read_seconds * 1e-9;
   }
   std::optional<double> backward_gflops(AttentionImpl impl) const {
     const PathResult* path = find(impl);
@@ -409,6 +421,11 @@ std::optional<double> cpu_share_of(int threads, const std::function<void()>& run
   return (process_cpu_seconds() - cpu_before) / (wall * threads);
 }
 
+std::span<const std::byte> bytes_of(const HostTensor& tensor) {
+  return {static_cast<const std::byte*>(tensor.data()),
+          static_cast<std::size_t>(tensor.numel()) * dtype_size(tensor.dtype)};
+}
+
 // The median of `repeat` calls (the caller has run the warm-up), with the CPU share of the calls.
 Timing time_calls(int repeat, int threads, const std::function<void()>& call) {
   Timing timing;
@@ -578,6 +595,17 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
         path.backward->reason = "its forward failed verification";
       }
     }
+    if (timed && path.verified && shape.decode) {
+      bench::MemoryRead read(threads, {bytes_of(k), bytes_of(v)});
+      PairedSeconds times;
+      path.cpu_share = cpu_share_of(threads, [&] {
+        times = paired_median_seconds(
+            repeat, [&] { read.run(1); }, call);
+      });
+      path.read_seconds = times.first;
+      path.seconds = times.second;
+      if (times.second_over_first > 0.0) path.over_read = 1.0 / times.second_over_first;
+    }
     if (timed && path.verified && !path.seconds) {
       const Timing timing = time_calls(repeat, threads, call);
       path.seconds = timing.seconds;
@@ -620,7 +648,7 @@ constexpr const char* kCsvHeader =
     "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
-    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy\n";
+    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read\n";
 
 std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                      const std::vector<CaseResult>& results, int repeat) {
@@ -722,6 +750,8 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
       fields.push_back(shape.decode ? format("%.0f", shape.kv_bytes()) : "");
       fields.push_back(optional_number("%.5g", kv_gbps));
       fields.push_back(kv_gbps ? format("%.4g", *kv_gbps / ceilings.copy_gbps) : "");
+      fields.push_back(optional_number("%.5g", result.read_gbps(path.impl)));
+      fields.push_back(optional_number("%.4g", path.over_read));
       append_row(fields);
     }
   }
@@ -1022,12 +1052,13 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
 void print_decode_header(const BenchOptions& options) {
   std::printf(
       "\ndecode   one query position against a KV cache of Skv keys (B = 1, Hq = %lld, Hkv = %lld, "
-      "D = %lld): K and V bytes / time (median of %d runs), f/copy = flash over the memory copy "
-      "ceiling\n",
+      "D = %lld): K and V bytes / time (median of %d runs), each run after a read of the same K "
+      "and V on the same threads (read GB/s); f/read = the median over those pairs of flash's "
+      "bandwidth over the read's, f/copy = flash over the memory copy ceiling\n",
       static_cast<long long>(kDecodeHeadsQ), static_cast<long long>(kDecodeHeadsKv),
       static_cast<long long>(kDecodeHeadDim), std::max(options.repeat, kDecodeMinRepeat));
-  std::printf("%-5s %7s %8s %10s %10s %8s %8s %9s verified\n", "dtype", "Skv", "KV MiB",
-              "flash GB/s", "std GB/s", "f/copy", "f/std", "cpu");
+  std::printf("%-5s %7s %8s %10s %10s %8s %8s %10s %8s %9s verified\n", "dtype", "Skv", "KV MiB",
+              "flash GB/s", "read GB/s", "f/read", "f/copy", "std GB/s", "f/std", "cpu");
   std::fflush(stdout);
 }
 
@@ -1038,10 +1069,15 @@ void print_decode_case(const CaseResult& result, const Ceilings& ceilings) {
   std::optional<double> over_copy, over_standard;
   if (flash && ceilings.copy_gbps > 0.0) over_copy = *flash / ceilings.copy_gbps;
   if (flash && standard && *standard > 0.0) over_standard = *flash / *standard;
-  std::printf("%-5s %7lld %8.1f %10s %10s %8s %8s %9s %s\n", dtype_name(shape.dtype),
+  const PathResult* flash_path = result.find(AttentionImpl::flash);
+  std::optional<double> over_read;
+  if (flash_path != nullptr) over_read = flash_path->over_read;
+  std::printf("%-5s %7lld %8.1f %10s %10s %8s %8s %10s %8s %9s %s\n", dtype_name(shape.dtype),
               static_cast<long long>(shape.seqlen), shape.kv_bytes() / (1 << 20),
-              cell(flash, "%.1f").c_str(), cell(standard, "%.1f").c_str(),
-              cell(over_copy, "%.3f").c_str(), cell(over_standard, "%.3f").c_str(),
+              cell(flash, "%.1f").c_str(),
+              cell(result.read_gbps(AttentionImpl::flash), "%.1f").c_str(),
+              cell(over_read, "%.3f").c_str(), cell(over_copy, "%.3f").c_str(),
+              cell(standard, "%.1f").c_str(), cell(over_standard, "%.3f").c_str(),
               cpu_share_column(result).c_str(), verified_column(result).c_str());
   std::fflush(stdout);
 }
@@ -1174,7 +1210,9 @@ Action add_bench_command(CLI::App& app) {
       "does about the same work (where one head exceeds W, one head). --causal, --non-causal or\n"
       "--both set the masks of all cases. Then, per dtype and --decode-seqlens Skv, a decode\n"
       "case: one query position (B = 1, 32 query heads, 8 KV heads, D = 128) against Skv keys,\n"
-      "timed as the GB/s of K and V read (each byte once), against the memory copy ceiling.\n"
+      "timed as the GB/s of K and V read (each byte once), each run after a plain read of the\n"
+      "same K and V on the same threads (CSV read_gbps; ratio_read: the median over those pairs\n"
+      "of the call's bandwidth over the read's) and against the memory copy ceiling.\n"
       "Each case runs the standard path, then flash, on the same inputs; each path's first run is\n"
       "verified against the fp64 reference on sampled query rows (flash: within 4x the standard\n"
       "path's error + 1 ulp; standard: within a worst-case fp32 bound), then timed (median).\n"
