@@ -154,5 +154,101 @@ TEST(DecodeKernels, AxpyRowsMatchesDoubleSumsOnEveryTarget) {
   });
 }
 
+// The bf16 pair order: within each chunk, the even-indexed elements, then the odd-indexed ones;
+// to_ and from_ are inverse.
+TEST(DecodeKernels, Bf16PairOrderPutsEvenElementsFirstOnEveryTarget) {
+  on_every_target([] {
+    const std::int64_t chunk = cpu::bf16_pair_chunk();
+    ASSERT_GE(chunk, 2);
+    ASSERT_EQ(chunk % 2, 0);
+    const std::int64_t n = 4 * chunk;
+    std::vector<float> natural(n), paired(n), back(n);
+    for (std::int64_t i = 0; i < n; ++i) natural[i] = static_cast<float>(i);
+    cpu::to_bf16_pair_order(paired.data(), natural.data(), n);
+    for (std::int64_t first = 0; first < n; first += chunk) {
+      for (std::int64_t i = 0; i < chunk / 2; ++i) {
+        ASSERT_EQ(paired[first + i], static_cast<float>(first + 2 * i)) << "chunk " << first;
+        ASSERT_EQ(paired[first + chunk / 2 + i], static_cast<float>(first + 2 * i + 1));
+      }
+    }
+    cpu::from_bf16_pair_order(back.data(), paired.data(), n);
+    EXPECT_EQ(back, natural);
+  });
+}
+
+// The rows of `values` (ld apart) with their first n elements in bf16 pair order.
+std::vector<float> in_pair_order(std::vector<float> values, std::int64_t count, std::int64_t ld,
+                                 std::int64_t n) {
+  const std::vector<float> natural = values;
+  for (std::int64_t r = 0; r < count; ++r) {
+    cpu::to_bf16_pair_order(values.data() + r * ld, natural.data() + r * ld, n);
+  }
+  return values;
+}
+
+// dot_rows_bf16_pairs and axpy_rows_bf16_pairs against the same double sums, with the fp32
+// operand given (and acc returned) in pair order; head widths that are not whole chunks of
+// the target are not theirs to take.
+TEST(DecodeKernels, Bf16PairKernelsMatchDoubleSumsOnEveryTarget) {
+  std::mt19937_64 rng(test_seed() + 2);
+  for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
+    if (dtype != DType::bf16 || shape.n % cpu::bf16_pair_chunk() != 0) return;
+    const auto* x_bits = reinterpret_cast<const std::uint16_t*>(x.bytes.data());
+    const std::int64_t ld_rows = shape.n + kRowPadding;
+    const std::int64_t out_stride = shape.x_count + kOutPadding;
+    const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
+    const std::vector<float> paired_rows = in_pair_order(rows, shape.rows, ld_rows, shape.n);
+    std::vector<float> out(shape.rows * out_stride, kSentinel);
+    cpu::dot_rows_bf16_pairs(out.data(), out_stride, paired_rows.data(), ld_rows, shape.rows,
+                             x_bits, x.ld, shape.x_count, shape.n);
+
+    const std::vector<float> weights = random_values(rng, shape.rows * out_stride);
+    const std::vector<float> initial = random_values(rng, shape.rows * ld_rows);
+    std::vector<float> acc = in_pair_order(initial, shape.rows, ld_rows, shape.n);
+    cpu::axpy_rows_bf16_pairs(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_bits,
+                              x.ld, shape.x_count, shape.n);
+    std::vector<float> result = acc;
+    for (std::int64_t r = 0; r < shape.rows; ++r) {
+      cpu::from_bf16_pair_order(result.data() + r * ld_rows, acc.data() + r * ld_rows, shape.n);
+    }
+
+    for (std::int64_t r = 0; r < shape.rows; ++r) {
+      for (std::int64_t k = 0; k < out_stride; ++k) {
+        const float got = out[r * out_stride + k];
+        if (k >= shape.x_count) {
+          ASSERT_EQ(got, kSentinel)
+              << "dot written past x row " << shape.x_count << " of row " << r;
+          continue;
+        }
+        double exact = 0.0, magnitude = 0.0;
+        for (std::int64_t d = 0; d < shape.n; ++d) {
+          const double term = static_cast<double>(rows[r * ld_rows + d]) * x.values[k * x.ld + d];
+          exact += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
+            << "dot of row " << r << ", x row " << k;
+      }
+      for (std::int64_t d = 0; d < ld_rows; ++d) {
+        const float got = result[r * ld_rows + d];
+        if (d >= shape.n) {
+          ASSERT_EQ(got, initial[r * ld_rows + d])
+              << "axpy written past column " << shape.n << " of row " << r;
+          continue;
+        }
+        double exact = initial[r * ld_rows + d], magnitude = std::fabs(exact);
+        for (std::int64_t k = 0; k < shape.x_count; ++k) {
+          const double term =
+              static_cast<double>(weights[r * out_stride + k]) * x.values[k * x.ld + d];
+          exact += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
+            << "axpy of row " << r << ", column " << d;
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace flashattn::testing

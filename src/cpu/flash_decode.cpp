@@ -7,7 +7,8 @@
 // prefetchers (Zen 3 VM, 2 threads, K and V of [1, 8192, 8, 128]: a strided walk reads 13-19.5
 // GB/s, a sequential one 44.5). Here K and V are read once, in memory order: kKeyGroup keys at a
 // time and within them head by head, the rows straight from the input (bf16 and f16 widened in
-// registers) or, where head_dim is not a whole number of vectors, widened into padded rows,
+// registers; bf16 in pairs, against query rows and accumulators in bf16 pair order, see
+// DecodePlan) or, where head_dim is not a whole number of vectors, widened into padded rows,
 // against all of their head's query rows. Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
@@ -59,6 +60,8 @@ constexpr std::int64_t kMaxChunks = 16;
 // Keys whose K (V) rows one dot_rows (axpy_rows) call takes: each query row's accumulator is
 // loaded and stored once per group instead of once per key.
 constexpr std::int64_t kKeyGroup = 8;
+// Query rows per KV head up to which bf16 products take the rows in pairs (DecodePlan).
+constexpr std::int64_t kMaxBf16PairRows = 8;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -69,11 +72,22 @@ struct DecodePlan {
   KeyRange keys;                // the keys some row sees
   std::int64_t chunks = 1;      // key chunks per batch entry
   std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of kTileLanes
+  // bf16 rows read as they are (head_dim a whole number of vectors) whose products take them
+  // in bf16 pairs (cpu::dot_rows_bf16_pairs): the query rows and accumulators are then kept in
+  // bf16 pair order. Zen 3 VM, Sq = 1, Hq = 32, D = 128, time against the widening kernels
+  // (paired runs, 16384 keys unless said): 4 rows per KV head (Hkv = 8) 0.89 on 2 threads,
+  // 0.91 on 1, 0.95-0.97 with 1024 keys in L3; 8 rows 0.965-0.97; 1 row (Hkv = 32, bound by
+  // memory) 0.97; 16 rows 1.02-1.04, though its kernels took 197 and 168 cycles per key for
+  // 220 and 181 on rows in L1: no pairs beyond kMaxBf16PairRows rows.
+  bool bf16_pairs = false;
 };
 
 DecodePlan decode_plan(const AttentionParams& p) {
   DecodePlan plan;
   plan.rows = p.group_size() * p.seqlen_q;
+  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
+  plan.bf16_pairs = p.dtype == DType::bf16 && p.head_dim == Dp &&
+                    Dp % cpu::bf16_pair_chunk() == 0 && plan.rows <= kMaxBf16PairRows;
   const FlashTiles tiles = flash_tiles(p.head_dim);
   const std::int64_t tile_floats = tiles.rows * tiles.keys;
   plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
@@ -158,8 +172,12 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     ranges[position] = p.key_range(position);
   for (std::int64_t h = 0; h < heads; ++h) {
     for (std::int64_t r = 0; r < rows; ++r) {
-      load_row_f32(t.q.data() + (h * rows + r) * Dp, p.q, p.dtype,
-                   p.q_strides.offset(b, r % Sq, h * group + r / Sq), p.head_dim);
+      float* q_row = t.q.data() + (h * rows + r) * Dp;
+      // In pair order by way of the input rows' buffer, which bf16 pairs leave unused.
+      float* loaded = plan.bf16_pairs ? t.inputs.data() : q_row;
+      load_row_f32(loaded, p.q, p.dtype, p.q_strides.offset(b, r % Sq, h * group + r / Sq),
+                   p.head_dim);
+      if (plan.bf16_pairs) cpu::to_bf16_pair_order(q_row, loaded, Dp);
     }
   }
 
@@ -238,8 +256,15 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     walk_inputs(p.k, p.k_strides, block, keys,
                 [&](std::int64_t first, std::int64_t count, std::int64_t key,
                     std::int64_t key_count, const InputRows& k) {
-                  cpu::dot_rows(scores + first * Bk + (key - block), Bk, t.q.data() + first * Dp,
-                                Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
+                  float* out = scores + first * Bk + (key - block);
+                  const float* q_rows = t.q.data() + first * Dp;
+                  if (plan.bf16_pairs) {
+                    cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count,
+                                             static_cast<const std::uint16_t*>(k.data), k.ld,
+                                             key_count, Dp);
+                  } else {
+                    cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
+                  }
                 });
     for (std::int64_t h = 0; h < heads; ++h) {
       cpu::online_softmax_tile(scores + h * rows * Bk, Bk, p.scale, row_max + h * rows,
@@ -249,15 +274,24 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     walk_inputs(p.v, p.v_strides, block, keys,
                 [&](std::int64_t first, std::int64_t count, std::int64_t key,
                     std::int64_t key_count, const InputRows& v) {
-                  cpu::axpy_rows(acc + first * Dp, Dp, scores + first * Bk + (key - block), Bk,
-                                 count, v.data, v.dtype, v.ld, key_count, Dp);
+                  float* acc_rows = acc + first * Dp;
+                  const float* weights = scores + first * Bk + (key - block);
+                  if (plan.bf16_pairs) {
+                    cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
+                                              static_cast<const std::uint16_t*>(v.data), v.ld,
+                                              key_count, Dp);
+                  } else {
+                    cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld,
+                                   key_count, Dp);
+                  }
                 });
   }
 }
 
-// The chunks of every row of (batch entry b, KV head h) merged into out and lse.
+// The chunks of every row of (batch entry b, KV head h) merged into out and lse; `buffer`
+// holds 2·Dp floats: the merged row, and the same in the order of the dims (bf16 pairs).
 void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkResults& results,
-                  float* out_row, std::int64_t b, std::int64_t h) {
+                  float* buffer, std::int64_t b, std::int64_t h) {
   const std::int64_t rows = plan.rows, heads = p.heads_kv, Sq = p.seqlen_q;
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -271,6 +305,7 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
       max = results.max[slot(chunk)] > max ? results.max[slot(chunk)] : max;
     }
     float sum = 0.0f;
+    float* out_row = buffer;
     std::fill_n(out_row, Dp, 0.0f);
     // A chunk whose max is -inf gets weight 0 (or 1, when every chunk's is): not skipped, since
     // its l is NaN where a NaN score hid from the max, and 0·NaN keeps the row NaN.
@@ -286,6 +321,10 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     const bool no_key_seen = p.key_range(position).empty();
     const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
     for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= inverse_sum;
+    if (plan.bf16_pairs) {
+      cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
+      out_row = buffer + Dp;
+    }
     store_row_f32(p.out, p.dtype, p.out_strides.offset(b, position, head), out_row, p.head_dim);
     if (p.lse) {
       const float shift = max == kNegativeInfinity ? 0.0f : p.scale * max;
@@ -332,9 +371,9 @@ void flash_decode(const AttentionParams& p) {
         decode_chunk(p, plan, t, results, task / plan.chunks, task % plan.chunks);
       });
   parallel_tasks(
-      p.num_threads, p.batch * p.heads_kv, [&] { return AlignedVector<float>(Dp); },
-      [&](AlignedVector<float>& out_row, std::int64_t task) {
-        merge_chunks(p, plan, results, out_row.data(), task / p.heads_kv, task % p.heads_kv);
+      p.num_threads, p.batch * p.heads_kv, [&] { return AlignedVector<float>(2 * Dp); },
+      [&](AlignedVector<float>& buffer, std::int64_t task) {
+        merge_chunks(p, plan, results, buffer.data(), task / p.heads_kv, task % p.heads_kv);
       });
 }
 

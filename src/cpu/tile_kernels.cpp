@@ -291,24 +291,64 @@ HWY_INLINE Vec LoadWidened(Tag tag, const hwy::float16_t* HWY_RESTRICT values) {
 constexpr bool kWidensF16 = false;
 #endif
 
+// How a product reads rows of its second operand: Widened<T> one vector of T at a time, widened
+// to fp32 in the order of the dims; Bf16Pairs (the decode path's bf16 rows) 2N bf16 values at a
+// time as N 32-bit pairs, whose even elements are the pairs shifted left by 16 bits and odd ones
+// the pairs with the low 16 bits cleared. That is 2 operations for 2 vectors where PromoteTo
+// takes a widening shuffle and a shift for each, and the fp32 operand then holds each chunk
+// of 2N dims in bf16 pair order (tile_kernels.hpp). One Zen 3 core, 8 keys x 128 dims in L1,
+// cycles per key, widened -> pairs: 4 rows dot 58 -> 51.5, axpy 50 -> 44; 16 rows dot
+// 220 -> 197, axpy 181 -> 168.
+template <class T>
+struct Widened {
+  using Element = T;
+  static constexpr int kVectors = 1;
+  static HWY_INLINE void Load(Tag tag, const T* HWY_RESTRICT x, Vec* HWY_RESTRICT vectors) {
+    vectors[0] = LoadWidened(tag, x);
+  }
+};
+struct Bf16Pairs {
+  using Element = hwy::bfloat16_t;
+  static constexpr int kVectors = 2;
+  static HWY_INLINE void Load(Tag tag, const hwy::bfloat16_t* HWY_RESTRICT x,
+                              Vec* HWY_RESTRICT vectors) {
+    const hn::RebindToUnsigned<Tag> pairs_tag;
+    const auto pairs = hn::LoadU(pairs_tag, reinterpret_cast<const std::uint32_t*>(x));
+    vectors[0] = hn::BitCast(tag, hn::ShiftLeft<16>(pairs));
+    vectors[1] = hn::BitCast(tag, hn::And(pairs, hn::Set(pairs_tag, 0xFFFF0000u)));
+  }
+};
+
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]; v of fp32 (the tiles) or of an input dtype (the
-// decode path's rows).
-template <int R, int C, class Value = float>
+// decode path's rows), read by Reader (C a multiple of its kVectors).
+template <int R, int C, class Reader = Widened<float>>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                        const float* HWY_RESTRICT p, WeightStrides ps, const Value* HWY_RESTRICT v,
-                        std::int64_t ld_v, std::int64_t keys) {
+                        const float* HWY_RESTRICT p, WeightStrides ps,
+                        const typename Reader::Element* HWY_RESTRICT v, std::int64_t ld_v,
+                        std::int64_t keys) {
+  static_assert(C % Reader::kVectors == 0);
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = hn::LoadU(tag, acc + r * ld_acc + c * N);
-  for (std::int64_t j = 0; j < keys; ++j) {
+  auto key = [&](std::int64_t j) HWY_ATTR {
     Vec values[C];
-    for (int c = 0; c < C; ++c) values[c] = LoadWidened(tag, v + j * ld_v + c * N);
+    for (int c = 0; c < C; c += Reader::kVectors)
+      Reader::Load(tag, v + j * ld_v + c * N, values + c);
     const float* HWY_RESTRICT weights = p + j * ps.key;
     for (int r = 0; r < R; ++r) {
       const Vec weight = hn::Set(tag, weights[r * ps.row]);
       for (int c = 0; c < C; ++c) sums[r][c] = hn::MulAdd(weight, values[c], sums[r][c]);
     }
+  };
+  // Unrolled, the pairs' key loop keeps up with a hand-written 8-key loop in the decode path
+  // (Zen 3, 4 rows, 16384 keys, paired runs: that loop took 0.90-0.96 of the rolled one's
+  // time, 0.99-1.02 of the unrolled one's).
+  if constexpr (std::is_same_v<Reader, Bf16Pairs>) {
+    HWY_UNROLL(8)
+    for (std::int64_t j = 0; j < keys; ++j) key(j);
+  } else {
+    for (std::int64_t j = 0; j < keys; ++j) key(j);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) hn::StoreU(sums[r][c], tag, acc + r * ld_acc + c * N);
@@ -316,19 +356,19 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
 
 // All rows against one packed panel of value dims (keys rows of `width` floats, contiguous:
 // 32 KiB for 128 keys), kept in L1 while every row block passes over it; as for the scores.
-template <int C, class Value = float>
+template <int C, class Reader = Widened<float>>
 HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                           const float* HWY_RESTRICT p, WeightStrides ps,
-                          const Value* HWY_RESTRICT panel, std::int64_t width, std::int64_t rows,
-                          std::int64_t keys) {
+                          const typename Reader::Element* HWY_RESTRICT panel, std::int64_t width,
+                          std::int64_t rows, std::int64_t keys) {
   std::int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
-    PvBlock<kBlockRows, C, Value>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width,
-                                  keys);
+    PvBlock<kBlockRows, C, Reader>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width,
+                                   keys);
   }
   RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
-    PvBlock<decltype(block_rows)::value, C, Value>(tag, acc + row * ld_acc, ld_acc,
-                                                   p + row * ps.row, ps, panel, width, keys);
+    PvBlock<decltype(block_rows)::value, C, Reader>(tag, acc + row * ld_acc, ld_acc,
+                                                    p + row * ps.row, ps, panel, width, keys);
   });
 }
 
@@ -407,40 +447,59 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
 
 // Decode: the dot products of R rows with K vectors, R·K chains of FMAs (8 in the blocks
 // DotRows picks, enough to cover the FMA latency), then one horizontal sum per product.
-template <int R, int K, class X>
+// The sum of v's lanes, as a scalar: the halves added down to 128 bits first, then
+// SumOfLanes, whose shuffles on AVX2 and AVX-512 span the whole vector. Zen 3, bf16 decode with
+// 4 rows per KV head: a hand-written 128-bit reduction took 0.92-0.96 of the time with
+// SumOfLanes's, 0.96-1.0 with this.
+template <class D>
+HWY_INLINE float SumOfLanesToScalar(D d, hn::VFromD<D> v) {
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (hn::MaxLanes(D()) * sizeof(float) > 16) {
+    const hn::Half<D> half;
+    return SumOfLanesToScalar(half, hn::Add(hn::LowerHalf(half, v), hn::UpperHalf(half, v)));
+  }
+#endif
+  return hn::GetLane(hn::SumOfLanes(d, v));
+}
+
+template <int R, int K, class Reader>
 HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                              const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                             const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
+                             const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
+                             std::int64_t n) {
+  constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][K];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
-  for (std::int64_t d = 0; d < n; d += N) {
-    Vec xs[K];
-    for (int k = 0; k < K; ++k) xs[k] = LoadWidened(tag, x + k * ld_x + d);
+  for (std::int64_t d = 0; d < n; d += V * N) {
+    Vec xs[K][V];
+    for (int k = 0; k < K; ++k) Reader::Load(tag, x + k * ld_x + d, xs[k]);
     for (int r = 0; r < R; ++r) {
-      const Vec row = hn::LoadU(tag, rows + r * ld_rows + d);
-      for (int k = 0; k < K; ++k) sums[r][k] = hn::MulAdd(row, xs[k], sums[r][k]);
+      for (int v = 0; v < V; ++v) {
+        const Vec row = hn::LoadU(tag, rows + r * ld_rows + d + v * N);
+        for (int k = 0; k < K; ++k) sums[r][k] = hn::MulAdd(row, xs[k][v], sums[r][k]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) {
-      out[r * out_stride + k] = hn::GetLane(hn::SumOfLanes(tag, sums[r][k]));
+      out[r * out_stride + k] = SumOfLanesToScalar(tag, sums[r][k]);
     }
 }
 
 // R rows against the x vectors [0, x_count): K of them at a time, the last ones one by one.
-template <int R, int K, class X>
+template <int R, int K, class Reader>
 HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                                const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                               const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
-                               std::int64_t n) {
+                               const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
+                               std::int64_t x_count, std::int64_t n) {
   std::int64_t k = 0;
   for (; k + K <= x_count; k += K) {
-    DotRowsBlock<R, K>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
+    DotRowsBlock<R, K, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
   }
   for (; k < x_count; ++k) {
-    DotRowsBlock<R, 1>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
+    DotRowsBlock<R, 1, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
   }
 }
 
@@ -487,13 +546,14 @@ HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float
 }
 #endif
 
-template <class X>
+template <class Reader>
 void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
-               std::int64_t ld_rows, std::int64_t count, const X* HWY_RESTRICT x, std::int64_t ld_x,
+               std::int64_t ld_rows, std::int64_t count,
+               const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
                std::int64_t x_count, std::int64_t n) {
   const Tag tag;
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
-  if constexpr (std::is_same_v<X, float>) {
+  if constexpr (std::is_same_v<Reader, Widened<float>>) {
     // Groups of 8 x vectors row by row, the group staying in L1 while the rows pass over it.
     std::int64_t first = 0;
     for (; first + 8 <= x_count; first += 8) {
@@ -509,17 +569,17 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
 #endif
   std::int64_t r = 0;
   for (; r + 4 <= count; r += 4) {
-    DotRowsAgainst<4, 2>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,
-                         ld_x, x_count, n);
+    DotRowsAgainst<4, 2, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
+                                 x, ld_x, x_count, n);
   }
   if (count - r >= 2) {
-    DotRowsAgainst<2, 4>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,
-                         ld_x, x_count, n);
+    DotRowsAgainst<2, 4, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
+                                 x, ld_x, x_count, n);
     r += 2;
   }
   if (count - r >= 1) {
-    DotRowsAgainst<1, 8>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows, x,
-                         ld_x, x_count, n);
+    DotRowsAgainst<1, 8, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
+                                 x, ld_x, x_count, n);
   }
 }
 
@@ -530,34 +590,44 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
 // L1, rows 1024 elements apart, cycles per key, old and new code alternated in one process:
 // one row (MHA decoding) f32 47-50 -> 17-20, bf16 41-44 -> 33; two rows f32 42-62 -> 35-46,
 // bf16 38-54 -> 33-40.
-template <int R, int C, class X>
+template <int R, int C, class Reader>
 HWY_INLINE void AxpyFewRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                             const float* HWY_RESTRICT weights, WeightStrides ps,
-                            const X* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
-                            std::int64_t n) {
+                            const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
+                            std::int64_t x_count, std::int64_t n) {
+  constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t d = 0;
   for (; d + C * N <= n; d += C * N) {
-    PvBlock<R, C, X>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, x_count);
+    PvBlock<R, C, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, x_count);
   }
-  for (; d < n; d += N) PvBlock<R, 1, X>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, x_count);
+  for (; d < n; d += V * N) {
+    PvBlock<R, V, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, x_count);
+  }
 }
 
-template <class X>
+template <class Reader>
 void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
-                std::int64_t weight_stride, std::int64_t count, const X* HWY_RESTRICT x,
-                std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+                std::int64_t weight_stride, std::int64_t count,
+                const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
+                std::int64_t x_count, std::int64_t n) {
   const Tag tag;
   const WeightStrides ps{weight_stride, 1};
-  if (count == 1) return AxpyFewRows<1, 8>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n);
-  if (count == 2) return AxpyFewRows<2, 4>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n);
+  if (count == 1) {
+    return AxpyFewRows<1, 8, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n);
+  }
+  if (count == 2) {
+    return AxpyFewRows<2, 4, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n);
+  }
+  constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t d = 0;
   for (; d + kBlockVectors * N <= n; d += kBlockVectors * N) {
-    PvColumns<kBlockVectors>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
+    PvColumns<kBlockVectors, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count,
+                                     x_count);
   }
-  for (; d < n; d += N) {
-    PvColumns<1>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
+  for (; d < n; d += V * N) {
+    PvColumns<V, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
   }
 }
 
@@ -594,8 +664,18 @@ void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_
   WithInputRows(
       x, x_dtype, ld_x, x_count, n,
       [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
-        DotRowsOf(out + first, out_stride, rows, ld_rows, count, typed, ld, typed_count, n);
+        using Element = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+        DotRowsOf<Widened<Element>>(out + first, out_stride, rows, ld_rows, count, typed, ld,
+                                    typed_count, n);
       });
+}
+
+void DotRowsBf16Pairs(float* HWY_RESTRICT out, std::int64_t out_stride,
+                      const float* HWY_RESTRICT rows, std::int64_t ld_rows, std::int64_t count,
+                      const std::uint16_t* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
+                      std::int64_t n) {
+  DotRowsOf<Bf16Pairs>(out, out_stride, rows, ld_rows, count,
+                       reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n);
 }
 
 void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
@@ -604,9 +684,21 @@ void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RES
   WithInputRows(
       x, x_dtype, ld_x, x_count, n,
       [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
-        AxpyRowsOf(acc, ld_acc, weights + first, weight_stride, count, typed, ld, typed_count, n);
+        using Element = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
+        AxpyRowsOf<Widened<Element>>(acc, ld_acc, weights + first, weight_stride, count, typed, ld,
+                                     typed_count, n);
       });
 }
+
+void AxpyRowsBf16Pairs(float* HWY_RESTRICT acc, std::int64_t ld_acc,
+                       const float* HWY_RESTRICT weights, std::int64_t weight_stride,
+                       std::int64_t count, const std::uint16_t* HWY_RESTRICT x, std::int64_t ld_x,
+                       std::int64_t x_count, std::int64_t n) {
+  AxpyRowsOf<Bf16Pairs>(acc, ld_acc, weights, weight_stride, count,
+                        reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n);
+}
+
+std::int64_t Bf16PairChunk() { return 2 * static_cast<std::int64_t>(hn::Lanes(Tag())); }
 
 // Transposes the kLanes x kLanes block v in log2(kLanes) rounds, each splitting every pair of
 // rows into their even and odd lanes (ConcatEven, ConcatOdd): a round moves the lowest column
@@ -702,6 +794,9 @@ HWY_EXPORT(SoftmaxGradientTile);
 HWY_EXPORT(TransposeRows);
 HWY_EXPORT(DotRows);
 HWY_EXPORT(AxpyRows);
+HWY_EXPORT(DotRowsBf16Pairs);
+HWY_EXPORT(AxpyRowsBf16Pairs);
+HWY_EXPORT(Bf16PairChunk);
 HWY_EXPORT(AllFinite);
 HWY_EXPORT(AllFiniteBf16);
 
@@ -761,6 +856,42 @@ void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64
                std::int64_t x_count, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(AxpyRows)
   (acc, ld_acc, weights, weight_stride, count, x, x_dtype, ld_x, x_count, n);
+}
+
+std::int64_t bf16_pair_chunk() { return HWY_DYNAMIC_DISPATCH(Bf16PairChunk)(); }
+
+void to_bf16_pair_order(float* dst, const float* src, std::int64_t n) {
+  const std::int64_t chunk = bf16_pair_chunk(), half = chunk / 2;
+  for (std::int64_t first = 0; first < n; first += chunk) {
+    for (std::int64_t i = 0; i < half; ++i) {
+      dst[first + i] = src[first + 2 * i];
+      dst[first + half + i] = src[first + 2 * i + 1];
+    }
+  }
+}
+
+void from_bf16_pair_order(float* dst, const float* src, std::int64_t n) {
+  const std::int64_t chunk = bf16_pair_chunk(), half = chunk / 2;
+  for (std::int64_t first = 0; first < n; first += chunk) {
+    for (std::int64_t i = 0; i < half; ++i) {
+      dst[first + 2 * i] = src[first + i];
+      dst[first + 2 * i + 1] = src[first + half + i];
+    }
+  }
+}
+
+void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
+                         std::int64_t ld_rows, std::int64_t count, const std::uint16_t* x,
+                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(DotRowsBf16Pairs)
+  (out, out_stride, rows, ld_rows, count, x, ld_x, x_count, n);
+}
+
+void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
+                          std::int64_t weight_stride, std::int64_t count, const std::uint16_t* x,
+                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AxpyRowsBf16Pairs)
+  (acc, ld_acc, weights, weight_stride, count, x, ld_x, x_count, n);
 }
 
 bool all_finite(const float* values, std::int64_t n) {

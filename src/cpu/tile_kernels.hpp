@@ -111,6 +111,21 @@ void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64
                std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
                std::int64_t x_count, std::int64_t n);
 
+// The same two products on bf16 x rows with the fp32 operand (rows, acc) in bf16 pair order:
+// each chunk of bf16_pair_chunk() elements (2 vectors of the SIMD target that runs) holds its
+// even-indexed elements, then its odd-indexed ones, the order in which a shift and a mask widen
+// a vector of bf16 pairs without a shuffle (tile_kernels.cpp: Bf16Pairs). n is a multiple of
+// the chunk. The sums are those of dot_rows and axpy_rows, added in another order.
+std::int64_t bf16_pair_chunk();
+void to_bf16_pair_order(float* dst, const float* src, std::int64_t n);
+void from_bf16_pair_order(float* dst, const float* src, std::int64_t n);
+void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
+                         std::int64_t ld_rows, std::int64_t count, const std::uint16_t* x,
+                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n);
+void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
+                          std::int64_t weight_stride, std::int64_t count, const std::uint16_t* x,
+                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n);
+
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
 // patterns): the backward asks it of each packed block (cpu/visible_gradients.hpp).
 bool all_finite(const float* values, std::int64_t n);
