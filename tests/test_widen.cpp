@@ -16,6 +16,7 @@
 
 #include "cpu/tile_kernels.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
+#include "test_support.hpp"
 #include "util/convert.hpp"
 #include "util/dot.hpp"
 
@@ -26,10 +27,9 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
   std::vector<std::uint16_t> patterns(65536 + 7);
   for (std::size_t i = 0; i < patterns.size(); ++i) patterns[i] = static_cast<std::uint16_t>(i);
   std::vector<float> widened(patterns.size());
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([&] {
     for (const DType dtype : {DType::f16, DType::bf16}) {
-      SCOPED_TRACE(target.name + (dtype == DType::f16 ? " f16" : " bf16"));
+      SCOPED_TRACE(dtype == DType::f16 ? "f16" : "bf16");
       std::fill(widened.begin(), widened.end(), 1234.5f);
       detail::widen_row(widened.data(), patterns.data(), dtype,
                         static_cast<std::int64_t>(patterns.size()));
@@ -47,8 +47,7 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
         }
       }
     }
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 // Narrowing fp32 rows to bf16 gives exactly the bits of the scalar bf16_from_f32 (round to
@@ -64,8 +63,7 @@ TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
   }
   values.push_back(1.0f);
   std::vector<std::uint16_t> narrowed(values.size());
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([&] {
     for (const bool stream : {false, true}) {
       std::fill(narrowed.begin(), narrowed.end(), std::uint16_t{0x1234});
       const auto n = static_cast<std::int64_t>(values.size());
@@ -80,14 +78,13 @@ TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
         const std::uint16_t want = detail::bf16_from_f32(values[i]);
         if (narrowed[i] != want) {
           ++mismatches;
-          ADD_FAILURE() << target.name << (stream ? " streamed" : "") << ": 0x" << std::hex
+          ADD_FAILURE() << (stream ? "streamed: " : "") << "0x" << std::hex
                         << std::bit_cast<std::uint32_t>(values[i]) << " -> 0x" << narrowed[i]
                         << ", want 0x" << want;
         }
       }
     }
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 // Non-temporal bf16 rows write exactly the rounded source and nothing around it, whatever the
@@ -97,8 +94,7 @@ TEST(StreamRowBf16, WritesEveryElementOnEveryTarget) {
   std::vector<float> source(300);
   for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>(i) + 0.25f;
   std::vector<std::uint16_t> destination(400);
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([&] {
     for (std::int64_t offset = 0; offset < 17; ++offset) {
       for (const std::int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 100, 255, 300}) {
         std::fill(destination.begin(), destination.end(), std::uint16_t{0xdead});
@@ -110,12 +106,11 @@ TEST(StreamRowBf16, WritesEveryElementOnEveryTarget) {
               inside ? detail::bf16_from_f32(source[static_cast<std::size_t>(i - offset)])
                      : std::uint16_t{0xdead};
           ASSERT_EQ(destination[static_cast<std::size_t>(i)], want)
-              << target.name << " offset " << offset << " n " << n << " element " << i;
+              << "offset " << offset << " n " << n << " element " << i;
         }
       }
     }
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 // Non-temporal row copies write exactly the source, whatever the destination's alignment (the
@@ -123,8 +118,7 @@ TEST(StreamRowBf16, WritesEveryElementOnEveryTarget) {
 TEST(StreamRowF32, CopiesEveryElementOnEveryTarget) {
   std::vector<float> source(300), destination(400);
   for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>(i) + 0.5f;
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([&] {
     for (std::int64_t offset = 0; offset < 17; ++offset) {
       for (const std::int64_t n : {0, 1, 15, 16, 17, 100, 255, 300}) {
         std::fill(destination.begin(), destination.end(), -1.0f);
@@ -134,12 +128,11 @@ TEST(StreamRowF32, CopiesEveryElementOnEveryTarget) {
           const bool inside = i >= offset && i < offset + n;
           const float want = inside ? source[static_cast<std::size_t>(i - offset)] : -1.0f;
           ASSERT_EQ(destination[static_cast<std::size_t>(i)], want)
-              << target.name << " offset " << offset << " n " << n << " element " << i;
+              << "offset " << offset << " n " << n << " element " << i;
         }
       }
     }
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 // The backward's transposed bf16 operands (AVX512-BF16, used where the CPU has AMX): every
@@ -186,8 +179,7 @@ TEST(TransposeRows, MatchesTheScalarTransposeOnEveryTarget) {
   }
   const float* rows[kRows];
   for (std::int64_t r = 0; r < kRows; ++r) rows[r] = sources[static_cast<std::size_t>(r)].data();
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([&] {
     for (const std::int64_t count : {1, 5, 8, 15, 16}) {
       for (const std::int64_t n : {1, 4, 16, 17, 64, 70}) {
         std::vector<float> dst(static_cast<std::size_t>(n * ld_dst), -7.0f);
@@ -199,14 +191,12 @@ TEST(TransposeRows, MatchesTheScalarTransposeOnEveryTarget) {
                 : r < count ? sources[static_cast<std::size_t>(r)][static_cast<std::size_t>(d)]
                             : 0.0f;
             ASSERT_EQ(dst[static_cast<std::size_t>(d * ld_dst + r)], want)
-                << target.name << " count " << count << " n " << n << " at (" << d << ", " << r
-                << ")";
+                << "count " << count << " n " << n << " at (" << d << ", " << r << ")";
           }
         }
       }
     }
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 // |Σ a·b - fp64| <= n·u·Σ|a·b| (u = 2^-24), the worst case of any summation order, for lengths
@@ -214,8 +204,7 @@ TEST(TransposeRows, MatchesTheScalarTransposeOnEveryTarget) {
 TEST(DotF32, MatchesFp64OnEveryTarget) {
   std::mt19937_64 rng(7);
   std::normal_distribution<float> normal;
-  for (const auto& target : detail::cpu::supported_simd_targets()) {
-    detail::cpu::force_simd_target(target.id);
+  on_every_target([&] {
     for (const std::int64_t n : {0, 1, 7, 16, 31, 32, 33, 111, 128, 1000}) {
       std::vector<float> a(static_cast<std::size_t>(n)), b(a.size());
       for (std::size_t i = 0; i < a.size(); ++i) {
@@ -229,10 +218,9 @@ TEST(DotF32, MatchesFp64OnEveryTarget) {
       }
       const double got = detail::dot_f32(a.data(), b.data(), n);
       EXPECT_LE(std::abs(got - exact), n * 0x1p-24 * magnitude)
-          << target.name << " n " << n << ": got " << got << ", fp64 " << exact;
+          << "n " << n << ": got " << got << ", fp64 " << exact;
     }
-  }
-  detail::cpu::force_simd_target(0);
+  });
 }
 
 }  // namespace
