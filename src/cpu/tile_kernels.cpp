@@ -445,8 +445,6 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
   }
 }
 
-// Decode: the dot products of R rows with K vectors, R·K chains of FMAs (8 in the blocks
-// DotRows picks, enough to cover the FMA latency), then one horizontal sum per product.
 // The sum of v's lanes, as a scalar: the halves added down to 128 bits first, then
 // SumOfLanes, whose shuffles on AVX2 and AVX-512 span the whole vector. Zen 3, bf16 decode with
 // 4 rows per KV head: a hand-written 128-bit reduction took 0.92-0.96 of the time with
@@ -462,6 +460,8 @@ HWY_INLINE float SumOfLanesToScalar(D d, hn::VFromD<D> v) {
   return hn::GetLane(hn::SumOfLanes(d, v));
 }
 
+// Decode: the dot products of R rows with K vectors, R·K chains of FMAs (8 in the blocks
+// DotRows picks, enough to cover the FMA latency), then one horizontal sum per product.
 template <int R, int K, class Reader>
 HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                              const float* HWY_RESTRICT rows, std::int64_t ld_rows,
