@@ -1,16 +1,17 @@
-// The decode path's two products (cpu/tile_kernels.hpp: dot_rows, axpy_rows) on every SIMD
-// target compiled in that this CPU runs, against sums in double: every row count up to 9 and
-// every x count up to 19, so that each block shape the kernels pick (rows by 4, 2 and 1; x rows
-// by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and f16 rows that lie apart in
-// memory, with nothing written outside the outputs. The attention tests reach these kernels only
-// through the shapes they happen to run.
+// The decode path's two products (cpu/tile_kernels.hpp: dot_rows, axpy_rows, and their bf16
+// pair variants) on every SIMD target compiled in that this CPU runs, against sums in double:
+// every row count up to 9 and every x count up to 19, so that each block shape the kernels pick
+// (rows by 4, 2 and 1; x rows by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and
+// f16 rows that lie apart in memory, with nothing written outside the outputs. The attention
+// tests reach these kernels only through the shapes they happen to run.
 //
-// Inputs are representable in every dtype (multiples of 1/16 below 8: bf16's 8 bits hold them),
-// so the widening is exact and the double sums are the exact results. Tolerance: a sum of m
-// products formed by fp32 FMAs and additions in any order is off by at most (m - 1)·u·Σ|terms|
-// up to terms of order u² (Higham, Accuracy and Stability of Numerical Algorithms, §3.1), u =
-// 2^-24; the test allows m·u·Σ|terms|. A dropped, doubled or misplaced term is off by a whole
-// term, at least 1/256 here, orders of magnitude more.
+// Inputs are representable in every dtype (multiples of 1/16 below 16 in magnitude: 8
+// significant bits, all that bf16 holds, so every mantissa bit of a bf16 row is used), so the
+// widening is exact and the double sums are the exact results. Tolerance: a sum of m products
+// formed by fp32 FMAs and additions in any order is off by at most (m - 1)·u·Σ|terms| up to
+// terms of order u² (Higham, Accuracy and Stability of Numerical Algorithms, §3.1), u = 2^-24;
+// the test allows m·u·Σ|terms|. A dropped, doubled or misplaced term is off by a whole term, at
+// least 1/256 here, orders of magnitude more.
 
 #include <gtest/gtest.h>
 
@@ -42,9 +43,9 @@ std::vector<std::uint8_t> rows_in(DType dtype, const std::vector<float>& values)
   return bytes;
 }
 
-// Multiples of 1/16 in (-8, 8), zero included.
+// Multiples of 1/16 in (-16, 16), zero included.
 std::vector<float> random_values(std::mt19937_64& rng, std::size_t n) {
-  std::uniform_int_distribution<int> sixteenths(-127, 127);
+  std::uniform_int_distribution<int> sixteenths(-255, 255);
   std::vector<float> values(n);
   for (float& value : values) value = static_cast<float>(sixteenths(rng)) / 16.0f;
   return values;
@@ -93,6 +94,55 @@ void for_every_case(std::mt19937_64& rng, const Check& check) {
   });
 }
 
+// out[r · out_stride + k] against the double sums of rows[r] · x[k], and the sentinels past
+// x_count untouched.
+void check_dots(const std::vector<float>& out, std::int64_t out_stride,
+                const std::vector<float>& rows, std::int64_t ld_rows, const Shape& shape,
+                const XRows& x) {
+  for (std::int64_t r = 0; r < shape.rows; ++r) {
+    for (std::int64_t k = 0; k < out_stride; ++k) {
+      const float got = out[r * out_stride + k];
+      if (k >= shape.x_count) {
+        ASSERT_EQ(got, kSentinel) << "written past x row " << shape.x_count << " of row " << r;
+        continue;
+      }
+      double exact = 0.0, magnitude = 0.0;
+      for (std::int64_t d = 0; d < shape.n; ++d) {
+        const double term = static_cast<double>(rows[r * ld_rows + d]) * x.values[k * x.ld + d];
+        exact += term;
+        magnitude += std::fabs(term);
+      }
+      ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
+          << "dot of row " << r << ", x row " << k;
+    }
+  }
+}
+
+// acc against the double sums of initial + weights · x, and the columns past n untouched.
+void check_axpys(const std::vector<float>& acc, const std::vector<float>& initial,
+                 std::int64_t ld_acc, const std::vector<float>& weights, std::int64_t weight_stride,
+                 const Shape& shape, const XRows& x) {
+  for (std::int64_t r = 0; r < shape.rows; ++r) {
+    for (std::int64_t d = 0; d < ld_acc; ++d) {
+      const float got = acc[r * ld_acc + d];
+      if (d >= shape.n) {
+        ASSERT_EQ(got, initial[r * ld_acc + d])
+            << "written past column " << shape.n << " of row " << r;
+        continue;
+      }
+      double exact = initial[r * ld_acc + d], magnitude = std::fabs(exact);
+      for (std::int64_t k = 0; k < shape.x_count; ++k) {
+        const double term =
+            static_cast<double>(weights[r * weight_stride + k]) * x.values[k * x.ld + d];
+        exact += term;
+        magnitude += std::fabs(term);
+      }
+      ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
+          << "axpy of row " << r << ", column " << d;
+    }
+  }
+}
+
 TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
   std::mt19937_64 rng(test_seed());
   for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
@@ -102,23 +152,7 @@ TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
     std::vector<float> out(shape.rows * out_stride, kSentinel);
     cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(), dtype,
                   x.ld, shape.x_count, shape.n);
-    for (std::int64_t r = 0; r < shape.rows; ++r) {
-      for (std::int64_t k = 0; k < out_stride; ++k) {
-        const float got = out[r * out_stride + k];
-        if (k >= shape.x_count) {
-          ASSERT_EQ(got, kSentinel) << "written past x row " << shape.x_count << " of row " << r;
-          continue;
-        }
-        double exact = 0.0, magnitude = 0.0;
-        for (std::int64_t d = 0; d < shape.n; ++d) {
-          const double term = static_cast<double>(rows[r * ld_rows + d]) * x.values[k * x.ld + d];
-          exact += term;
-          magnitude += std::fabs(term);
-        }
-        ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
-            << "row " << r << ", x row " << k;
-      }
-    }
+    check_dots(out, out_stride, rows, ld_rows, shape, x);
   });
 }
 
@@ -132,25 +166,7 @@ TEST(DecodeKernels, AxpyRowsMatchesDoubleSumsOnEveryTarget) {
     const std::vector<float> weights = random_values(rng, shape.rows * weight_stride);
     cpu::axpy_rows(acc.data(), ld_acc, weights.data(), weight_stride, shape.rows, x.bytes.data(),
                    dtype, x.ld, shape.x_count, shape.n);
-    for (std::int64_t r = 0; r < shape.rows; ++r) {
-      for (std::int64_t d = 0; d < ld_acc; ++d) {
-        const float got = acc[r * ld_acc + d];
-        if (d >= shape.n) {
-          ASSERT_EQ(got, initial[r * ld_acc + d])
-              << "written past column " << shape.n << " of row " << r;
-          continue;
-        }
-        double exact = initial[r * ld_acc + d], magnitude = std::fabs(exact);
-        for (std::int64_t k = 0; k < shape.x_count; ++k) {
-          const double term =
-              static_cast<double>(weights[r * weight_stride + k]) * x.values[k * x.ld + d];
-          exact += term;
-          magnitude += std::fabs(term);
-        }
-        ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
-            << "row " << r << ", column " << d;
-      }
-    }
+    check_axpys(acc, initial, ld_acc, weights, weight_stride, shape, x);
   });
 }
 
@@ -212,41 +228,9 @@ TEST(DecodeKernels, Bf16PairKernelsMatchDoubleSumsOnEveryTarget) {
       cpu::from_bf16_pair_order(result.data() + r * ld_rows, acc.data() + r * ld_rows, shape.n);
     }
 
-    for (std::int64_t r = 0; r < shape.rows; ++r) {
-      for (std::int64_t k = 0; k < out_stride; ++k) {
-        const float got = out[r * out_stride + k];
-        if (k >= shape.x_count) {
-          ASSERT_EQ(got, kSentinel)
-              << "dot written past x row " << shape.x_count << " of row " << r;
-          continue;
-        }
-        double exact = 0.0, magnitude = 0.0;
-        for (std::int64_t d = 0; d < shape.n; ++d) {
-          const double term = static_cast<double>(rows[r * ld_rows + d]) * x.values[k * x.ld + d];
-          exact += term;
-          magnitude += std::fabs(term);
-        }
-        ASSERT_NEAR(got, exact, shape.n * kUnitRoundoff * magnitude)
-            << "dot of row " << r << ", x row " << k;
-      }
-      for (std::int64_t d = 0; d < ld_rows; ++d) {
-        const float got = result[r * ld_rows + d];
-        if (d >= shape.n) {
-          ASSERT_EQ(got, initial[r * ld_rows + d])
-              << "axpy written past column " << shape.n << " of row " << r;
-          continue;
-        }
-        double exact = initial[r * ld_rows + d], magnitude = std::fabs(exact);
-        for (std::int64_t k = 0; k < shape.x_count; ++k) {
-          const double term =
-              static_cast<double>(weights[r * out_stride + k]) * x.values[k * x.ld + d];
-          exact += term;
-          magnitude += std::fabs(term);
-        }
-        ASSERT_NEAR(got, exact, (shape.x_count + 1) * kUnitRoundoff * magnitude)
-            << "axpy of row " << r << ", column " << d;
-      }
-    }
+    check_dots(out, out_stride, rows, ld_rows, shape, x);
+    if (::testing::Test::HasFatalFailure()) return;
+    check_axpys(result, initial, ld_rows, weights, out_stride, shape, x);
   });
 }
 
