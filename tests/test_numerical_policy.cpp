@@ -288,9 +288,10 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, NonFiniteInputs,
                          });
 
 // The same policy on the decode path (two positions of a GQA group, group · Sq = 4 rows per KV
-// head, against 1500 keys: 12 chunks of 128 keys merged at the end). Under the causal mask the
-// last key is seen by position 1 only, and a window shows key 498 to position 0 only: a poison
-// must reach exactly the rows that read it, through the chunk merge.
+// head, against 1500 keys: 12 chunks of 128 keys merged at the end; and 16 rows per KV head,
+// taken by other blocks of the kernels). Under the causal mask the last key is seen by position
+// 1 only, and a window shows key 498 to position 0 only: a poison must reach exactly the rows
+// that read it, through the chunk merge.
 TEST(NonFiniteInputsDecode, ReachExactlyTheRowsThatReadThem) {
   constexpr std::int64_t kKeys = 1500;
   struct DecodePoison {
@@ -330,19 +331,24 @@ TEST(NonFiniteInputsDecode, ReachExactlyTheRowsThatReadThem) {
        }},
   };
   for (const DecodePoison& poison : decode_poisons) {
-    for (DType dtype : kAllDtypes) {
-      Problem p = random_problem(dtype, {1, 2, 4, kDim}, {1, kKeys, 2, kDim}, 11);
-      p.options.causal = poison.causal;
-      if (std::string(poison.name) == "NonFiniteOutsideOneRowsWindow") p.options.window_left = 1000;
-      poison.apply(p);
-      const std::string context = std::string(poison.name) + " " + dtype_name(dtype);
-      // Not vacuous: the poison reaches some outputs of the reference and not others.
-      const ReferenceResult ref = reference(p.q, p.k, p.v, p.options);
-      const auto non_finite =
-          std::count_if(ref.out.begin(), ref.out.end(), [](double x) { return !std::isfinite(x); });
-      EXPECT_GT(non_finite, 0) << context;
-      EXPECT_LT(non_finite, static_cast<std::int64_t>(ref.out.size())) << context;
-      expect_reference_result(AttentionImpl::flash, p.q, p.k, p.v, p.options, false, context);
+    for (const std::int64_t heads_q : {4, 16}) {
+      for (DType dtype : kAllDtypes) {
+        Problem p = random_problem(dtype, {1, 2, heads_q, kDim}, {1, kKeys, 2, kDim}, 11);
+        p.options.causal = poison.causal;
+        if (std::string(poison.name) == "NonFiniteOutsideOneRowsWindow") {
+          p.options.window_left = 1000;
+        }
+        poison.apply(p);
+        const std::string context = std::string(poison.name) + " " + dtype_name(dtype) + ", " +
+                                    std::to_string(heads_q) + " query heads";
+        // Not vacuous: the poison reaches some outputs of the reference and not others.
+        const ReferenceResult ref = reference(p.q, p.k, p.v, p.options);
+        const auto non_finite = std::count_if(ref.out.begin(), ref.out.end(),
+                                              [](double x) { return !std::isfinite(x); });
+        EXPECT_GT(non_finite, 0) << context;
+        EXPECT_LT(non_finite, static_cast<std::int64_t>(ref.out.size())) << context;
+        expect_reference_result(AttentionImpl::flash, p.q, p.k, p.v, p.options, false, context);
+      }
     }
   }
 }
