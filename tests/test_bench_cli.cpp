@@ -267,13 +267,17 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
   // A quick run's own name: a smoke test never replaces the day's full results.
   EXPECT_TRUE(csv_name.ends_with("-quick.csv")) << csv_name;
 
-  // The plot, or the reason there is none; never a leftover temporary file.
+  // The plots (the sweep's and the decode cases'), or the reason there are none; never a
+  // leftover temporary file.
   const std::string png_name = fs::path(csv_name).replace_extension(".png").string();
+  const std::string decode_png_name = fs::path(csv_name).stem().string() + "-decode.png";
   if (fs::exists(results() / png_name)) {
-    EXPECT_GT(fs::file_size(results() / png_name), 0u);
-    EXPECT_NE(completed.out.find(png_name), std::string::npos) << completed.out;
-    EXPECT_EQ(files(),
-              (std::vector<std::string>{"results", "results/" + csv_name, "results/" + png_name}));
+    for (const std::string& name : {png_name, decode_png_name}) {
+      EXPECT_GT(fs::file_size(results() / name), 0u) << name;
+      EXPECT_NE(completed.out.find(name), std::string::npos) << completed.out;
+    }
+    EXPECT_EQ(files(), (std::vector<std::string>{"results", "results/" + decode_png_name,
+                                                 "results/" + csv_name, "results/" + png_name}));
   } else {
     EXPECT_NE(completed.out.find("no plot: "), std::string::npos) << completed.out;
     EXPECT_EQ(files(), (std::vector<std::string>{"results", "results/" + csv_name}));
@@ -416,13 +420,12 @@ TEST_F(BenchCliTest, BackwardBeyondTheReferenceBudgetComparesWithTheStandardPath
 }
 
 // Decode cases alone: --no-sweep and --no-seed-shape leave them, one per dtype and KV cache
-// length, each verified; the plot, which shows the sweep, is not drawn, and the output says why.
+// length, each verified; only their plot is drawn (the sweep's would be empty).
 TEST_F(BenchCliTest, DecodeCasesAloneReportBandwidth) {
   const Completed completed =
       run({"bench", "--quick", "--no-sweep", "--no-seed-shape", "--dtypes", "f16", "--impls",
            "flash", "--decode-seqlens", "100,700", "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
-  EXPECT_NE(completed.out.find("no plot: no sweep case"), std::string::npos) << completed.out;
   const auto rows = read_rows();
   ASSERT_EQ(rows.size(), 2u);
   EXPECT_EQ(rows[0].at("seqlen_kv"), "100");
@@ -436,7 +439,20 @@ TEST_F(BenchCliTest, DecodeCasesAloneReportBandwidth) {
     // Without a timed standard path there is nothing to compare with.
     EXPECT_EQ(row.at("ratio_standard"), "");
   }
-  EXPECT_EQ(files().size(), 2u);  // results/ and the CSV
+  std::string stem;
+  for (const auto& entry : fs::directory_iterator(results())) {
+    if (entry.path().extension() == ".csv") stem = entry.path().stem().string();
+  }
+  if (fs::exists(results() / (stem + "-decode.png"))) {
+    EXPECT_GT(fs::file_size(results() / (stem + "-decode.png")), 0u);
+    EXPECT_EQ(completed.out.find("no plot"), std::string::npos) << completed.out;
+    EXPECT_EQ(files(), (std::vector<std::string>{"results", "results/" + stem + "-decode.png",
+                                                 "results/" + stem + ".csv"}));
+  } else {
+    EXPECT_NE(completed.out.find("no plot: gnuplot is not on PATH"), std::string::npos)
+        << completed.out;
+    EXPECT_EQ(files().size(), 2u);  // results/ and the CSV
+  }
 }
 
 TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {

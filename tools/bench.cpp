@@ -768,7 +768,64 @@ std::string gnuplot_string(const std::string& text) {
   return quoted + "'";
 }
 
-enum class Pass { forward, backward };
+// What a plot shows: the sweep's forward or backward GFLOP/s, or the decode cases' GB/s.
+enum class Pass { forward, backward, decode };
+
+// The terminal and output lines every plot script starts with.
+std::string plot_preamble(const fs::path& png) {
+  return "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
+         "  set terminal pngcairo size 1200,760 noenhanced font ',10'\n"
+         "} else {\n"
+         "  set terminal png size 1200,760 noenhanced\n"
+         "}\n"
+         "set output " +
+         gnuplot_string(png.string()) + "\n";
+}
+
+// The plot title: what ran, where and when.
+std::string plot_title(const char* what, const Machine& machine) {
+  char title[512];
+  std::snprintf(title, sizeof(title), "flashattn bench%s, %s, %s (%s), %d threads, %s", what,
+                machine.date.c_str(), machine.cpu_model.c_str(), machine.host.c_str(),
+                machine.threads, machine.simd_target.c_str());
+  return "set title " + gnuplot_string(title) + "\n";
+}
+
+// A line of a plot: its title, dash type, colour (gnuplot's line type; 0: the next one in
+// turn) and points (x, y), the data inline as $series<index>.
+struct PlotLine {
+  std::string title;
+  int dash = 1;
+  int color = 0;
+  std::vector<std::pair<std::int64_t, double>> points;
+};
+
+// The data blocks of `lines` (appended to `script`) and the plot command's clauses for them.
+std::string plot_lines(const std::map<std::string, PlotLine>& lines, std::string& script) {
+  int index = 0;
+  std::string plots;
+  for (const auto& [name, line] : lines) {
+    std::string block = "$series" + std::to_string(index) + " << EOD\n";
+    std::vector<std::pair<std::int64_t, double>> points = line.points;
+    std::sort(points.begin(), points.end());
+    for (const auto& [x, y] : points) block += std::to_string(x) + " " + format("%.3f", y) + "\n";
+    script += block + "EOD\n";
+    plots += (plots.empty() ? "" : ", ") + std::string("$series") + std::to_string(index) +
+             " using 1:2 with linespoints lw 2 pt 7 dt " + std::to_string(line.dash) +
+             (line.color > 0 ? " lc " + std::to_string(line.color) : "") + " title " +
+             gnuplot_string(line.title);
+    ++index;
+  }
+  return plots;
+}
+
+// A horizontal line at `value`, titled with it, for the plot command; `colour` a gnuplot colour
+// spec, or empty for the next line type's.
+std::string plot_ceiling(double value, const std::string& name, const std::string& colour = "") {
+  return ", " + format("%.3f", value) + " with lines lw 2 dt 3" +
+         (colour.empty() ? "" : " lc " + colour) + " title " +
+         gnuplot_string(name + format(" %.0f", value));
+}
 
 // A gnuplot script that draws GFLOP/s of one pass against seqlen: one line per (path, dtype,
 // head_dim, mask) over the sweep points, one horizontal line per ceiling. The data are inline, so
@@ -776,12 +833,7 @@ enum class Pass { forward, backward };
 // forward's and double their number.
 std::string plot_script(const fs::path& png, const Machine& machine, const Ceilings& ceilings,
                         const std::vector<CaseResult>& results, Pass pass) {
-  struct Series {
-    std::string title;
-    bool flash = true;
-    std::vector<std::pair<std::int64_t, double>> points;
-  };
-  std::map<std::string, Series> series;
+  std::map<std::string, PlotLine> lines;
   std::set<DType> dtypes;
   std::set<std::int64_t> head_dims;
   for (const CaseResult& result : results) {
@@ -795,9 +847,9 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
       std::snprintf(title, sizeof(title), "%s %s D=%lld%s", impl_name(path.impl),
                     dtype_name(shape.dtype), static_cast<long long>(shape.head_dim),
                     shape.causal ? "" : " non-causal");
-      Series& line = series[title];
+      PlotLine& line = lines[title];
       line.title = title;
-      line.flash = path.impl == AttentionImpl::flash;
+      line.dash = path.impl == AttentionImpl::flash ? 1 : 2;
       line.points.emplace_back(shape.seqlen, *gflops);
       dtypes.insert(shape.dtype);
       head_dims.insert(shape.head_dim);
@@ -805,58 +857,77 @@ std::string plot_script(const fs::path& png, const Machine& machine, const Ceili
   }
 
   std::string script =
-      "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
-      "  set terminal pngcairo size 1200,760 noenhanced font ',10'\n"
-      "} else {\n"
-      "  set terminal png size 1200,760 noenhanced\n"
-      "}\n";
-  script += "set output " + gnuplot_string(png.string()) + "\n";
-  char title[512];
-  std::snprintf(title, sizeof(title), "flashattn bench%s, %s, %s (%s), %d threads, %s",
-                pass == Pass::forward ? "" : " backward", machine.date.c_str(),
-                machine.cpu_model.c_str(), machine.host.c_str(), machine.threads,
-                machine.simd_target.c_str());
-  script += "set title " + gnuplot_string(title) + "\n";
-  script +=
-      "set xlabel 'sequence length (causal unless marked; FLOPs count unmasked pairs)'\n" +
-      std::string(pass == Pass::forward
-                      ? "set ylabel 'GFLOP/s (log scale)'\n"
-                      : "set ylabel 'backward GFLOP/s, 2.5x the forward FLOPs (log scale)'\n") +
+      plot_preamble(png) + plot_title(pass == Pass::forward ? "" : " backward", machine) +
+      "set xlabel 'sequence length (causal unless marked; FLOPs count unmasked "
+      "pairs)'\n" +
+      std::string(pass == Pass::forward ? "set ylabel 'GFLOP/s (log scale)'\n"
+                                        : "set ylabel 'backward GFLOP/s, 2.5x the forward FLOPs "
+                                          "(log scale)'\n") +
       "set logscale xy 2\n"
       "set format x '%.0f'\n"
       "set format y '%.0f'\n"
       "set grid\n"
       "set key outside right top\n";
-  int index = 0;
-  std::string plots;
-  for (const auto& [name, line] : series) {
-    std::string block = "$series" + std::to_string(index) + " << EOD\n";
-    std::vector<std::pair<std::int64_t, double>> points = line.points;
-    std::sort(points.begin(), points.end());
-    for (const auto& [seqlen, gflops] : points) {
-      block += std::to_string(seqlen) + " " + format("%.3f", gflops) + "\n";
-    }
-    script += block + "EOD\n";
-    plots += (plots.empty() ? "" : ", ") + std::string("$series") + std::to_string(index) +
-             " using 1:2 with linespoints lw 2 pt 7 " + (line.flash ? "dt 1" : "dt 2") + " title " +
-             gnuplot_string(line.title);
-    ++index;
-  }
-  auto ceiling = [&](double value, const std::string& name) {
-    plots += ", " + format("%.3f", value) + " with lines lw 2 dt 3 title " +
-             gnuplot_string(name + format(" %.0f", value));
-  };
-  ceiling(ceilings.fma_gflops, "f32 FMA peak");
+  std::string plots = plot_lines(lines, script);
+  plots += plot_ceiling(ceilings.fma_gflops, "f32 FMA peak");
   if (ceilings.bf16_dot_gflops && dtypes.count(DType::bf16) > 0) {
-    ceiling(*ceilings.bf16_dot_gflops, "bf16 dot peak");
+    plots += plot_ceiling(*ceilings.bf16_dot_gflops, "bf16 dot peak");
   }
   if (ceilings.amx_gflops && dtypes.count(DType::bf16) > 0) {
-    ceiling(*ceilings.amx_gflops, "AMX bf16 peak");
+    plots += plot_ceiling(*ceilings.amx_gflops, "AMX bf16 peak");
   }
   for (const std::int64_t head_dim : head_dims) {
-    ceiling(ceilings.sgemm_gflops.at(head_dim),
-            "sgemm " + std::to_string(head_dim) + "-dim attention products");
+    plots += plot_ceiling(ceilings.sgemm_gflops.at(head_dim),
+                          "sgemm " + std::to_string(head_dim) + "-dim attention products");
   }
+  return script + "plot " + plots + "\n";
+}
+
+// A gnuplot script that draws the decode cases: GB/s of K and V read against the KV cache
+// length, one line per (path, dtype), one dotted line per dtype for the plain reads of the same
+// K and V timed with flash's calls, each dtype in a colour of its own, and the memory copy
+// ceiling.
+std::string decode_plot_script(const fs::path& png, const Machine& machine,
+                               const Ceilings& ceilings, const std::vector<CaseResult>& results) {
+  std::map<std::string, PlotLine> lines;
+  for (const CaseResult& result : results) {
+    if (!result.shape.decode) continue;
+    const Case& shape = result.shape;
+    const int color = 1 + static_cast<int>(shape.dtype);
+    for (const PathResult& path : result.paths) {
+      const std::optional<double> gbps = result.kv_gbps(path.impl);
+      if (!gbps) continue;
+      const std::string title = std::string(impl_name(path.impl)) + " " + dtype_name(shape.dtype);
+      PlotLine& line = lines[title];
+      line.title = title;
+      line.dash = path.impl == AttentionImpl::flash ? 1 : 2;
+      line.color = color;
+      line.points.emplace_back(shape.seqlen, *gbps);
+    }
+    if (const std::optional<double> read = result.read_gbps(AttentionImpl::flash)) {
+      const std::string title = std::string("read of K and V, ") + dtype_name(shape.dtype);
+      PlotLine& line = lines[title];
+      line.title = title;
+      line.dash = 3;
+      line.color = color;
+      line.points.emplace_back(shape.seqlen, *read);
+    }
+  }
+  char xlabel[160];
+  std::snprintf(xlabel, sizeof(xlabel),
+                "set xlabel 'KV cache length Skv (one query position, Hq = %lld, Hkv = %lld, D "
+                "= %lld)'\n",
+                static_cast<long long>(kDecodeHeadsQ), static_cast<long long>(kDecodeHeadsKv),
+                static_cast<long long>(kDecodeHeadDim));
+  std::string script = plot_preamble(png) + plot_title(" decode", machine) + xlabel +
+                       "set ylabel 'GB/s of K and V read (log scale)'\n"
+                       "set logscale xy 2\n"
+                       "set format x '%.0f'\n"
+                       "set format y '%.1f'\n"
+                       "set grid\n"
+                       "set key outside right top\n";
+  std::string plots = plot_lines(lines, script);
+  plots += plot_ceiling(ceilings.copy_gbps, "memory copy (read + written)", "rgb 'black'");
   return script + "plot " + plots + "\n";
 }
 
@@ -1119,22 +1190,29 @@ int run_bench(BenchOptions options, const CLI::App& command) {
   const std::string stem =
       machine.date + "-" + file_name_safe(machine.host) + (options.quick ? "-quick" : "");
   AtomicFile csv(out_dir / (stem + ".csv"));
-  std::unique_ptr<AtomicFile> png, backward_png;
+  std::unique_ptr<AtomicFile> png, backward_png, decode_png;
   std::optional<fs::path> gnuplot;
   std::string no_plot_reason;
+  const bool sweep_cases = std::any_of(cases.begin(), cases.end(), [](const Case& shape) {
+    return !shape.seed_shape && !shape.decode;
+  });
+  const bool decode_cases =
+      std::any_of(cases.begin(), cases.end(), [](const Case& shape) { return shape.decode; });
   if (options.no_plot) {
     no_plot_reason = "--no-plot";
-  } else if (std::none_of(cases.begin(), cases.end(),
-                          [](const Case& shape) { return !shape.seed_shape && !shape.decode; })) {
-    no_plot_reason = "no sweep case (the plot shows the sweep's GFLOP/s against seqlen)";
+  } else if (!sweep_cases && !decode_cases) {
+    no_plot_reason =
+        "no sweep or decode case (the plots show the sweep's GFLOP/s against seqlen and the "
+        "decode cases' GB/s against Skv)";
   } else if (gnuplot = find_on_path("gnuplot"); !gnuplot) {
     no_plot_reason =
         "gnuplot is not on PATH; install gnuplot-nox (scripts/install-deps.sh) for the plot";
   } else {
-    png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
-    if (options.backward) {
+    if (sweep_cases) png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
+    if (sweep_cases && options.backward) {
       backward_png = std::make_unique<AtomicFile>(out_dir / (stem + "-backward.png"));
     }
+    if (decode_cases) decode_png = std::make_unique<AtomicFile>(out_dir / (stem + "-decode.png"));
   }
 
   std::set<std::int64_t> head_dims;
@@ -1167,11 +1245,14 @@ int run_bench(BenchOptions options, const CLI::App& command) {
   csv.commit();
   std::printf("\nwrote %s\n", fs::absolute(csv.path()).lexically_normal().c_str());
   for (const auto& [file, pass] :
-       {std::pair{png.get(), Pass::forward}, std::pair{backward_png.get(), Pass::backward}}) {
+       {std::pair{png.get(), Pass::forward}, std::pair{backward_png.get(), Pass::backward},
+        std::pair{decode_png.get(), Pass::decode}}) {
     if (file == nullptr) continue;
     // gnuplot writes the temporary file by name; the rename makes it appear whole.
-    const std::optional<std::string> failure =
-        run_gnuplot(*gnuplot, plot_script(file->temp_path(), machine, ceilings, results, pass));
+    const std::string script =
+        pass == Pass::decode ? decode_plot_script(file->temp_path(), machine, ceilings, results)
+                             : plot_script(file->temp_path(), machine, ceilings, results, pass);
+    const std::optional<std::string> failure = run_gnuplot(*gnuplot, script);
     if (!failure && fs::file_size(file->temp_path(), error) > 0 && !error) {
       file->commit();
       std::printf("wrote %s\n", fs::absolute(file->path()).lexically_normal().c_str());
@@ -1237,8 +1318,9 @@ Action add_bench_command(CLI::App& app) {
       "holds two S x S fp32 matrices per thread: where the machine's memory cannot, it is\n"
       "skipped with the reason.\n"
       "Writes <out-dir>/<YYYY-MM-DD>-<host>.csv (-quick.csv with --quick; a row per case and\n"
-      "path; backward columns empty without --backward) and .png (gnuplot; with --backward also\n"
-      "-backward.png), each whole or not at all, and prints where. Progress goes to stderr.\n"
+      "path; backward columns empty without --backward) and, with gnuplot, .png (the sweep;\n"
+      "with --backward also -backward.png) and -decode.png (GB/s against Skv), each whole or\n"
+      "not at all, and prints where. Progress goes to stderr.\n"
       "Exit codes: 0 every path verified, 1 invalid arguments or unwritable output, 2 bad\n"
       "command line, 3 a path or its backward failed verification (then not timed; the CSV says\n"
       "which).");
