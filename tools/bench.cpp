@@ -796,7 +796,7 @@ std::string plot_title(const char* what, const Machine& machine) {
 struct PlotLine {
   std::string title;
   int dash = 1;
-  int color = 0;
+  int colour = 0;
   std::vector<std::pair<std::int64_t, double>> points;
 };
 
@@ -812,7 +812,7 @@ std::string plot_lines(const std::map<std::string, PlotLine>& lines, std::string
     script += block + "EOD\n";
     plots += (plots.empty() ? "" : ", ") + std::string("$series") + std::to_string(index) +
              " using 1:2 with linespoints lw 2 pt 7 dt " + std::to_string(line.dash) +
-             (line.color > 0 ? " lc " + std::to_string(line.color) : "") + " title " +
+             (line.colour > 0 ? " lc " + std::to_string(line.colour) : "") + " title " +
              gnuplot_string(line.title);
     ++index;
   }
@@ -893,7 +893,7 @@ std::string decode_plot_script(const fs::path& png, const Machine& machine,
   for (const CaseResult& result : results) {
     if (!result.shape.decode) continue;
     const Case& shape = result.shape;
-    const int color = 1 + static_cast<int>(shape.dtype);
+    const int colour = 1 + static_cast<int>(shape.dtype);
     for (const PathResult& path : result.paths) {
       const std::optional<double> gbps = result.kv_gbps(path.impl);
       if (!gbps) continue;
@@ -901,7 +901,7 @@ std::string decode_plot_script(const fs::path& png, const Machine& machine,
       PlotLine& line = lines[title];
       line.title = title;
       line.dash = path.impl == AttentionImpl::flash ? 1 : 2;
-      line.color = color;
+      line.colour = colour;
       line.points.emplace_back(shape.seqlen, *gbps);
     }
     if (const std::optional<double> read = result.read_gbps(AttentionImpl::flash)) {
@@ -909,7 +909,7 @@ std::string decode_plot_script(const fs::path& png, const Machine& machine,
       PlotLine& line = lines[title];
       line.title = title;
       line.dash = 3;
-      line.color = color;
+      line.colour = colour;
       line.points.emplace_back(shape.seqlen, *read);
     }
   }
