@@ -1,7 +1,7 @@
 // Google Benchmark microbenchmarks for developers (not run by the tests): the flash and standard
-// paths at a few shapes, and the ceilings they are measured against, each with a FLOP/s or
-// bytes/s counter. All use every OpenMP thread, so they report wall time (UseRealTime). For the
-// verified, recorded comparison use `flashattn bench`.
+// paths at a few shapes, decoding against a KV cache, and the ceilings they are measured
+// against, each with a FLOP/s or bytes/s counter. All use every OpenMP thread, so they report
+// wall time (UseRealTime). For the verified, recorded comparison use `flashattn bench`.
 //
 //   ./flashattn_benchmark --benchmark_filter='Attention/flash'
 
@@ -89,6 +89,39 @@ BENCHMARK(BM_Attention<AttentionImpl::standard, DType::f32>)
 BENCHMARK(BM_Attention<AttentionImpl::flash, DType::bf16>)
     ->Name("Attention/flash/bf16")
     ->Apply(Shapes);
+
+// Decoding: one query position of 32 heads against a KV cache, counted as bytes of K and V read
+// per second. Args: Skv, KV heads; head_dim 128.
+template <DType kDtype>
+void BM_Decode(benchmark::State& state) {
+  constexpr std::int64_t kHeads = 32, kHeadDim = 128;
+  const std::int64_t seqlen_kv = state.range(0), heads_kv = state.range(1);
+  const std::array<std::int64_t, 4> q_shape = {1, 1, kHeads, kHeadDim};
+  const std::array<std::int64_t, 4> kv_shape = {1, seqlen_kv, heads_kv, kHeadDim};
+  Inputs q(q_shape, kDtype), k(kv_shape, kDtype), v(kv_shape, kDtype), out(q_shape, kDtype);
+  const flashattn::AttentionOptions options;
+  for (auto _ : state) {
+    flashattn::flash_attention_forward(flashattn::contiguous_view(q.data(), kDtype, q_shape),
+                                       flashattn::contiguous_view(k.data(), kDtype, kv_shape),
+                                       flashattn::contiguous_view(v.data(), kDtype, kv_shape),
+                                       flashattn::contiguous_view(out.data(), kDtype, q_shape),
+                                       nullptr, options);
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes/s"] = benchmark::Counter(
+      2.0 * static_cast<double>(seqlen_kv * heads_kv * kHeadDim * flashattn::dtype_size(kDtype)),
+      benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+
+// GQA groups of 4 (the bench's decode cases), of 1 (MHA) and of 16.
+void DecodeShapes(benchmark::internal::Benchmark* benchmark) {
+  benchmark->ArgNames({"Skv", "Hkv"});
+  for (const int heads_kv : {8, 32, 2}) benchmark->Args({16384, heads_kv});
+  benchmark->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_Decode<DType::f32>)->Name("Decode/flash/f32")->Apply(DecodeShapes);
+BENCHMARK(BM_Decode<DType::bf16>)->Name("Decode/flash/bf16")->Apply(DecodeShapes);
 
 // One unit of a ceiling workload per iteration, counted as FLOP/s or bytes/s.
 template <class Workload, class... Args>
