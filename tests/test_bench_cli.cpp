@@ -111,6 +111,15 @@ class BenchCliTest : public ::testing::Test {
   }
 
   // The rows of the one CSV in results(), as column name -> value; checks the header.
+  // The name of the last CSV in results/ (a run writes one), empty if there is none.
+  std::string csv_name() const {
+    std::string name;
+    for (const auto& entry : fs::directory_iterator(results())) {
+      if (entry.path().extension() == ".csv") name = entry.path().filename().string();
+    }
+    return name;
+  }
+
   std::vector<std::map<std::string, std::string>> read_rows() const {
     std::vector<fs::path> csvs;
     for (const auto& entry : fs::directory_iterator(results())) {
@@ -258,10 +267,7 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
 
   // Progress on stderr, one line per case; where the outputs went on stdout.
   EXPECT_NE(completed.err.find("[10/10]"), std::string::npos) << completed.err;
-  std::string csv_name;
-  for (const auto& entry : fs::directory_iterator(results())) {
-    if (entry.path().extension() == ".csv") csv_name = entry.path().filename().string();
-  }
+  const std::string csv_name = this->csv_name();
   EXPECT_NE(completed.out.find("wrote "), std::string::npos) << completed.out;
   EXPECT_NE(completed.out.find(csv_name), std::string::npos) << completed.out;
   // A quick run's own name: a smoke test never replaces the day's full results.
@@ -371,10 +377,7 @@ TEST_F(BenchCliTest, BackwardVerifiesAndTimesEveryPath) {
   }
 
   // The backward has its own plot, next to the forward's.
-  std::string csv_name;
-  for (const auto& entry : fs::directory_iterator(results())) {
-    if (entry.path().extension() == ".csv") csv_name = entry.path().filename().string();
-  }
+  const std::string csv_name = this->csv_name();
   const std::string stem = fs::path(csv_name).stem().string();
   if (fs::exists(results() / (stem + ".png"))) {
     EXPECT_GT(fs::file_size(results() / (stem + "-backward.png")), 0u);
@@ -439,10 +442,7 @@ TEST_F(BenchCliTest, DecodeCasesAloneReportBandwidth) {
     // Without a timed standard path there is nothing to compare with.
     EXPECT_EQ(row.at("ratio_standard"), "");
   }
-  std::string stem;
-  for (const auto& entry : fs::directory_iterator(results())) {
-    if (entry.path().extension() == ".csv") stem = entry.path().stem().string();
-  }
+  const std::string stem = fs::path(csv_name()).stem().string();
   if (fs::exists(results() / (stem + "-decode.png"))) {
     EXPECT_GT(fs::file_size(results() / (stem + "-decode.png")), 0u);
     EXPECT_EQ(completed.out.find("no plot"), std::string::npos) << completed.out;
