@@ -147,47 +147,49 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
     for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], tag, scores + r * ld_scores + c * N);
 }
 
-// All rows against the key columns [0, width) of one packed panel (head_dim rows of `width`
+// All rows against the key columns [0, width) of one packed panel (head_dim rows of `ld_panel`
 // floats, contiguous: 32 KiB at D = 128). The panel stays in L1 while every row block passes
 // over it. Measured on one AVX-512 core, 64 x 128 x 128 tile: 113 GFLOP/s when each row block
 // streamed a 128-key Kᵀ with 512-byte row stride (set conflicts halve the usable L1), 121 with
 // panels of that strided layout, 170+ with contiguous panels.
 HWY_INLINE void ScoresPanel(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
                             const RowsOperand& q, const float* HWY_RESTRICT panel,
-                            std::int64_t width, std::int64_t rows, std::int64_t head_dim) {
+                            std::int64_t ld_panel, std::int64_t width, std::int64_t rows,
+                            std::int64_t head_dim) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t j = 0;
   for (; j + kBlockVectors * N <= width; j += kBlockVectors * N) {
     std::int64_t i = 0;
     for (; i + kBlockRows <= rows; i += kBlockRows) {
       ScoresBlock<kBlockRows, kBlockVectors>(tag, scores + i * ld_scores + j, ld_scores, q, i,
-                                             panel + j, width, head_dim);
+                                             panel + j, ld_panel, head_dim);
     }
     RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
       ScoresBlock<decltype(block_rows)::value, kBlockVectors>(
-          tag, scores + row * ld_scores + j, ld_scores, q, row, panel + j, width, head_dim);
+          tag, scores + row * ld_scores + j, ld_scores, q, row, panel + j, ld_panel, head_dim);
     });
   }
   for (; j < width; j += N) {
     std::int64_t i = 0;
     for (; i + kBlockRows <= rows; i += kBlockRows) {
-      ScoresBlock<kBlockRows, 1>(tag, scores + i * ld_scores + j, ld_scores, q, i, panel + j, width,
-                                 head_dim);
+      ScoresBlock<kBlockRows, 1>(tag, scores + i * ld_scores + j, ld_scores, q, i, panel + j,
+                                 ld_panel, head_dim);
     }
     RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
       ScoresBlock<decltype(block_rows)::value, 1>(tag, scores + row * ld_scores + j, ld_scores, q,
-                                                  row, panel + j, width, head_dim);
+                                                  row, panel + j, ld_panel, head_dim);
     });
   }
 }
 
 void ScoresTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, const RowsOperand& q,
                 const float* HWY_RESTRICT k_packed, std::int64_t rows, std::int64_t keys_padded,
-                std::int64_t head_dim) {
+                std::int64_t head_dim, std::int64_t columns) {
   const Tag tag;
-  for (std::int64_t j = 0; j < keys_padded; j += kPanelWidth) {
-    const std::int64_t width = std::min(kPanelWidth, keys_padded - j);
-    ScoresPanel(tag, scores + j, ld_scores, q, k_packed + j * head_dim, width, rows, head_dim);
+  for (std::int64_t j = 0; j < columns; j += kPanelWidth) {
+    const std::int64_t ld_panel = std::min(kPanelWidth, keys_padded - j);
+    ScoresPanel(tag, scores + j, ld_scores, q, k_packed + j * head_dim, ld_panel,
+                std::min(ld_panel, columns - j), rows, head_dim);
   }
 }
 
@@ -801,8 +803,11 @@ HWY_EXPORT(AllFinite);
 HWY_EXPORT(AllFiniteBf16);
 
 void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
-                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim) {
-  HWY_DYNAMIC_DISPATCH(ScoresTile)(scores, ld_scores, q, k_packed, rows, keys_padded, head_dim);
+                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim,
+                 std::int64_t columns) {
+  HWY_DYNAMIC_DISPATCH(ScoresTile)
+  (scores, ld_scores, q, k_packed, rows, keys_padded, head_dim,
+   columns < 0 ? keys_padded : columns);
 }
 
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,
