@@ -133,6 +133,15 @@ std::vector<Case> make_grid() {
       ++w;
     }
   }
+  // A window under GQA over several Q blocks: the chunks of a partly visible block start and
+  // stop inside each query head's rows, and each computes its own range of keys.
+  for (const auto& [left, right] : {std::pair<std::int64_t, std::int64_t>{40, 0}, {23, 17}}) {
+    Case c{1, 300, 300, 6, 2, 64};
+    c.window_left = left;
+    c.window_right = right;
+    c.threads = 3;
+    grid.push_back(c);
+  }
   // GQA and MQA.
   for (const auto& [hq, hkv] :
        {std::pair<std::int64_t, std::int64_t>{4, 2}, {6, 1}, {8, 8}, {8, 4}}) {

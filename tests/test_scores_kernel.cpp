@@ -1,10 +1,10 @@
-// The scores product (cpu/tile_kernels.hpp: scores_tile) on every SIMD target compiled in that
-// this CPU runs, against sums in double: every row count up to 13 (the kernel's blocks of 6 rows
-// and its remainders of 4, 2 and 1), Kᵀ laid out for 16 to 144 keys (one column panel, a whole
-// panel and a partial one, two whole and a partial one), and every number of columns it may be
-// asked to compute, with nothing written outside them. The forward computes only the keys that
-// the rows of a causal diagonal block see (flash_forward.cpp: kDiagonalChunkRows); the attention
-// tests reach the kernel only through the shapes they happen to run.
+// The scores product (cpu/tile_kernels.hpp: scores_tile, scores_tile_columns) on every SIMD
+// target compiled in that this CPU runs, against sums in double: every row count up to 13 (the
+// kernel's blocks of 6 rows and its remainders of 4, 2 and 1), Kᵀ laid out for 16 to 144 keys (one
+// column panel, a whole panel and a partial one, two whole and a partial one), and every range of
+// columns it may be asked to compute, with nothing written outside them. The forward computes only
+// the keys that a few rows of a partly visible block see (flash_forward.cpp: kDiagonalChunkRows);
+// the attention tests reach the kernel only through the shapes they happen to run.
 //
 // Inputs are multiples of 1/16 below 16 in magnitude, so every product is a multiple of 2^-8
 // below 2^8 and a sum of at most 128 of them stays below 2^15: 23 significant bits, exact in
@@ -51,26 +51,36 @@ TEST(ScoresTile, ComputesExactlyTheColumnsAskedForOnEveryTarget) {
             k_packed[cpu::packed_index(d, key, head_dim, keys_padded)] = k[key * head_dim + d];
           }
         }
-        for (std::int64_t rows = 1; rows <= kRows; ++rows) {
-          for (std::int64_t columns = cpu::kTileLanes; columns <= keys_padded;
-               columns += cpu::kTileLanes) {
-            SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", keys_padded " +
-                         std::to_string(keys_padded) + ", rows " + std::to_string(rows) +
-                         ", columns " + std::to_string(columns));
-            std::vector<float> scores(static_cast<std::size_t>((kRows + 1) * ld_scores), kSentinel);
+        auto check_columns = [&](std::int64_t rows, std::int64_t begin, std::int64_t end) {
+          SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", keys_padded " +
+                       std::to_string(keys_padded) + ", rows " + std::to_string(rows) +
+                       ", columns [" + std::to_string(begin) + ", " + std::to_string(end) + ")");
+          std::vector<float> scores(static_cast<std::size_t>((kRows + 1) * ld_scores), kSentinel);
+          if (begin == 0 && end == keys_padded) {
             cpu::scores_tile(scores.data(), ld_scores, {q.data(), ld_q}, k_packed.data(), rows,
-                             keys_padded, head_dim, columns);
-            for (std::int64_t r = 0; r <= kRows; ++r) {
-              for (std::int64_t key = 0; key < ld_scores; ++key) {
-                double expected = kSentinel;
-                if (r < rows && key < columns) {
-                  expected = 0.0;
-                  for (std::int64_t d = 0; d < head_dim; ++d) {
-                    expected += static_cast<double>(q[r * ld_q + d]) * k[key * head_dim + d];
-                  }
+                             keys_padded, head_dim);
+          } else {
+            cpu::scores_tile_columns(scores.data(), ld_scores, {q.data(), ld_q}, k_packed.data(),
+                                     rows, keys_padded, head_dim, begin, end);
+          }
+          for (std::int64_t r = 0; r <= kRows; ++r) {
+            for (std::int64_t key = 0; key < ld_scores; ++key) {
+              double expected = kSentinel;
+              if (r < rows && key >= begin && key < end) {
+                expected = 0.0;
+                for (std::int64_t d = 0; d < head_dim; ++d) {
+                  expected += static_cast<double>(q[r * ld_q + d]) * k[key * head_dim + d];
                 }
-                ASSERT_EQ(scores[r * ld_scores + key], expected) << "row " << r << ", key " << key;
               }
+              ASSERT_EQ(scores[r * ld_scores + key], expected) << "row " << r << ", key " << key;
+            }
+          }
+        };
+        for (std::int64_t rows = 1; rows <= kRows; ++rows) {
+          for (std::int64_t begin = 0; begin < keys_padded; begin += cpu::kTileLanes) {
+            for (std::int64_t end = begin + cpu::kTileLanes; end <= keys_padded;
+                 end += cpu::kTileLanes) {
+              check_columns(rows, begin, end);
             }
           }
         }

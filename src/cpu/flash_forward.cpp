@@ -50,11 +50,14 @@ namespace {
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 // The rows of a partly visible K/V block go in chunks of this many, each computing only the keys
-// up to the last one its last row sees: under a causal mask a diagonal block's rows see ever more
-// of its keys. Two row blocks of the product kernels. Zen 3, 2 threads, paired runs against whole
-// blocks (Br = 128, Bc = 80), causal: S = 512 0.925 of the time (D = 128; 0.93 with chunks of 6,
-// 0.95 of 24), S = 1024 0.96-0.97, S = 4096 0.99; the scores computed fall by up to 10% at S =
-// 512, the rest goes to the chunks' extra calls.
+// from the first one its first row sees to the last one its last row sees: under a causal mask a
+// diagonal block's rows see ever more of its keys, in a sliding window both ends move. Two row
+// blocks of the product kernels. Zen 3, 2 threads, paired runs against whole blocks (Br = 128,
+// Bc = 80), causal: S = 512 0.925 of the time (D = 128; 0.93 with chunks of 6, 0.95 of 24),
+// S = 1024 0.96-0.97, S = 4096 0.99; the scores computed fall by up to 10% at S = 512, the rest
+// goes to the chunks' extra calls. Starting each chunk at its first key too: S = 4096, D = 128,
+// window (256, 0) 0.96, (128, 128) 0.945, (1024, 0) 0.975 of the time of chunks that start at the
+// block's first key.
 constexpr std::int64_t kDiagonalChunkRows = 12;
 
 // Per-thread tiles. Row widths are padded to whole vectors (cpu::pad_to_lanes) with zeros, so
@@ -214,9 +217,11 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
   const cpu::Bf16Products products =
       block.bf16_exact && kv.bf16_exact ? t.products : cpu::Bf16Products::widened;
 
-  // Tile rows [row_lo, row_hi) against the block's keys [0, key_end), which hold every key those
-  // rows see; the scores tile's row i holds the block's row row_lo + i.
-  auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi, std::int64_t key_end) {
+  // Tile rows [row_lo, row_hi) against the block's keys [key_begin, key_end), which hold every
+  // key those rows see (key_begin a multiple of kTileLanes); the scores tile's row i holds the
+  // block's row row_lo + i, its columns the block's keys.
+  auto process_rows = [&](std::int64_t row_lo, std::int64_t row_hi, std::int64_t key_begin,
+                          std::int64_t key_end) {
     const std::int64_t rows = row_hi - row_lo;
     const std::int64_t key_end_padded = cpu::pad_to_lanes(key_end);
     float* scores = t.scores.data();
@@ -226,17 +231,18 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
                              block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims, t.k_bf16.data(),
                              rows, keys_padded, t.bf16_dims);
     } else {
-      cpu::scores_tile(scores, ld_scores, {block.q + row_lo * Dp, Dp}, t.k_packed.data(), rows,
-                       keys_padded, p.head_dim, key_end_padded);
+      cpu::scores_tile_columns(scores, ld_scores, {block.q + row_lo * Dp, Dp}, t.k_packed.data(),
+                               rows, keys_padded, p.head_dim, key_begin, key_end_padded);
     }
     for (std::int64_t i = 0; i < rows; ++i) {
       float* s = scores + i * ld_scores;
       std::fill(s + key_end, s + key_end_padded, kNegativeInfinity);
       if (fully_visible) continue;
-      mask_invisible(s, p.key_range(task.position(row_lo + i)), kv.begin, key_end);
+      mask_invisible(s + key_begin, p.key_range(task.position(row_lo + i)), kv.begin + key_begin,
+                     key_end - key_begin);
     }
-    cpu::online_softmax_tile(scores, ld_scores, p.scale, block.row_max + row_lo,
-                             block.row_sum + row_lo, acc, Dp, rows, key_end_padded, Dp);
+    cpu::online_softmax_tile(scores + key_begin, ld_scores, p.scale, block.row_max + row_lo,
+                             block.row_sum + row_lo, acc, Dp, rows, key_end_padded - key_begin, Dp);
     if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
       // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
       cpu::round_probabilities_bf16(t.p_bf16.data(), t.bf16_keys, scores, ld_scores, rows,
@@ -246,8 +252,8 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
       return;
     }
     if (kv.blocked_pv) {
-      cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, 0, key_end, rows,
-                              Dp);
+      cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, key_begin,
+                              key_end, rows, Dp);
       return;
     }
     // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
@@ -263,26 +269,30 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
   };
 
   if (fully_visible) {
-    process_rows(0, task.count(), keys);
+    process_rows(0, task.count(), 0, keys);
     return;
   }
   // A partly visible block, head by head: only the positions that see some key of the block
   // (below the diagonal of a causal block, inside a window) compute it, in chunks of
-  // kDiagonalChunkRows rows that each stop at the last key their last row sees (fp32 products;
-  // the bf16 products' tiles take whole blocks of keys).
-  const std::int64_t chunk_rows =
-      products == cpu::Bf16Products::widened ? kDiagonalChunkRows : task.positions;
+  // kDiagonalChunkRows rows that each compute only the keys their rows see: from the first key
+  // their first row sees (rounded down to whole vectors) to the last their last row sees (fp32
+  // products; the bf16 products' tiles take whole blocks of keys).
+  const bool whole_keys = products != cpu::Bf16Products::widened;
+  const std::int64_t chunk_rows = whole_keys ? task.positions : kDiagonalChunkRows;
   for (std::int64_t head = 0; head < task.heads; ++head) {
     std::int64_t row_lo = head * task.positions, row_hi = row_lo + task.positions;
     while (row_lo < row_hi && p.key_range(task.position(row_lo)).end <= kv.begin) ++row_lo;
     while (row_hi > row_lo && p.key_range(task.position(row_hi - 1)).begin >= kv.end) --row_hi;
     for (std::int64_t lo = row_lo; lo < row_hi; lo += chunk_rows) {
       const std::int64_t hi = std::min(lo + chunk_rows, row_hi);
-      const std::int64_t key_end =
-          products == cpu::Bf16Products::widened
-              ? std::min(p.key_range(task.position(hi - 1)).end, kv.end) - kv.begin
-              : keys;
-      process_rows(lo, hi, key_end);
+      if (whole_keys) {
+        process_rows(lo, hi, 0, keys);
+        continue;
+      }
+      const std::int64_t first_key = std::max(p.key_range(task.position(lo)).begin, kv.begin);
+      const std::int64_t last_key = std::min(p.key_range(task.position(hi - 1)).end, kv.end);
+      process_rows(lo, hi, (first_key - kv.begin) / cpu::kTileLanes * cpu::kTileLanes,
+                   last_key - kv.begin);
     }
   }
 }

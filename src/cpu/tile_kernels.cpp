@@ -184,12 +184,14 @@ HWY_INLINE void ScoresPanel(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
 
 void ScoresTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, const RowsOperand& q,
                 const float* HWY_RESTRICT k_packed, std::int64_t rows, std::int64_t keys_padded,
-                std::int64_t head_dim, std::int64_t columns) {
+                std::int64_t head_dim, std::int64_t column_begin, std::int64_t column_end) {
   const Tag tag;
-  for (std::int64_t j = 0; j < columns; j += kPanelWidth) {
+  for (std::int64_t j = column_begin / kPanelWidth * kPanelWidth; j < column_end;
+       j += kPanelWidth) {
     const std::int64_t ld_panel = std::min(kPanelWidth, keys_padded - j);
-    ScoresPanel(tag, scores + j, ld_scores, q, k_packed + j * head_dim, ld_panel,
-                std::min(ld_panel, columns - j), rows, head_dim);
+    const std::int64_t first = std::max(column_begin - j, std::int64_t{0});
+    ScoresPanel(tag, scores + j + first, ld_scores, q, k_packed + j * head_dim + first, ld_panel,
+                std::min(ld_panel, column_end - j) - first, rows, head_dim);
   }
 }
 
@@ -803,11 +805,17 @@ HWY_EXPORT(AllFinite);
 HWY_EXPORT(AllFiniteBf16);
 
 void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
-                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim,
-                 std::int64_t columns) {
+                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim) {
   HWY_DYNAMIC_DISPATCH(ScoresTile)
-  (scores, ld_scores, q, k_packed, rows, keys_padded, head_dim,
-   columns < 0 ? keys_padded : columns);
+  (scores, ld_scores, q, k_packed, rows, keys_padded, head_dim, 0, keys_padded);
+}
+
+void scores_tile_columns(float* scores, std::int64_t ld_scores, const RowsOperand& q,
+                         const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
+                         std::int64_t head_dim, std::int64_t column_begin,
+                         std::int64_t column_end) {
+  HWY_DYNAMIC_DISPATCH(ScoresTile)
+  (scores, ld_scores, q, k_packed, rows, keys_padded, head_dim, column_begin, column_end);
 }
 
 void online_softmax_tile(float* scores, std::int64_t ld_scores, float scale, float* row_max,

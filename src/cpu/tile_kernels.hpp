@@ -57,13 +57,16 @@ struct RowsOperand {
 void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, std::int64_t count,
                     std::int64_t n);
 
-// scores[:, :columns] = q · Kᵀ[:, :columns], unscaled: the softmax steps below take the scale
-//                                                                     [rows x columns]
-// k_packed is laid out for keys_padded keys; columns (a multiple of kTileLanes, at most
-// keys_padded; all of them when negative) is how many of them to compute, the others untouched.
+// scores[:, :keys_padded] = q · Kᵀ, unscaled: the softmax steps below take the scale
+//                                                                     [rows x keys_padded]
 void scores_tile(float* scores, std::int64_t ld_scores, const RowsOperand& q, const float* k_packed,
-                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim,
-                 std::int64_t columns = -1);
+                 std::int64_t rows, std::int64_t keys_padded, std::int64_t head_dim);
+// The same for the columns [column_begin, column_end) of the Kᵀ packed for keys_padded keys
+// (multiples of kTileLanes), the other columns of scores untouched: the keys that a few rows of a
+// partly visible block see (flash_forward.cpp).
+void scores_tile_columns(float* scores, std::int64_t ld_scores, const RowsOperand& q,
+                         const float* k_packed, std::int64_t rows, std::int64_t keys_padded,
+                         std::int64_t head_dim, std::int64_t column_begin, std::int64_t column_end);
 
 // Online softmax over one tile of unscaled scores s (Milakov & Gimelshein 2018;
 // FlashAttention-2, Alg. 1): per row m_new = max(m, rowmax(s)); p = exp(scale·(s - m_new));
