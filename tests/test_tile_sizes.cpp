@@ -23,7 +23,7 @@ TEST(TileSizes, MeasuredChoiceOnSmallerL2Cores) {
   const TileSizes zen3 = choose_tile_sizes(128, {32 * 1024, 512 * 1024});
   EXPECT_EQ(zen3.rows, 128);
   EXPECT_EQ(zen3.keys, 80);
-  EXPECT_EQ(zen3.blocks_per_task, 4);
+  EXPECT_EQ(zen3.blocks_per_task, 8);
   const TileSizes zen5 = choose_tile_sizes(128, {48 * 1024, 1024 * 1024});
   EXPECT_EQ(zen5.rows, 256);
   EXPECT_EQ(zen5.keys, 128);
@@ -47,8 +47,12 @@ TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
         const std::int64_t floats = tiles.rows * (2 * dims + tiles.keys) + 2 * tiles.keys * dims;
         EXPECT_LE(floats * 4, caches.l2_bytes / 2);
       }
-      // Four Q blocks share each packed K/V block, whatever L2 holds of their tiles.
-      EXPECT_EQ(tiles.blocks_per_task, 4);
+      // 4 to 8 Q blocks share each packed K/V block, whatever L2 holds of their tiles: 8 where
+      // 4 hold fewer than 1024 rows, else enough for 1024 rows.
+      EXPECT_GE(tiles.blocks_per_task, 4);
+      EXPECT_LE(tiles.blocks_per_task, 8);
+      EXPECT_TRUE(tiles.blocks_per_task == 8 || tiles.blocks_per_task * tiles.rows >= 1024);
+      EXPECT_TRUE(tiles.blocks_per_task == 4 || (tiles.blocks_per_task - 1) * tiles.rows < 1024);
     }
   }
 }

@@ -1,8 +1,8 @@
 // FlashAttention forward on the CPU (seed 000, second half; seed 002).
 //
 // A Q block holds Br rows: Br / g positions of each of the g query heads that share a KV head
-// (GQA), so each K/V block is packed once for the whole group. A task is up to 4 consecutive
-// Q blocks of one (batch, KV head) (tile_sizes.cpp says why 4), and one OpenMP loop
+// (GQA), so each K/V block is packed once for the whole group. A task is up to n consecutive Q
+// blocks of one (batch, KV head), n = 4 to 8 (tile_sizes.cpp says how many), and one OpenMP loop
 // hands the tasks out. A task walks the K/V blocks of Bc keys that its rows can see, packs each
 // once, and every Q block that sees some of it computes
 //   S = Q_blk · K_blkᵀ                             [Br x Bc]   scores_tile
@@ -17,7 +17,7 @@
 // Memory: per thread, for each Q block of a task Q and acc (2·Br·D floats) and m, l (2·Br);
 // once Kᵀ (D·Bc), V (Bc·D), S (Br·Bc): 1.3 MiB at D = 128 with Br = 256, Bc = 128 and 4 blocks
 // (tile_sizes.cpp says why those sizes), whatever the sequence lengths. Every byte of K and V
-// is read and packed once per task, so K/V traffic is Skv·D·4·2 · ceil(Sq / (4·Br)) bytes per
+// is read and packed once per task, so K/V traffic is Skv·D·4·2 · ceil(Sq / (n·Br)) bytes per
 // head instead of the standard path's 3 passes over a 4·Sq·Skv-byte score matrix.
 
 #include <omp.h>
