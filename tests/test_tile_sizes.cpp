@@ -47,8 +47,8 @@ TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
         const std::int64_t floats = tiles.rows * (2 * dims + tiles.keys) + 2 * tiles.keys * dims;
         EXPECT_LE(floats * 4, caches.l2_bytes / 2);
       }
-      // 4 to 8 Q blocks share each packed K/V block, whatever L2 holds of their tiles: 8 where
-      // 4 hold fewer than 1024 rows, else enough for 1024 rows.
+      // The fewest Q blocks from 4 to 8 that hold 1024 rows (8 where even 8 hold fewer) share
+      // each packed K/V block, whatever L2 holds of their tiles.
       EXPECT_GE(tiles.blocks_per_task, 4);
       EXPECT_LE(tiles.blocks_per_task, 8);
       EXPECT_TRUE(tiles.blocks_per_task == 8 || tiles.blocks_per_task * tiles.rows >= 1024);
