@@ -110,7 +110,6 @@ class BenchCliTest : public ::testing::Test {
     return names;
   }
 
-  // The rows of the one CSV in results(), as column name -> value; checks the header.
   // The name of the last CSV in results/ (a run writes one), empty if there is none.
   std::string csv_name() const {
     std::string name;
@@ -120,6 +119,7 @@ class BenchCliTest : public ::testing::Test {
     return name;
   }
 
+  // The rows of the one CSV in results(), as column name -> value; checks the header.
   std::vector<std::map<std::string, std::string>> read_rows() const {
     std::vector<fs::path> csvs;
     for (const auto& entry : fs::directory_iterator(results())) {
