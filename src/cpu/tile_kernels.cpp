@@ -134,6 +134,11 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
     const float* HWY_RESTRICT rows =
         (q.packed_rows > 0 ? q.data + d0 * q.packed_rows - d0 : q.data) + row * ld;
     const std::int64_t d_end = std::min(d0 + segment, head_dim);
+    // Unrolled: rolled, the 6 x 2 block's loop (12 FMAs, 8 loads) also paid its counter,
+    // compare, branch and address updates every 12 FMAs, and one Zen 3 core ran the scores of a
+    // 128 x 80 tile at 0.69-0.79 of its FMA peak; unrolled by 8, 0.81-0.85 (unrolled by 4 the
+    // same, within noise).
+    HWY_UNROLL(8)
     for (std::int64_t d = d0; d < d_end; ++d) {
       Vec keys[C];
       for (int c = 0; c < C; ++c) keys[c] = hn::LoadU(tag, k_packed + d * ld_k + c * N);
@@ -326,7 +331,7 @@ struct Bf16Pairs {
 
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]; v of fp32 (the tiles) or of an input dtype (the
 // decode path's rows), read by Reader (C a multiple of its kVectors).
-template <int R, int C, class Reader = Widened<float>>
+template <int R, int C, class Reader = Widened<float>, bool kUnrollKeys = true>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                         const float* HWY_RESTRICT p, WeightStrides ps,
                         const typename Reader::Element* HWY_RESTRICT v, std::int64_t ld_v,
@@ -346,10 +351,12 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
       for (int c = 0; c < C; ++c) sums[r][c] = hn::MulAdd(weight, values[c], sums[r][c]);
     }
   };
-  // Unrolled, the pairs' key loop keeps up with a hand-written 8-key loop in the decode path
-  // (Zen 3, 4 rows, 16384 keys, paired runs: that loop took 0.90-0.96 of the rolled one's
-  // time, 0.99-1.02 of the unrolled one's).
-  if constexpr (std::is_same_v<Reader, Bf16Pairs>) {
+  // Unrolled as the scores' loop (ScoresBlock): one Zen 3 core, the P·V of a 128 x 80 tile
+  // 0.71-0.83 -> 0.79-0.85 of the FMA peak. The decode path's calls take 8 keys each: its bf16
+  // pairs' loop unrolled keeps up with a hand-written 8-key loop (Zen 3, 4 rows, 16384 keys,
+  // paired runs: that loop took 0.90-0.96 of the rolled one's time, 0.99-1.02 of the unrolled
+  // one's), while its fp32 and f16 rows ran 1.03-1.07 of the time unrolled and stay rolled.
+  if constexpr (kUnrollKeys) {
     HWY_UNROLL(8)
     for (std::int64_t j = 0; j < keys; ++j) key(j);
   } else {
@@ -361,19 +368,19 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
 
 // All rows against one packed panel of value dims (keys rows of `width` floats, contiguous:
 // 32 KiB for 128 keys), kept in L1 while every row block passes over it; as for the scores.
-template <int C, class Reader = Widened<float>>
+template <int C, class Reader = Widened<float>, bool kUnrollKeys = true>
 HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                           const float* HWY_RESTRICT p, WeightStrides ps,
                           const typename Reader::Element* HWY_RESTRICT panel, std::int64_t width,
                           std::int64_t rows, std::int64_t keys) {
   std::int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
-    PvBlock<kBlockRows, C, Reader>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps, panel, width,
-                                   keys);
+    PvBlock<kBlockRows, C, Reader, kUnrollKeys>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps,
+                                                panel, width, keys);
   }
   RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
-    PvBlock<decltype(block_rows)::value, C, Reader>(tag, acc + row * ld_acc, ld_acc,
-                                                    p + row * ps.row, ps, panel, width, keys);
+    PvBlock<decltype(block_rows)::value, C, Reader, kUnrollKeys>(
+        tag, acc + row * ld_acc, ld_acc, p + row * ps.row, ps, panel, width, keys);
   });
 }
 
@@ -588,6 +595,10 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
   }
 }
 
+// Whether the decode path's P·V blocks unroll their key loop (PvBlock says why only for pairs).
+template <class Reader>
+constexpr bool kDecodeUnroll = std::is_same_v<Reader, Bf16Pairs>;
+
 // Decode: acc += weights · x for unpacked x rows ld_x apart, the P·V blocks of PvTile on them.
 // One or two rows take wider blocks: a block's accumulators are its FMA chains, and the FMA
 // latency needs 8 of them in flight (4 cycles x 2 pipes on Zen 3 and on Sapphire Rapids),
@@ -604,10 +615,12 @@ HWY_INLINE void AxpyFewRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_ac
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t d = 0;
   for (; d + C * N <= n; d += C * N) {
-    PvBlock<R, C, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, x_count);
+    PvBlock<R, C, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
+                                                 x_count);
   }
   for (; d < n; d += V * N) {
-    PvBlock<R, V, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, x_count);
+    PvBlock<R, V, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
+                                                 x_count);
   }
 }
 
@@ -628,11 +641,12 @@ void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_R
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t d = 0;
   for (; d + kBlockVectors * N <= n; d += kBlockVectors * N) {
-    PvColumns<kBlockVectors, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count,
-                                     x_count);
+    PvColumns<kBlockVectors, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps,
+                                                            x + d, ld_x, count, x_count);
   }
   for (; d < n; d += V * N) {
-    PvColumns<V, Reader>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count);
+    PvColumns<V, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
+                                                count, x_count);
   }
 }
 
