@@ -134,10 +134,12 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
     const float* HWY_RESTRICT rows =
         (q.packed_rows > 0 ? q.data + d0 * q.packed_rows - d0 : q.data) + row * ld;
     const std::int64_t d_end = std::min(d0 + segment, head_dim);
-    // Unrolled: rolled, the 6 x 2 block's loop (12 FMAs, 8 loads) also paid its counter,
-    // compare, branch and address updates every 12 FMAs, and one Zen 3 core ran the scores of a
-    // 128 x 80 tile at 0.69-0.79 of its FMA peak; unrolled by 8, 0.81-0.85 (unrolled by 4 the
-    // same, within noise).
+    // Unrolled by 8, so that the loop's counter, compare and branch come once per 8 dims
+    // instead of once per 12 FMAs (the 6 x 2 block on AVX2), as P·V's loop (PvBlock). Zen 3,
+    // 2 threads, library builds paired in one process in both orders: the f32 forward 0.95-0.96
+    // of the time (seed shape, causal and non-causal), bf16 and f16 0.93-0.94, the backward
+    // 0.93-0.98. By 4 ran as fast as by 8. (The two kernels alone on a 128 x 80 tile in L2,
+    // paired the same way, ran as fast rolled as unrolled.)
     HWY_UNROLL(8)
     for (std::int64_t d = d0; d < d_end; ++d) {
       Vec keys[C];
@@ -351,11 +353,11 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
       for (int c = 0; c < C; ++c) sums[r][c] = hn::MulAdd(weight, values[c], sums[r][c]);
     }
   };
-  // Unrolled as the scores' loop (ScoresBlock): one Zen 3 core, the P·V of a 128 x 80 tile
-  // 0.71-0.83 -> 0.79-0.85 of the FMA peak. The decode path's calls take 8 keys each: its bf16
-  // pairs' loop unrolled keeps up with a hand-written 8-key loop (Zen 3, 4 rows, 16384 keys,
-  // paired runs: that loop took 0.90-0.96 of the rolled one's time, 0.99-1.02 of the unrolled
-  // one's), while its fp32 and f16 rows ran 1.03-1.07 of the time unrolled and stay rolled.
+  // Unrolled as the scores' loop (ScoresBlock says what it gained). The decode path's calls take
+  // 8 keys: its bf16 pairs' loop unrolled keeps up with a hand-written 8-key loop (Zen 3, 4 rows,
+  // 16384 keys, paired runs: that loop took 0.90-0.96 of the rolled one's time, 0.99-1.02 of the
+  // unrolled one's), while its fp32 rows ran 1.03-1.07 of the time unrolled and stay rolled, as
+  // do the f16 ones.
   if constexpr (kUnrollKeys) {
     HWY_UNROLL(8)
     for (std::int64_t j = 0; j < keys; ++j) key(j);
