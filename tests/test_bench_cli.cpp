@@ -31,7 +31,8 @@ const char* const kHeader =
     "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
-    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read";
+    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read,peak_paired_gflops,"
+    "ratio_peak_paired";
 
 const char* const kBackwardColumns[] = {"backward_flops",
                                         "backward_seconds",
@@ -201,8 +202,10 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     EXPECT_LE(std::stod(row.at("out_err")), std::stod(row.at("out_tol"))) << where;
     EXPECT_LE(std::stod(row.at("lse_err")), std::stod(row.at("lse_tol"))) << where;
     // Present and positive; their size is the machine's business.
+    // ratio_peak_paired: each timed call came right after a run of the peak loop.
     for (const char* column : {"seconds", "gflops", "cpu_share", "ratio_peak", "ratio_sgemm",
-                               "peak_gflops", "fma_peak_gflops", "sgemm_gflops", "copy_gbps"}) {
+                               "peak_gflops", "fma_peak_gflops", "sgemm_gflops", "copy_gbps",
+                               "peak_paired_gflops", "ratio_peak_paired"}) {
       EXPECT_GT(std::stod(row.at(column)), 0.0) << where << ": " << column;
     }
     if (row.at("impl") == "flash") {
@@ -255,11 +258,15 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     // ratio over the pairs.
     EXPECT_GT(std::stod(row.at("read_gbps")), 0.0) << where;
     EXPECT_GT(std::stod(row.at("ratio_read")), 0.0) << where;
-    // No sgemm ceiling at the decode head_dim in this sweep: the copy ceiling is the decode's.
+    // No sgemm ceiling at the decode head_dim in this sweep: the copy ceiling is the decode's,
+    // and the read, not the peak loop, is what each call is paired with.
     EXPECT_EQ(row.at("sgemm_gflops"), "") << where;
+    EXPECT_EQ(row.at("peak_paired_gflops"), "") << where;
+    EXPECT_EQ(row.at("ratio_peak_paired"), "") << where;
   }
   EXPECT_EQ(decode_cases.size(), 4u);
   EXPECT_NE(completed.out.find("decode   one query position"), std::string::npos) << completed.out;
+  EXPECT_NE(completed.out.find("f/pk run"), std::string::npos) << completed.out;
   for (const std::string dtype : {"f32", "bf16"}) {
     EXPECT_EQ(cases.count(dtype + " 256 false flash"), 1u) << dtype;
     EXPECT_EQ(cases.count(dtype + " 128 true standard"), 1u) << dtype;
@@ -355,8 +362,9 @@ TEST_F(BenchCliTest, BackwardVerifiesAndTimesEveryPath) {
         << where;
     EXPECT_DOUBLE_EQ(std::stod(row.at("backward_flops")), 2.5 * std::stod(row.at("flops")))
         << where;
-    for (const char* column :
-         {"backward_seconds", "backward_gflops", "backward_cpu_share", "backward_over_forward"}) {
+    // The forward runs between the peak loop's and the backward's: still paired with the loop.
+    for (const char* column : {"backward_seconds", "backward_gflops", "backward_cpu_share",
+                               "backward_over_forward", "ratio_peak_paired"}) {
       const double value = std::stod(row.at(column));
       EXPECT_TRUE(std::isfinite(value)) << where << ": " << column;
       EXPECT_GT(value, 0.0) << where << ": " << column;
@@ -492,7 +500,7 @@ TEST_F(BenchCliTest, HelpStatesTheSweepRule) {
        {"bench [OPTIONS]", "--seqlens", "--head-dims", "--dtypes", "--impls", "--out-dir",
         "--quick", "H = max(1, round(W / FLOPs of one head))", "--backward", "2.5x attention_flops",
         "--backward-reference-work", "--decode-seqlens", "--no-decode", "--no-sweep",
-        "GB/s of K and V read"}) {
+        "GB/s of K and V read", "ratio_peak_paired"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

@@ -129,6 +129,24 @@ struct Case {
   }
 };
 
+// A forward path's timed calls, each right after a run of the peak loop of its dtype (PeakRun,
+// `peak_flops` a run): the median seconds of those runs and the median over the pairs of call
+// time / run time.
+struct PeakPairs {
+  double peak_flops = 0.0, peak_seconds = 0.0, over_peak = 0.0;
+
+  // The peak loop's GFLOP/s in those runs.
+  std::optional<double> peak_gflops() const {
+    if (peak_seconds <= 0.0) return std::nullopt;
+    return peak_flops / peak_seconds * 1e-9;
+  }
+  // The median over the pairs of the call's GFLOP/s over the run's, for calls of `flops`.
+  std::optional<double> ratio(double flops) const {
+    if (peak_flops <= 0.0 || over_peak <= 0.0) return std::nullopt;
+    return flops / peak_flops / over_peak;
+  }
+};
+
 // One path's backward: verified then timed, failed (not timed), or skipped (not run, `reason`
 // says why).
 struct BackwardResult {
@@ -137,9 +155,11 @@ struct BackwardResult {
   std::string oracle, reason;
   BackwardChecks checks;
   std::optional<double> seconds, cpu_share;
-  // Timed alternately with the path's forward (paired_median_seconds): that forward's median
+  // Timed alternately with the path's forward (round_robin_seconds): that forward's median
   // seconds and the median of backward / forward over the pairs.
   std::optional<double> forward_seconds, over_forward;
+  // The forward's runs against the peak loop's run before each (PathResult::peak).
+  std::optional<PeakPairs> peak;
 };
 
 const char* status_name(BackwardResult::Status status) {
@@ -168,6 +188,8 @@ struct PathResult {
   // (bench::MemoryRead): that read's median seconds and the median over the pairs of read time /
   // call time, the call's bandwidth as a fraction of that ceiling in the same stretch of load.
   std::optional<double> read_seconds, over_read;
+  // The other cases: each timed call right after a run of the dtype's peak loop (PeakRun).
+  std::optional<PeakPairs> peak;
 };
 
 struct CaseResult {
@@ -299,6 +321,49 @@ double peak_for(const Ceilings& ceilings, DType dtype) {
   }
   return peak;
 }
+
+// A run of the loop that measured a dtype's peak (peak_for), sized to about kPeakRunSeconds at
+// that peak. Each timed forward call follows one, so that the call's GFLOP/s can also be read
+// against the peak in the same stretch of a shared machine's load (ratio_peak_paired), besides
+// against the best rate measured before the cases (ratio_peak).
+constexpr double kPeakRunSeconds = 0.02;
+
+class PeakRun {
+ public:
+  PeakRun(bench::Workload& workload, double gflops)
+      : workload_(&workload),
+        count_(std::max<std::int64_t>(
+            1, std::llround(kPeakRunSeconds * gflops * 1e9 / workload.work_per_unit()))) {}
+  void operator()() const { workload_->run(count_); }
+  double flops() const { return workload_->work_per_unit() * static_cast<double>(count_); }
+
+ private:
+  bench::Workload* workload_;
+  std::int64_t count_;
+};
+
+// The peak loops of measure_ceilings, kept for the PeakRuns of the cases.
+class PeakLoops {
+ public:
+  PeakLoops(int threads, const Ceilings& ceilings) : ceilings_(ceilings), fma_(threads) {
+    if (ceilings.bf16_dot_gflops) bf16_dot_.emplace(threads);
+    if (ceilings.amx_gflops) amx_.emplace(threads);
+  }
+  PeakRun run_for(DType dtype) {
+    const double peak = peak_for(ceilings_, dtype);
+    if (dtype == DType::bf16 && amx_ && ceilings_.amx_gflops == peak) return {*amx_, peak};
+    if (dtype == DType::bf16 && bf16_dot_ && ceilings_.bf16_dot_gflops == peak) {
+      return {*bf16_dot_, peak};
+    }
+    return {fma_, peak};
+  }
+
+ private:
+  const Ceilings& ceilings_;
+  bench::FmaPeak fma_;
+  std::optional<bench::Bf16DotPeak> bf16_dot_;
+  std::optional<bench::AmxPeak> amx_;
+};
 
 Ceilings measure_ceilings(int threads, const std::set<std::int64_t>& head_dims,
                           const CeilingBudget& budget) {
@@ -450,11 +515,11 @@ class BackwardRun {
         oracle_(problem_, rows, reference_budget_flops) {}
 
   // Checks `impl`'s backward and, when it passes and `timed`, times it (median of `repeat`), in
-  // alternation with `forward`, the path's forward, when given. The standard path runs even
-  // when not timed, on the slice only: its error is the baseline of the flash tolerance, and its
-  // dK, dV the oracle where the reference would cost too much.
+  // alternation with `forward`, the path's forward, when given, and `peak` before that. The
+  // standard path runs even when not timed, on the slice only: its error is the baseline of the
+  // flash tolerance, and its dK, dV the oracle where the reference would cost too much.
   BackwardResult run(AttentionImpl impl, bool timed, int repeat, int threads,
-                     const std::function<void()>* forward) {
+                     const std::function<void()>* forward, const PeakRun& peak) {
     BackwardResult result;
     if (impl == AttentionImpl::standard) {
       if (std::optional<std::string> refusal = standard_refusal()) {
@@ -492,12 +557,14 @@ class BackwardRun {
     }
     // The forward rewrites out and lse with the same values (it is deterministic), so each
     // backward still reads its own forward's outputs.
-    PairedSeconds times;
-    result.cpu_share =
-        cpu_share_of(threads, [&] { times = paired_median_seconds(repeat, *forward, call); });
-    result.forward_seconds = times.first;
-    result.seconds = times.second;
-    result.over_forward = times.second_over_first;
+    RoundSeconds rounds;
+    result.cpu_share = cpu_share_of(threads, [&] {
+      rounds = round_robin_seconds(repeat, {[&] { peak(); }, *forward, call});
+    });
+    result.peak = PeakPairs{peak.flops(), rounds.median[0], rounds.over_previous[1]};
+    result.forward_seconds = rounds.median[1];
+    result.seconds = rounds.median[2];
+    result.over_forward = rounds.over_previous[2];
     return result;
   }
 
@@ -527,7 +594,8 @@ class BackwardRun {
 // backward runs right after its forward, while `out` and `lse` still hold that forward's outputs,
 // and a verified backward is timed in alternation with the forward, whose time comes from those
 // runs (backward / forward then compares calls made back to back on a machine whose load drifts).
-CaseResult run_case(const Case& shape, const BenchOptions& options, int threads) {
+CaseResult run_case(const Case& shape, const BenchOptions& options, int threads,
+                    const PeakRun& peak) {
   std::mt19937_64 rng(options.seed);
   const std::array<std::int64_t, 4> dims = {shape.batch, shape.seqlen_q(), shape.heads,
                                             shape.head_dim};
@@ -585,10 +653,11 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
     if (backward) {
       if (path.verified) {
         const std::function<void()> forward = call;
-        path.backward = backward->run(impl, timed, repeat, threads, &forward);
+        path.backward = backward->run(impl, timed, repeat, threads, &forward, peak);
         if (path.backward->forward_seconds) {
           path.seconds = path.backward->forward_seconds;
           path.cpu_share = path.backward->cpu_share;
+          path.peak = path.backward->peak;
         }
       } else {
         path.backward.emplace();
@@ -607,9 +676,13 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads)
       if (times.second_over_first > 0.0) path.over_read = 1.0 / times.second_over_first;
     }
     if (timed && path.verified && !path.seconds) {
-      const Timing timing = time_calls(repeat, threads, call);
-      path.seconds = timing.seconds;
-      path.cpu_share = timing.cpu_share;
+      PairedSeconds times;
+      path.cpu_share = cpu_share_of(threads, [&] {
+        times = paired_median_seconds(
+            repeat, [&] { peak(); }, call);
+      });
+      path.peak = PeakPairs{peak.flops(), times.first, times.second_over_first};
+      path.seconds = times.second;
     }
     if (timed) result.paths.push_back(path);
   }
@@ -639,7 +712,10 @@ std::string csv_field(const std::string& text) {
 // backward_flops = 2.5 x flops, backward_over_forward = the median over alternating runs of
 // backward time / the same path's forward run just before it, backward_ratio_standard = flash
 // backward GFLOP/s / standard backward GFLOP/s; then the KV heads and, for the decode cases, the
-// K and V bytes, the GB/s they were read at and that over the memory copy ceiling.
+// K and V bytes, the GB/s they were read at and that over the memory copy ceiling, the read
+// ceiling of the same stretch and that ratio; last, for the other cases, the GFLOP/s of the peak
+// loop's runs made right before the path's timed forward calls (PeakRun) and the median over
+// those pairs of the path's GFLOP/s over the run's.
 constexpr const char* kCsvHeader =
     "date,host,cpu_model,simd_target,bf16_products,fma_target,openblas_core,openblas_coretype_env,"
     "threads,"
@@ -648,7 +724,8 @@ constexpr const char* kCsvHeader =
     "peak_gflops,fma_peak_gflops,bf16_dot_peak_gflops,amx_peak_gflops,sgemm_gflops,copy_gbps,"
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
-    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read\n";
+    "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read,peak_paired_gflops,"
+    "ratio_peak_paired\n";
 
 std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                      const std::vector<CaseResult>& results, int repeat) {
@@ -752,6 +829,8 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
       fields.push_back(kv_gbps ? format("%.4g", *kv_gbps / ceilings.copy_gbps) : "");
       fields.push_back(optional_number("%.5g", result.read_gbps(path.impl)));
       fields.push_back(optional_number("%.4g", path.over_read));
+      fields.push_back(path.peak ? optional_number("%.5g", path.peak->peak_gflops()) : "");
+      fields.push_back(path.peak ? optional_number("%.4g", path.peak->ratio(result.flops)) : "");
       append_row(fields);
     }
   }
@@ -1017,6 +1096,11 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
       "(unmasked pairs) / time\n",
       options.repeat);
   std::printf(
+      "ratios   f/peak: flash GFLOP/s over the peak above; f/pk run: the median over the timed "
+      "runs of flash GFLOP/s over a %.0f ms run of the peak's loop made just before each (the "
+      "same stretch of the host's load)\n",
+      kPeakRunSeconds * 1e3);
+  std::printf(
       "cpu      CPU time / (wall time x threads) of the timed runs, flash/standard: under 1 when "
       "another process took the cores (the row is noise) or the path left threads idle\n");
   if (options.backward) {
@@ -1033,8 +1117,8 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
         options.backward_reference_gflop);
   }
   if (!sweep_table) return;
-  std::printf("\n%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %9s ", "dtype", "mask", "B", "H",
-              "S", "D", "flash", "standard", "f/peak", "f/sgemm", "f/std", "cpu");
+  std::printf("\n%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %8s %9s ", "dtype", "mask", "B",
+              "H", "S", "D", "flash", "standard", "f/peak", "f/pk run", "f/sgemm", "f/std", "cpu");
   if (options.backward) {
     std::printf("%10s %10s %6s %6s %8s ", "bwd flash", "bwd std", "f b/f", "s b/f", "bwd f/s");
   }
@@ -1107,12 +1191,16 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
     }
     verified += "; backward " + statuses + (oracle.empty() ? "" : " against " + oracle);
   }
-  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %9s %s%s\n%s",
+  const PathResult* flash_path = result.find(AttentionImpl::flash);
+  const std::optional<double> paired_peak =
+      flash_path && flash_path->peak ? flash_path->peak->ratio(result.flops) : std::nullopt;
+  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %8s %9s %s%s\n%s",
               dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
               static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
               cell(flash, "%.1f").c_str(), cell(standard, "%.1f").c_str(),
               cell(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
+              cell(paired_peak, "%.3f").c_str(),
               cell(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
               cell(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), backward_columns.c_str(),
               verified.c_str(), skipped.c_str());
@@ -1220,6 +1308,7 @@ int run_bench(BenchOptions options, const CLI::App& command) {
     if (!shape.decode) head_dims.insert(shape.head_dim);
   }
   const Ceilings ceilings = measure_ceilings(threads, head_dims, budget);
+  PeakLoops peak_loops(threads, ceilings);
   print_header(machine, ceilings, options, !head_dims.empty());
 
   std::vector<CaseResult> results;
@@ -1227,7 +1316,7 @@ int run_bench(BenchOptions options, const CLI::App& command) {
   for (std::size_t i = 0; i < cases.size(); ++i) {
     std::fprintf(stderr, "flashattn bench: [%zu/%zu] %s\n", i + 1, cases.size(),
                  case_label(cases[i]).c_str());
-    results.push_back(run_case(cases[i], options, threads));
+    results.push_back(run_case(cases[i], options, threads, peak_loops.run_for(cases[i].dtype)));
     for (const PathResult& path : results.back().paths) {
       all_verified &= path.verified;
       if (path.backward) all_verified &= path.backward->status != BackwardResult::Status::failed;
@@ -1299,7 +1388,10 @@ Action add_bench_command(CLI::App& app) {
       "path's error + 1 ulp; standard: within a worst-case fp32 bound), then timed (median).\n"
       "FLOPs: attention_flops, 4·D per unmasked (query, key) pair. Ratios: flash GFLOP/s over the\n"
       "dtype's peak (the f32 FMA peak; bf16: the largest of it, the bf16 dot and AMX peaks), over\n"
-      "sgemm at the same head_dim, and over the standard path.\n"
+      "sgemm at the same head_dim, and over the standard path. Each timed forward call follows a\n"
+      "20 ms run of the loop that measured that peak, on the same threads: f/pk run (CSV\n"
+      "ratio_peak_paired) is the median over those pairs of the call's GFLOP/s over the run's,\n"
+      "the ratio in the same stretch of a shared machine's load.\n"
       "--backward: after each path's forward, its backward on the same inputs, a fixed random dO\n"
       "and the out and lse of that path's own forward; verified, then timed (median) in runs that\n"
       "alternate with the forward's (both medians then sample the same stretch of a shared\n"

@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 
+#include "timing.hpp"
+
 namespace flashattn::cli {
 
 // Exit codes of the tool.
@@ -20,19 +22,6 @@ using Action = std::function<int()>;
 Action add_demo_command(CLI::App& app);
 Action add_run_command(CLI::App& app);
 Action add_bench_command(CLI::App& app);
-
-// Median wall-clock seconds of `repeat` back-to-back calls (the caller does any warm-up).
-double median_seconds(int repeat, const std::function<void()>& call);
-
-// `repeat` rounds of first() then second(), each call timed: the median seconds of each, and the
-// median over the rounds of second's time / first's. On a shared machine whose load drifts, two
-// medians taken one after the other can fall in different stretches of it; taken alternately
-// they sample the same one, and each ratio compares calls made back to back.
-struct PairedSeconds {
-  double first = 0.0, second = 0.0, second_over_first = 0.0;
-};
-PairedSeconds paired_median_seconds(int repeat, const std::function<void()>& first,
-                                    const std::function<void()>& second);
 
 // The worker threads a call with `requested` threads uses (0 = all that OpenMP offers).
 int resolved_threads(int requested);
