@@ -32,7 +32,7 @@ const char* const kHeader =
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
     "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read,peak_paired_gflops,"
-    "ratio_peak_paired";
+    "ratio_peak_paired,one_thread_seconds,speedup_over_one_thread";
 
 const char* const kBackwardColumns[] = {"backward_flops",
                                         "backward_seconds",
@@ -220,6 +220,9 @@ TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {
     for (const char* column : {"kv_bytes", "kv_gbps", "ratio_copy", "read_gbps", "ratio_read"}) {
       EXPECT_EQ(row.at(column), "") << where << column;
     }
+    // One-thread runs are the seed shape's (or --scaling's), and the quick sweep has neither.
+    EXPECT_EQ(row.at("one_thread_seconds"), "") << where;
+    EXPECT_EQ(row.at("speedup_over_one_thread"), "") << where;
   }
   EXPECT_EQ(cases.size(), 16u);
 
@@ -317,6 +320,33 @@ TEST_F(BenchCliTest, OptionsSelectTheCasesAndPaths) {
   EXPECT_EQ(rows[0].at("seqlen_q"), "64");
   EXPECT_EQ(rows[1].at("seqlen_q"), "96");
   EXPECT_EQ(files().size(), 2u);  // results/ and the CSV
+}
+
+// --scaling times flash on one thread too, in alternation with the runs on all threads; with one
+// thread there is nothing to compare, and the standard path is never timed so.
+TEST_F(BenchCliTest, ScalingTimesFlashOnOneThreadToo) {
+  for (const char* threads : {"2", "1"}) {
+    const Completed completed =
+        run({"bench", "--quick", "--scaling", "--threads", threads, "--seqlens", "64",
+             "--head-dims", "16", "--dtypes", "f32", "--non-causal", "--no-plot", "--no-decode",
+             "--out-dir", results().string()});
+    ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+    EXPECT_NE(completed.out.find("f x thr"), std::string::npos) << completed.out;
+    const auto rows = read_rows();
+    ASSERT_EQ(rows.size(), 2u);
+    for (const auto& row : rows) {
+      const std::string where = std::string(threads) + " threads, " + row.at("impl");
+      EXPECT_EQ(row.at("threads"), threads) << where;
+      if (row.at("impl") == "flash" && std::string(threads) == "2") {
+        EXPECT_GT(std::stod(row.at("one_thread_seconds")), 0.0) << where;
+        EXPECT_GT(std::stod(row.at("speedup_over_one_thread")), 0.0) << where;
+      } else {
+        EXPECT_EQ(row.at("one_thread_seconds"), "") << where;
+        EXPECT_EQ(row.at("speedup_over_one_thread"), "") << where;
+      }
+    }
+    fs::remove_all(results());
+  }
 }
 
 // Every gradient checked on the verified rows; the column names of `checked` hold numbers with
@@ -500,7 +530,7 @@ TEST_F(BenchCliTest, HelpStatesTheSweepRule) {
        {"bench [OPTIONS]", "--seqlens", "--head-dims", "--dtypes", "--impls", "--out-dir",
         "--quick", "H = max(1, round(W / FLOPs of one head))", "--backward", "2.5x attention_flops",
         "--backward-reference-work", "--decode-seqlens", "--no-decode", "--no-sweep",
-        "GB/s of K and V read", "ratio_peak_paired"}) {
+        "GB/s of K and V read", "ratio_peak_paired", "--scaling", "speedup_over_one_thread"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

@@ -85,6 +85,7 @@ struct BenchOptions {
   double backward_reference_gflop = kReferenceBackwardBudgetFlops * 1e-9;
   std::vector<std::int64_t> decode_seqlens = {4096, 16384, 65536};
   bool no_decode = false;
+  bool scaling = false;  // flash on one thread too for every forward case, not only the seed shape
 };
 
 // The decode cases: one new query position per sequence against a KV cache, GQA as in current
@@ -190,6 +191,10 @@ struct PathResult {
   std::optional<double> read_seconds, over_read;
   // The other cases: each timed call right after a run of the dtype's peak loop (PeakRun).
   std::optional<PeakPairs> peak;
+  // Flash on the seed shape (every forward case with --scaling) and more than one thread: calls
+  // on one thread alternated with calls on all of them, the median seconds of the one-thread
+  // calls and the median over the pairs of one-thread time / all-threads time, the speed-up.
+  std::optional<double> one_thread_seconds, speedup_over_one_thread;
 };
 
 struct CaseResult {
@@ -684,6 +689,16 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads,
       path.peak = PeakPairs{peak.flops(), times.first, times.second_over_first};
       path.seconds = times.second;
     }
+    if (timed && path.verified && impl == AttentionImpl::flash && !shape.decode && threads > 1 &&
+        (shape.seed_shape || options.scaling)) {
+      AttentionOptions one_thread = attention;
+      one_thread.num_threads = 1;
+      const PairedSeconds times = paired_median_seconds(repeat, call, [&] {
+        attention_forward(impl, q.view(), k.view(), v.view(), out.view(), lse.data(), one_thread);
+      });
+      path.one_thread_seconds = times.second;
+      path.speedup_over_one_thread = times.second_over_first;
+    }
     if (timed) result.paths.push_back(path);
   }
   // --impls order.
@@ -715,7 +730,9 @@ std::string csv_field(const std::string& text) {
 // K and V bytes, the GB/s they were read at and that over the memory copy ceiling, the read
 // ceiling of the same stretch and that ratio; last, for the other cases, the GFLOP/s of the peak
 // loop's runs made right before the path's timed forward calls (PeakRun) and the median over
-// those pairs of the path's GFLOP/s over the run's.
+// those pairs of the path's GFLOP/s over the run's; then, for flash on the seed shape (every
+// forward case with --scaling), the median seconds of its calls on one thread, alternated with
+// calls on all, and the median over those pairs of one-thread time / all-threads time.
 constexpr const char* kCsvHeader =
     "date,host,cpu_model,simd_target,bf16_products,fma_target,openblas_core,openblas_coretype_env,"
     "threads,"
@@ -725,7 +742,7 @@ constexpr const char* kCsvHeader =
     "backward_flops,backward_seconds,backward_gflops,backward_cpu_share,backward_over_forward,"
     "backward_ratio_standard,backward_verified,backward_oracle,dq_err,dq_tol,dk_err,dk_tol,dv_err,"
     "dv_tol,heads_kv,kv_bytes,kv_gbps,ratio_copy,read_gbps,ratio_read,peak_paired_gflops,"
-    "ratio_peak_paired\n";
+    "ratio_peak_paired,one_thread_seconds,speedup_over_one_thread\n";
 
 std::string csv_text(const Machine& machine, const Ceilings& ceilings,
                      const std::vector<CaseResult>& results, int repeat) {
@@ -831,6 +848,8 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
       fields.push_back(optional_number("%.4g", path.over_read));
       fields.push_back(path.peak ? optional_number("%.5g", path.peak->peak_gflops()) : "");
       fields.push_back(path.peak ? optional_number("%.4g", path.peak->ratio(result.flops)) : "");
+      fields.push_back(optional_number("%.6f", path.one_thread_seconds));
+      fields.push_back(optional_number("%.4g", path.speedup_over_one_thread));
       append_row(fields);
     }
   }
@@ -1101,6 +1120,10 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
       "same stretch of the host's load)\n",
       kPeakRunSeconds * 1e3);
   std::printf(
+      "threads  f x thr: flash on %d threads against flash on one, the median over alternating "
+      "pairs of one-thread time / %d-thread time (the seed shape; every case with --scaling)\n",
+      machine.threads, machine.threads);
+  std::printf(
       "cpu      CPU time / (wall time x threads) of the timed runs, flash/standard: under 1 when "
       "another process took the cores (the row is noise) or the path left threads idle\n");
   if (options.backward) {
@@ -1117,8 +1140,9 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
         options.backward_reference_gflop);
   }
   if (!sweep_table) return;
-  std::printf("\n%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %8s %9s ", "dtype", "mask", "B",
-              "H", "S", "D", "flash", "standard", "f/peak", "f/pk run", "f/sgemm", "f/std", "cpu");
+  std::printf("\n%-5s %-10s %2s %4s %6s %4s %10s %10s %8s %8s %8s %8s %8s %9s ", "dtype", "mask",
+              "B", "H", "S", "D", "flash", "standard", "f/peak", "f/pk run", "f/sgemm", "f/std",
+              "f x thr", "cpu");
   if (options.backward) {
     std::printf("%10s %10s %6s %6s %8s ", "bwd flash", "bwd std", "f b/f", "s b/f", "bwd f/s");
   }
@@ -1194,7 +1218,9 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
   const PathResult* flash_path = result.find(AttentionImpl::flash);
   const std::optional<double> paired_peak =
       flash_path && flash_path->peak ? flash_path->peak->ratio(result.flops) : std::nullopt;
-  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %8s %9s %s%s\n%s",
+  const std::string thread_speedup =
+      flash_path != nullptr ? cell(flash_path->speedup_over_one_thread, "%.2f") : "-";
+  std::printf("%-5s %-10s %2lld %4lld %6lld %4lld %10s %10s %8s %8s %8s %8s %8s %9s %s%s\n%s",
               dtype_name(shape.dtype), shape.causal ? "causal" : "non-causal",
               static_cast<long long>(shape.batch), static_cast<long long>(shape.heads),
               static_cast<long long>(shape.seqlen), static_cast<long long>(shape.head_dim),
@@ -1202,8 +1228,8 @@ void print_case(const CaseResult& result, const Ceilings& ceilings, bool backwar
               cell(ratio(peak_for(ceilings, shape.dtype)), "%.3f").c_str(),
               cell(paired_peak, "%.3f").c_str(),
               cell(ratio(ceilings.sgemm_gflops.at(shape.head_dim)), "%.3f").c_str(),
-              cell(ratio(standard), "%.3f").c_str(), cpu_share.c_str(), backward_columns.c_str(),
-              verified.c_str(), skipped.c_str());
+              cell(ratio(standard), "%.3f").c_str(), thread_speedup.c_str(), cpu_share.c_str(),
+              backward_columns.c_str(), verified.c_str(), skipped.c_str());
   std::fflush(stdout);
 }
 
@@ -1391,7 +1417,10 @@ Action add_bench_command(CLI::App& app) {
       "sgemm at the same head_dim, and over the standard path. Each timed forward call follows a\n"
       "20 ms run of the loop that measured that peak, on the same threads: f/pk run (CSV\n"
       "ratio_peak_paired) is the median over those pairs of the call's GFLOP/s over the run's,\n"
-      "the ratio in the same stretch of a shared machine's load.\n"
+      "the ratio in the same stretch of a shared machine's load. Flash on the seed shape (every\n"
+      "forward case with --scaling) also runs on one thread, alternating with the runs on all:\n"
+      "f x thr (CSV speedup_over_one_thread) is the median over those pairs of one-thread time /\n"
+      "all-threads time.\n"
       "--backward: after each path's forward, its backward on the same inputs, a fixed random dO\n"
       "and the out and lse of that path's own forward; verified, then timed (median) in runs that\n"
       "alternate with the forward's (both medians then sample the same stretch of a shared\n"
@@ -1436,6 +1465,9 @@ Action add_bench_command(CLI::App& app) {
   causal->excludes(non_causal)->excludes(both);
   non_causal->excludes(both);
   command->add_flag("--no-seed-shape", options->no_seed_shape, "Leave out the seed shape cases");
+  command->add_flag("--scaling", options->scaling,
+                    "Time flash on one thread too, against all threads, in every forward case "
+                    "(by default the seed shape's only)");
   command->add_flag("--no-sweep", options->no_sweep, "Leave out the seqlen sweep");
   command->add_option("--work", options->work_gflop, "GFLOP per sweep point (sets H)")
       ->check(CLI::PositiveNumber);
