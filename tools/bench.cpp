@@ -475,11 +475,6 @@ std::string case_label(const Case& shape) {
   return text;
 }
 
-struct Timing {
-  double seconds = 0.0;
-  std::optional<double> cpu_share;
-};
-
 // CPU time this process uses while `runs` runs over its wall time times the threads.
 std::optional<double> cpu_share_of(int threads, const std::function<void()>& runs) {
   const double cpu_before = process_cpu_seconds();
@@ -494,13 +489,6 @@ std::optional<double> cpu_share_of(int threads, const std::function<void()>& run
 std::span<const std::byte> bytes_of(const HostTensor& tensor) {
   return {static_cast<const std::byte*>(tensor.data()),
           static_cast<std::size_t>(tensor.numel()) * dtype_size(tensor.dtype)};
-}
-
-// The median of `repeat` calls (the caller has run the warm-up), with the CPU share of the calls.
-Timing time_calls(int repeat, int threads, const std::function<void()>& call) {
-  Timing timing;
-  timing.cpu_share = cpu_share_of(threads, [&] { timing.seconds = median_seconds(repeat, call); });
-  return timing;
 }
 
 // The backward half of a case: a fixed random dO, the gradients and their oracle. Each path's
@@ -520,11 +508,11 @@ class BackwardRun {
         oracle_(problem_, rows, reference_budget_flops) {}
 
   // Checks `impl`'s backward and, when it passes and `timed`, times it (median of `repeat`), in
-  // alternation with `forward`, the path's forward, when given, and `peak` before that. The
-  // standard path runs even when not timed, on the slice only: its error is the baseline of the
-  // flash tolerance, and its dK, dV the oracle where the reference would cost too much.
+  // alternation with `forward`, the path's forward, and `peak` before that. The standard path
+  // runs even when not timed, on the slice only: its error is the baseline of the flash
+  // tolerance, and its dK, dV the oracle where the reference would cost too much.
   BackwardResult run(AttentionImpl impl, bool timed, int repeat, int threads,
-                     const std::function<void()>* forward, const PeakRun& peak) {
+                     const std::function<void()>& forward, const PeakRun& peak) {
     BackwardResult result;
     if (impl == AttentionImpl::standard) {
       if (std::optional<std::string> refusal = standard_refusal()) {
@@ -554,17 +542,11 @@ class BackwardRun {
       return result;
     }
     result.status = BackwardResult::Status::verified;
-    if (forward == nullptr) {
-      const Timing timing = time_calls(repeat, threads, call);
-      result.seconds = timing.seconds;
-      result.cpu_share = timing.cpu_share;
-      return result;
-    }
     // The forward rewrites out and lse with the same values (it is deterministic), so each
     // backward still reads its own forward's outputs.
     RoundSeconds rounds;
     result.cpu_share = cpu_share_of(threads, [&] {
-      rounds = round_robin_seconds(repeat, {[&] { peak(); }, *forward, call});
+      rounds = round_robin_seconds(repeat, {[&] { peak(); }, forward, call});
     });
     result.peak = PeakPairs{peak.flops(), rounds.median[0], rounds.over_previous[1]};
     result.forward_seconds = rounds.median[1];
@@ -657,8 +639,7 @@ CaseResult run_case(const Case& shape, const BenchOptions& options, int threads,
                        options.impls.end();
     if (backward) {
       if (path.verified) {
-        const std::function<void()> forward = call;
-        path.backward = backward->run(impl, timed, repeat, threads, &forward, peak);
+        path.backward = backward->run(impl, timed, repeat, threads, call, peak);
         if (path.backward->forward_seconds) {
           path.seconds = path.backward->forward_seconds;
           path.cpu_share = path.backward->cpu_share;
