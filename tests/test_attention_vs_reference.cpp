@@ -446,6 +446,51 @@ TEST(AttentionVsReferenceFlash, TasksOfSeveralQueryBlocks) {
   check_against_reference(windowed);
 }
 
+// Long reductions: scores of 16384 head dims, rows of 131072 keys. The product kernels sum them
+// in partial sums (cpu/tile_kernels.hpp), and the flash path must then be as accurate as the
+// standard path to within the grid's factor 4 with a floor of only one rounding of the output
+// (u·max|out|) and of lse: the grid's floor, which carries 4 score roundings to the output by
+// max|v|, would let pass what one chain through every key did (`flashattn demo`, 262144 keys:
+// 2.25e-7 against the standard path's 2.3e-8, with max|out| near 0.01).
+void expect_as_accurate_as_standard(const std::array<std::int64_t, 4>& q_shape,
+                                    const std::array<std::int64_t, 4>& kv_shape) {
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE("FLASHATTN_TEST_SEED=" + std::to_string(seed) + ", D " + std::to_string(q_shape[3]) +
+               ", Skv " + std::to_string(kv_shape[1]));
+  std::mt19937_64 rng(seed);
+  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape);
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  const AttentionOptions options;
+  const ReferenceResult ref = reference(q, k, v, options);
+  const double u32 = unit_roundoff(DType::f32);
+  auto run = [&](AttentionImpl impl, std::vector<float>& lse) {
+    Tensor out(DType::f32, q_shape);
+    out.poison();
+    lse.assign(static_cast<std::size_t>(q_shape[0] * q_shape[2] * q_shape[1]), NAN);
+    attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
+    return out;
+  };
+  std::vector<float> standard_lse, flash_lse;
+  const MaxError standard_error = max_error(run(AttentionImpl::standard, standard_lse), ref.out);
+  const MaxError flash_error = max_error(run(AttentionImpl::flash, flash_lse), ref.out);
+  EXPECT_LE(flash_error.value, 4.0 * standard_error.value + u32 * max_abs_finite(ref.out))
+      << "flash out[" << flash_error.index << "] = " << flash_error.got << ", reference "
+      << flash_error.want << " (standard max error " << standard_error.value << ")";
+  const MaxError standard_lse_error = max_lse_error(standard_lse, ref);
+  const MaxError flash_lse_error = max_lse_error(flash_lse, ref);
+  EXPECT_LE(flash_lse_error.value,
+            4.0 * standard_lse_error.value + 4.0 * u32 * max_abs_finite(ref.lse))
+      << "flash lse[" << flash_lse_error.index << "] = " << flash_lse_error.got << ", reference "
+      << flash_lse_error.want << " (standard max error " << standard_lse_error.value << ")";
+}
+
+TEST(AttentionVsReferenceFlash, LongReductionsAsAccurateAsTheStandardPath) {
+  expect_as_accurate_as_standard({1, 64, 2, 16384}, {1, 64, 2, 16384});
+  expect_as_accurate_as_standard({1, 64, 2, 64}, {1, 131072, 2, 64});
+}
+
 // The flash forward's out and lse on the same inputs with 1, 2, 3 and 7 threads: the same bits.
 void expect_same_bits_for_any_thread_count(const std::array<std::int64_t, 4>& q_shape,
                                            const std::array<std::int64_t, 4>& kv_shape,

@@ -116,42 +116,50 @@ HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
 // scores[R x C·N] = q[R x D] · k_packed[D x C·N]. Unscaled: with a scale vector live across the
 // loop, GCC ran out of the 32 zmm registers (24 sums, 4 keys, a broadcast) and spilled a key
 // vector: 160 instead of 195 GFLOP/s on one core. The softmax steps apply the scale.
-// q is read in segments of dims that each lie row-major: the whole row for a row-major q, one
-// column panel at a time for a packed one.
+// The dims go in partial sums of kDimsPerPartialSum (tile_kernels.hpp says why), each read in
+// segments that lie row-major in q: the partial sum's dims for a row-major q, one column panel at
+// a time for a packed one.
 template <int R, int C>
 HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
                             const RowsOperand& q, std::int64_t row,
                             const float* HWY_RESTRICT k_packed, std::int64_t ld_k,
                             std::int64_t head_dim) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  Vec acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(tag);
-  const std::int64_t segment = q.packed_rows > 0 ? kPanelWidth : head_dim;
-  for (std::int64_t d0 = 0; d0 < head_dim; d0 += segment) {
-    // Element (row, d) of this segment at rows[row · ld + d].
-    const std::int64_t ld = q.packed_rows > 0 ? std::min(kPanelWidth, q.ld - d0) : q.ld;
-    const float* HWY_RESTRICT rows =
-        (q.packed_rows > 0 ? q.data + d0 * q.packed_rows - d0 : q.data) + row * ld;
-    const std::int64_t d_end = std::min(d0 + segment, head_dim);
-    // Unrolled by 8, so that the loop's counter, compare and branch come once per 8 dims
-    // instead of once per 12 FMAs (the 6 x 2 block on AVX2), as P·V's loop (PvBlock). Zen 3,
-    // 2 threads, library builds paired in one process in both orders: the f32 forward 0.95-0.96
-    // of the time (seed shape, causal and non-causal), bf16 and f16 0.93-0.94, the backward
-    // 0.93-0.98. By 4 ran as fast as by 8. (The two kernels alone on a 128 x 80 tile in L2,
-    // paired the same way, ran as fast rolled as unrolled.)
-    HWY_UNROLL(8)
-    for (std::int64_t d = d0; d < d_end; ++d) {
-      Vec keys[C];
-      for (int c = 0; c < C; ++c) keys[c] = hn::LoadU(tag, k_packed + d * ld_k + c * N);
-      for (int r = 0; r < R; ++r) {
-        const Vec query = hn::Set(tag, rows[r * ld + d]);
-        for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(query, keys[c], acc[r][c]);
+  const std::int64_t segment = q.packed_rows > 0 ? kPanelWidth : kDimsPerPartialSum;
+  for (std::int64_t sum_begin = 0; sum_begin < head_dim; sum_begin += kDimsPerPartialSum) {
+    const std::int64_t sum_end = std::min(sum_begin + kDimsPerPartialSum, head_dim);
+    Vec acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(tag);
+    for (std::int64_t d0 = sum_begin; d0 < sum_end; d0 += segment) {
+      // Element (row, d) of this segment at rows[row · ld + d].
+      const std::int64_t ld = q.packed_rows > 0 ? std::min(kPanelWidth, q.ld - d0) : q.ld;
+      const float* HWY_RESTRICT rows =
+          (q.packed_rows > 0 ? q.data + d0 * q.packed_rows - d0 : q.data) + row * ld;
+      const std::int64_t d_end = std::min(d0 + segment, sum_end);
+      // Unrolled by 8, so that the loop's counter, compare and branch come once per 8 dims
+      // instead of once per 12 FMAs (the 6 x 2 block on AVX2), as P·V's loop (PvBlock). Zen 3,
+      // 2 threads, library builds paired in one process in both orders: the f32 forward 0.95-0.96
+      // of the time (seed shape, causal and non-causal), bf16 and f16 0.93-0.94, the backward
+      // 0.93-0.98. By 4 ran as fast as by 8. (The two kernels alone on a 128 x 80 tile in L2,
+      // paired the same way, ran as fast rolled as unrolled.)
+      HWY_UNROLL(8)
+      for (std::int64_t d = d0; d < d_end; ++d) {
+        Vec keys[C];
+        for (int c = 0; c < C; ++c) keys[c] = hn::LoadU(tag, k_packed + d * ld_k + c * N);
+        for (int r = 0; r < R; ++r) {
+          const Vec query = hn::Set(tag, rows[r * ld + d]);
+          for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(query, keys[c], acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        float* HWY_RESTRICT out = scores + r * ld_scores + c * N;
+        hn::StoreU(sum_begin == 0 ? acc[r][c] : hn::Add(hn::LoadU(tag, out), acc[r][c]), tag, out);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], tag, scores + r * ld_scores + c * N);
 }
 
 // All rows against the key columns [0, width) of one packed panel (head_dim rows of `ld_panel`
@@ -333,6 +341,8 @@ struct Bf16Pairs {
 
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]; v of fp32 (the tiles) or of an input dtype (the
 // decode path's rows), read by Reader (C a multiple of its kVectors).
+// The block's products are summed from zero and the sum then added to acc (tile_kernels.hpp:
+// partial sums).
 template <int R, int C, class Reader = Widened<float>, bool kUnrollKeys = true>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                         const float* HWY_RESTRICT p, WeightStrides ps,
@@ -342,7 +352,7 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r][c] = hn::LoadU(tag, acc + r * ld_acc + c * N);
+    for (int c = 0; c < C; ++c) sums[r][c] = hn::Zero(tag);
   auto key = [&](std::int64_t j) HWY_ATTR {
     Vec values[C];
     for (int c = 0; c < C; c += Reader::kVectors)
@@ -364,8 +374,12 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
   } else {
     for (std::int64_t j = 0; j < keys; ++j) key(j);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) hn::StoreU(sums[r][c], tag, acc + r * ld_acc + c * N);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float* HWY_RESTRICT out = acc + r * ld_acc + c * N;
+      hn::StoreU(hn::Add(hn::LoadU(tag, out), sums[r][c]), tag, out);
+    }
+  }
 }
 
 // All rows against one packed panel of value dims (keys rows of `width` floats, contiguous:
