@@ -507,6 +507,9 @@ TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   expect_clean_failure({"--repeat", "0"}, 2, "--repeat");
   expect_clean_failure({"--work", "0"}, 2, "--work");
   expect_clean_failure({"--threads", "-1"}, 2, "--threads");
+  // Beyond flashattn::kMaxThreads: refused when parsed (before, the ceilings crashed the tool).
+  expect_clean_failure({"--threads", "100000"}, 2,
+                       "--threads: Value 100000 not in range 0 to 1024");
   expect_clean_failure({"--frobnicate"}, 2, "--frobnicate");
   expect_clean_failure({"--decode-seqlens", "0"}, 2, "--decode-seqlens");
 

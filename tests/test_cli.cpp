@@ -440,6 +440,7 @@ TEST_F(CliErrorTest, BadOptionValues) {
                        "--impl: expected flash, standard or reference, got 'fast'");
   expect_clean_failure(with(run_args(), {"--repeat", "0"}), "--repeat");
   expect_clean_failure(with(run_args(), {"--threads", "-3"}), "--threads");
+  expect_clean_failure(with(run_args(), {"--threads", "1025"}), "--threads");
   expect_clean_failure({"run", "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("v.npy")},
                        "--out is required");
   expect_clean_failure({}, "subcommand");
@@ -482,6 +483,10 @@ TEST_F(CliTest, DemoRejectsBadArguments) {
   const Completed dtype = run({"demo", "--dtype", "f64"});
   EXPECT_EQ(dtype.exit_code, 2);
   EXPECT_EQ(dtype.err.rfind("flashattn: error: --dtype", 0), 0u) << dtype.err;
+
+  const Completed threads = run({"demo", "--threads", "1025"});
+  EXPECT_EQ(threads.exit_code, 2);
+  EXPECT_EQ(threads.err.rfind("flashattn: error: --threads", 0), 0u) << threads.err;
 }
 
 TEST_F(CliTest, HelpAndVersion) {

@@ -1452,8 +1452,7 @@ Action add_bench_command(CLI::App& app) {
   command->add_flag("--no-sweep", options->no_sweep, "Leave out the seqlen sweep");
   command->add_option("--work", options->work_gflop, "GFLOP per sweep point (sets H)")
       ->check(CLI::PositiveNumber);
-  command->add_option("--threads", options->threads, "Worker threads, 0 = all")
-      ->check(CLI::NonNegativeNumber);
+  add_threads_option(command, &options->threads);
   command->add_option("--repeat", options->repeat, "Timed runs per path (median)")
       ->check(CLI::PositiveNumber);
   command

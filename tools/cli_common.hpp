@@ -26,4 +26,8 @@ Action add_bench_command(CLI::App& app);
 // The worker threads a call with `requested` threads uses (0 = all that OpenMP offers).
 int resolved_threads(int requested);
 
+// `--threads` of a subcommand: 0 (all) to flashattn::kMaxThreads, checked when the command line is
+// parsed, before the subcommand allocates or starts anything.
+CLI::Option* add_threads_option(CLI::App* command, int* threads);
+
 }  // namespace flashattn::cli

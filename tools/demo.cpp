@@ -256,8 +256,7 @@ Action add_demo_command(CLI::App& app) {
                     "Causal mask (default), aligned to the bottom-right corner");
   command->add_option("--dtype", demo->dtype, "Input dtype")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
-  command->add_option("--threads", demo->threads, "Worker threads, 0 = all")
-      ->check(CLI::NonNegativeNumber);
+  add_threads_option(command, &demo->threads);
   command->add_option("--seed", demo->seed, "Random seed of the inputs");
   command->add_option("--repeat", demo->repeat, "Timed runs per path after one warm-up (median)")
       ->check(CLI::PositiveNumber);

@@ -296,9 +296,7 @@ Action add_run_command(CLI::App& app) {
       ->check([](const std::string& text) -> std::string {
         return parse_impl(text) ? "" : "expected flash, standard or reference, got '" + text + "'";
       });
-  command->add_option("--threads", options->threads, "Worker threads, 0 = all")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_threads_option(command, &options->threads)->capture_default_str();
   command->add_option("--repeat", options->repeat, "Timed runs after one warm-up (median)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -17,8 +17,12 @@ struct AttentionOptions {
   // -1 means unbounded on that side.
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
-  // Worker threads for the call; 0 means all the OpenMP runtime offers.
+  // Worker threads for the call, 0 to kMaxThreads; 0 means all the OpenMP runtime offers.
   int num_threads = 0;
 };
+
+// The most worker threads a call may ask for: libgomp exits the process when it cannot start the
+// threads asked for (1e6, say), so counts far beyond any machine are refused instead.
+inline constexpr int kMaxThreads = 1024;
 
 }  // namespace flashattn

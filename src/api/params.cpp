@@ -191,9 +191,6 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   if (options.window_right < -1) {
     fail(caller, "window_right: expected >= -1 (-1 = unbounded), got ", options.window_right);
   }
-  // libgomp exits the process when it cannot start the threads asked for (1e6, say): refuse
-  // counts far beyond any machine instead.
-  constexpr int kMaxThreads = 1024;
   if (options.num_threads < 0 || options.num_threads > kMaxThreads) {
     fail(caller, "num_threads: expected 0..", kMaxThreads, " (0 = all), got ", options.num_threads);
   }
