@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "api/memory.hpp"
 #include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
 #include "npy.hpp"
@@ -487,6 +488,35 @@ TEST_F(CliTest, DemoRejectsBadArguments) {
   const Completed threads = run({"demo", "--threads", "1025"});
   EXPECT_EQ(threads.exit_code, 2);
   EXPECT_EQ(threads.err.rfind("flashattn: error: --threads", 0), 0u) << threads.err;
+
+  // Inputs beyond the machine's memory: refused before any allocation, naming the options.
+  const Completed huge = run({"demo", "--batch", "1048576", "--heads", "1048576"});
+  EXPECT_EQ(huge.exit_code, 1);
+  EXPECT_NE(huge.err.find("flashattn: error: demo: --batch, --heads, --kv-heads, --seqlen, "
+                          "--seqlen-kv, --head-dim: expected a problem whose q, k, v and two "
+                          "outputs fit in the "),
+            std::string::npos)
+      << huge.err;
+  EXPECT_EQ(huge.out.find("path "), std::string::npos) << huge.out;
+}
+
+// Where the standard path's score matrix cannot fit in memory (the library refuses it), the demo
+// runs flash alone and holds it to the worst-case fp32 bound. Sq rows against 4096 keys at
+// head_dim 1 on one thread: the standard path needs ~Sq x 16 KiB, here 1.25x the machine's
+// memory; causal, so that only the last 4096 query rows see any key and flash takes well under
+// a second.
+TEST_F(CliTest, DemoRunsFlashAloneWhereTheStandardPathCannotFit) {
+  const std::int64_t seqlen_q = flashattn::detail::memory_limit_bytes() / (16 << 10) / 4 * 5;
+  if (seqlen_q > (std::int64_t{1} << 24)) GTEST_SKIP() << "more memory than a test should fill";
+  const Completed alone =
+      run({"demo", "--batch", "1", "--heads", "1", "--seqlen", std::to_string(seqlen_q),
+           "--seqlen-kv", "4096", "--head-dim", "1", "--threads", "1", "--repeat", "1"});
+  EXPECT_EQ(alone.exit_code, 0) << alone.out << alone.err;
+  EXPECT_NE(alone.out.find("\nstandard   skipped: its score matrices need "), std::string::npos)
+      << alone.out;
+  EXPECT_NE(alone.out.find("\n  standard  skipped\n"), std::string::npos) << alone.out;
+  EXPECT_NE(alone.out.find("\nflash within the bound: yes"), std::string::npos) << alone.out;
+  EXPECT_EQ(alone.out.find("flash vs standard"), std::string::npos) << alone.out;
 }
 
 TEST_F(CliTest, HelpAndVersion) {
