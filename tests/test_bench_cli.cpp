@@ -512,6 +512,7 @@ TEST_F(BenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
                        "--threads: Value 100000 not in range 0 to 1024");
   expect_clean_failure({"--frobnicate"}, 2, "--frobnicate");
   expect_clean_failure({"--decode-seqlens", "0"}, 2, "--decode-seqlens");
+  expect_clean_failure({"--no-sweep", "--no-decode"}, 2, "expected at least one case to run");
 
   // An --out-dir that cannot be a directory: fails before any work, creates nothing.
   const fs::path blocker = work_ / "file";

@@ -1479,6 +1479,15 @@ Action add_bench_command(CLI::App& app) {
   command->add_flag("--quick", options->quick,
                     "A tiny sweep (seqlens 128,256, head_dim 32, both masks, no seed shape, "
                     "decode at 300 keys, short ceilings) for tests; explicit options still apply");
+  // After parsing, so that options that leave no case are a command-line error (exit 2), not a
+  // run that measures the ceilings and writes an empty CSV.
+  command->callback([options] {
+    if ((options->no_seed_shape || options->quick) && options->no_sweep && options->no_decode) {
+      throw CLI::ValidationError(
+          "--no-seed-shape (implied by --quick), --no-sweep and --no-decode: expected at least "
+          "one case to run, got none");
+    }
+  });
   return [options, command] { return run_bench(*options, *command); };
 }
 
