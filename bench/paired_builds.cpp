@@ -128,7 +128,7 @@ int run_pairs(const Options& options) {
   AttentionOptions attention;
   attention.causal = options.causal;
   attention.num_threads = options.threads;
-  if (!options.window.empty()) {
+  if (!options.window.empty()) {  // checked when parsed
     std::sscanf(options.window.c_str(), "%ld,%ld", &attention.window_left, &attention.window_right);
   }
   const bool backward = options.pass == "backward";
@@ -237,7 +237,11 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--head-dim", options.head_dim)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_flag("--causal", options.causal);
-  app.add_option("--window", options.window, "L,R (-1 = unbounded)");
+  app.add_option("--window", options.window, "L,R (-1 = unbounded)")
+      ->check([](const std::string& text) -> std::string {
+        long left = 0, right = 0;
+        return std::sscanf(text.c_str(), "%ld,%ld", &left, &right) == 2 ? "" : "expected L,R";
+      });
   app.add_option("--pairs", options.pairs, "Rounds of one call of each build")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
