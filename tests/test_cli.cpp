@@ -465,6 +465,26 @@ TEST_F(CliTest, DemoOnSmallShapesAgrees) {
   EXPECT_NE(f16.out.find("\nagree: yes"), std::string::npos) << f16.out;
   EXPECT_NE(f16.out.find("no mask, f16"), std::string::npos) << f16.out;
 
+  // Sliding windows, both sides (a reference row against the keys up to its diagonal only put
+  // both paths ~1 off the reference and let them "agree"; the standard path's own bound now
+  // catches that).
+  for (const std::vector<std::string>& mask :
+       {std::vector<std::string>{"--no-causal", "--window", "64,64"},
+        std::vector<std::string>{"--window", "16,8"}}) {
+    std::vector<std::string> args = {
+        "demo",       "--seqlen", "300",      "--seqlen-kv", "280",          "--heads", "2",
+        "--head-dim", "40",       "--repeat", "1",           "--check-rows", "300"};
+    args.insert(args.end(), mask.begin(), mask.end());
+    const Completed windowed = run(args);
+    EXPECT_EQ(windowed.exit_code, 0) << windowed.out << windowed.err;
+    EXPECT_NE(windowed.out.find(mask.size() == 3 ? "head_dim 40, window (64, 64), f32"
+                                                 : "head_dim 40, causal, window (16, 8), f32"),
+              std::string::npos)
+        << windowed.out;
+    EXPECT_NE(windowed.out.find("(within its worst-case bound"), std::string::npos) << windowed.out;
+    EXPECT_NE(windowed.out.find("\nagree: yes"), std::string::npos) << windowed.out;
+  }
+
   // Decoding: one query position against a cache; K and V each hold 2·300·2·64 bf16 (150 KiB).
   const Completed decode =
       run({"demo", "--seqlen", "1", "--seqlen-kv", "300", "--heads", "8", "--kv-heads", "2",
@@ -484,6 +504,10 @@ TEST_F(CliTest, DemoRejectsBadArguments) {
   const Completed dtype = run({"demo", "--dtype", "f64"});
   EXPECT_EQ(dtype.exit_code, 2);
   EXPECT_EQ(dtype.err.rfind("flashattn: error: --dtype", 0), 0u) << dtype.err;
+
+  const Completed window = run({"demo", "--window", "3"});
+  EXPECT_EQ(window.exit_code, 2);
+  EXPECT_EQ(window.err.rfind("flashattn: error: --window", 0), 0u) << window.err;
 
   const Completed threads = run({"demo", "--threads", "1025"});
   EXPECT_EQ(threads.exit_code, 2);

@@ -128,7 +128,8 @@ void BackwardOracle::compute_reference() {
   std::vector<float> lse_row(static_cast<std::size_t>(group_));
   std::int64_t index = 0;
   for (const std::int64_t row : rows_) {
-    const std::int64_t keys = visible_keys(row, seqlen_q, seqlen_kv, problem_.options);
+    const RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, problem_.options);
+    const std::int64_t keys = row_problem.keys;
     HostTensor unused_dk(dtype, {1, keys, 1, head_dim}), unused_dv(dtype, {1, keys, 1, head_dim});
     for (std::int64_t g = 0; g < group_; ++g) {
       lse_row[static_cast<std::size_t>(g)] = problem_.lse[static_cast<std::size_t>(
@@ -140,7 +141,7 @@ void BackwardOracle::compute_reference() {
         offset_rows(slice_view(problem_.k.view(), kv_head_, 1), 0, keys),
         offset_rows(slice_view(problem_.v.view(), kv_head_, 1), 0, keys),
         offset_rows(slice_view(problem_.out.view(), first_q_head, group_), row, 1), lse_row.data(),
-        dq_row.view(), unused_dk.view(), unused_dv.view(), problem_.options);
+        dq_row.view(), unused_dk.view(), unused_dv.view(), row_problem.options);
     for (std::int64_t i = 0; i < dq_row.numel(); ++i) {
       detail::store_f32(dq_rows.data(), dtype, index++, dq_row.at(i));
     }

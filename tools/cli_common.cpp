@@ -13,4 +13,25 @@ CLI::Option* add_threads_option(CLI::App* command, int* threads) {
       ->check(CLI::Range(0, kMaxThreads));
 }
 
+std::optional<std::array<std::int64_t, 2>> parse_window(const std::string& text) {
+  const std::size_t comma = text.find(',');
+  if (comma == std::string::npos) return std::nullopt;
+  std::array<std::int64_t, 2> window{};
+  const std::string_view all(text);
+  if (!parse_number(all.substr(0, comma), window[0]) ||
+      !parse_number(all.substr(comma + 1), window[1]) || window[0] < -1 || window[1] < -1) {
+    return std::nullopt;
+  }
+  return window;
+}
+
+CLI::Option* add_window_option(CLI::App* command, std::string* window) {
+  return command
+      ->add_option("--window", *window,
+                   "Sliding window L,R around the diagonal, -1 = unbounded on that side")
+      ->check([](const std::string& text) -> std::string {
+        return parse_window(text) ? "" : "expected L,R with integers >= -1, got '" + text + "'";
+      });
+}
+
 }  // namespace flashattn::cli

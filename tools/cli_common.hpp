@@ -3,7 +3,13 @@
 // Pieces shared by the `flashattn` subcommands.
 
 #include <CLI/CLI.hpp>
+#include <array>
+#include <charconv>
+#include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
 
 #include "timing.hpp"
 
@@ -29,5 +35,19 @@ int resolved_threads(int requested);
 // `--threads` of a subcommand: 0 (all) to flashattn::kMaxThreads, checked when the command line is
 // parsed, before the subcommand allocates or starts anything.
 CLI::Option* add_threads_option(CLI::App* command, int* threads);
+
+// The whole of `text` as a number of that type; false when anything else is there.
+template <class Number>
+bool parse_number(std::string_view text, Number& value) {
+  const char* end = text.data() + text.size();
+  const auto [stop, error] = std::from_chars(text.data(), end, value);
+  return error == std::errc() && stop == end;
+}
+
+// "L,R" with integers >= -1, -1 meaning unbounded on that side.
+std::optional<std::array<std::int64_t, 2>> parse_window(const std::string& text);
+
+// `--window L,R` of a subcommand (default "-1,-1": no window), checked when parsed.
+CLI::Option* add_window_option(CLI::App* command, std::string* window);
 
 }  // namespace flashattn::cli

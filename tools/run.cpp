@@ -34,26 +34,6 @@ struct RunOptions {
   int repeat = 3;
 };
 
-template <class Number>
-bool parse_number(std::string_view text, Number& value) {
-  const char* end = text.data() + text.size();
-  const auto [stop, error] = std::from_chars(text.data(), end, value);
-  return error == std::errc() && stop == end;
-}
-
-// "L,R" with integers >= -1, -1 meaning unbounded on that side.
-std::optional<std::array<std::int64_t, 2>> parse_window(const std::string& text) {
-  const std::size_t comma = text.find(',');
-  if (comma == std::string::npos) return std::nullopt;
-  std::array<std::int64_t, 2> window{};
-  const std::string_view all(text);
-  if (!parse_number(all.substr(0, comma), window[0]) ||
-      !parse_number(all.substr(comma + 1), window[1]) || window[0] < -1 || window[1] < -1) {
-    return std::nullopt;
-  }
-  return window;
-}
-
 std::optional<float> parse_scale(const std::string& text) {
   float scale = 0.0f;
   if (!parse_number(std::string_view(text), scale) || !std::isfinite(scale) || scale <= 0.0f) {
@@ -281,12 +261,7 @@ Action add_run_command(CLI::App& app) {
   command->add_option("--dk", options->dk_path, "Gradient of k output .npy (float32)");
   command->add_option("--dv", options->dv_path, "Gradient of v output .npy (float32)");
   command->add_flag("--causal", options->causal, "Causal mask, aligned to the bottom-right corner");
-  command
-      ->add_option("--window", options->window,
-                   "Sliding window L,R around the diagonal, -1 = unbounded on that side")
-      ->check([](const std::string& text) -> std::string {
-        return parse_window(text) ? "" : "expected L,R with integers >= -1, got '" + text + "'";
-      });
+  add_window_option(command, &options->window);
   command->add_option("--scale", options->scale, "Softmax scale (default 1/sqrt(head_dim))")
       ->check([](const std::string& text) -> std::string {
         return parse_scale(text) ? "" : "expected a finite number > 0, got '" + text + "'";

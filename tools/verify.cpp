@@ -91,10 +91,18 @@ std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
   return {rows.begin(), rows.end()};
 }
 
-std::int64_t visible_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
-                          const AttentionOptions& options) {
-  return options.causal ? std::clamp<std::int64_t>(row + 1 + seqlen_kv - seqlen_q, 0, seqlen_kv)
-                        : seqlen_kv;
+RowKeys row_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
+                 const AttentionOptions& options) {
+  const std::int64_t diagonal = row + seqlen_kv - seqlen_q;
+  std::int64_t first = 0, last = seqlen_kv - 1;
+  if (options.causal) last = std::min(last, diagonal);
+  if (options.window_right >= 0) last = std::min(last, diagonal + options.window_right);
+  if (options.window_left >= 0) first = std::max(first, diagonal - options.window_left);
+  RowKeys row_problem{last >= first ? last + 1 : 0, options};
+  row_problem.options.causal = false;
+  row_problem.options.window_right = -1;
+  row_problem.options.window_left = first > 0 ? last - first : -1;
+  return row_problem;
 }
 
 // The fp64 reference is O(seqlen_q * seqlen_kv * head_dim) scalar work, too slow for whole
@@ -116,9 +124,10 @@ ReferenceRows reference_rows(const HostTensor& q, const HostTensor& k, const Hos
     ConstTensorView q_row = q_full;
     q_row.data = static_cast<const char*>(q_full.data) + row * q_full.strides[1] * element;
     q_row.shape[1] = 1;
+    const RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, options);
     ConstTensorView k_row = k_full, v_row = v_full;
-    k_row.shape[1] = v_row.shape[1] = visible_keys(row, seqlen_q, seqlen_kv, options);
-    attention_reference(q_row, k_row, v_row, row_out.view(), row_lse.data(), options);
+    k_row.shape[1] = v_row.shape[1] = row_problem.keys;
+    attention_reference(q_row, k_row, v_row, row_out.view(), row_lse.data(), row_problem.options);
     // row_out is [batch, 1, heads_q, head_dim]: its flat order is already [batch, heads_q, dim].
     for (std::int64_t i = 0; i < per_row_out; ++i) reference.out.push_back(row_out.at(i));
     reference.lse.insert(reference.lse.end(), row_lse.begin(), row_lse.end());

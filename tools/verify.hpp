@@ -67,10 +67,17 @@ struct Difference {
 std::vector<std::int64_t> sample_rows(std::int64_t seqlen_q, std::int64_t count,
                                       std::mt19937_64& rng);
 
-// Keys [0, visible) that query row `row` sees: with the causal mask the slice's last key is again
-// on the row's diagonal, so row `row` alone against the slice keeps its mask.
-std::int64_t visible_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
-                          const AttentionOptions& options);
+// Query row `row` alone against the keys [0, keys), under `options`, sees exactly the keys it
+// sees in the whole problem. A one-row problem's diagonal sits on its last key (bottom-right
+// alignment), so the keys end at the last one the row sees (its diagonal under the causal mask,
+// a window's right edge, or the last key) and the row's first visible key becomes the left edge
+// of a window; keys = 0 where the row sees none.
+struct RowKeys {
+  std::int64_t keys;
+  AttentionOptions options;
+};
+RowKeys row_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv,
+                 const AttentionOptions& options);
 
 // The fp64 reference on the query rows `rows` of every (batch, head), output rounded to the
 // input dtype as attention_reference does.
