@@ -245,7 +245,8 @@ int main(int argc, char** argv) {
   app.add_option("--pairs", options.pairs, "Rounds of one call of each build")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--threads", options.threads, "0 = all")->check(CLI::Range(0, 1024));
+  app.add_option("--threads", options.threads, "0 = all")
+      ->check(CLI::Range(0, flashattn::kMaxThreads));
   app.add_option("--new-first", options.new_first)->group("");  // internal: the child runs
   CLI11_PARSE(app, argc, argv);
 
