@@ -23,9 +23,10 @@ int main() {
       contiguous_view(q.data(), shape), contiguous_view(k.data(), shape),
       contiguous_view(v.data(), shape), contiguous_view(flash.data(), shape), /*lse=*/nullptr,
       options);
-  flashattn::attention_standard(contiguous_view(q.data(), shape), contiguous_view(k.data(), shape),
-                                contiguous_view(v.data(), shape),
-                                contiguous_view(standard.data(), shape), /*lse=*/nullptr, options);
+  flashattn::standard_attention_forward(
+      contiguous_view(q.data(), shape), contiguous_view(k.data(), shape),
+      contiguous_view(v.data(), shape), contiguous_view(standard.data(), shape), /*lse=*/nullptr,
+      options);
 
   float max_difference = 0.0f;
   for (std::size_t i = 0; i < q.size(); ++i) {

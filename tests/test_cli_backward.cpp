@@ -1,5 +1,5 @@
 // `flashattn run --dout dO.npy --dq dQ.npy --dk dK.npy --dv dV.npy`, run as a subprocess in a
-// fresh directory per test: the gradients against attention_backward_reference on the same
+// fresh directory per test: the gradients against reference_attention_backward on the same
 // inputs, the JSON line's backward fields, and the bad inputs (each must fail with one line on
 // stderr and leave no file behind).
 
@@ -91,7 +91,7 @@ struct Problem {
     k.fill_normal(rng);
     v.fill_normal(rng);
     dout.fill_normal(rng);
-    attention_reference(q.view, k.view, v.view, out.view, lse.data(), options);
+    reference_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
   }
 
   struct Gradients {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 
@@ -191,12 +192,52 @@ TEST(Validation, MessageNamesTheEntryPoint) {
   Problem p;
   p.options.window_left = -3;
   try {
-    attention_standard(p.q.view, p.k.view, p.v.view, p.out.view, nullptr, p.options);
+    standard_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, nullptr, p.options);
     FAIL() << "no error raised";
   } catch (const Error& error) {
-    EXPECT_EQ(std::string(error.what()).rfind("attention_standard: ", 0), 0u) << error.what();
+    EXPECT_EQ(std::string(error.what()).rfind("standard_attention_forward: ", 0), 0u)
+        << error.what();
   }
 }
+
+// The names before 0.2 stay for one release as deprecated aliases of the same paths.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+TEST(Validation, DeprecatedNamesRunTheSamePaths) {
+  const auto same_bits = [](const Tensor& a, const Tensor& b) {
+    return a.bytes.size() == b.bytes.size() &&
+           std::memcmp(a.bytes.data(), b.bytes.data(), a.bytes.size()) == 0;
+  };
+  Problem p;
+  p.options.causal = true;
+  Tensor old_out{DType::f32, p.out.view.shape};
+  std::vector<float> lse(p.lse.size());
+  standard_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, lse.data(), p.options);
+  attention_standard(p.q.view, p.k.view, p.v.view, old_out.view, nullptr, p.options);
+  EXPECT_TRUE(same_bits(p.out, old_out));
+  reference_attention_forward(p.q.view, p.k.view, p.v.view, p.out.view, lse.data(), p.options);
+  attention_reference(p.q.view, p.k.view, p.v.view, old_out.view, nullptr, p.options);
+  EXPECT_TRUE(same_bits(p.out, old_out));
+
+  Tensor dout{DType::f32, p.out.view.shape};
+  std::mt19937_64 rng(2);
+  dout.fill_normal(rng);
+  Tensor dq{DType::f32, p.q.view.shape}, dk{DType::f32, p.k.view.shape},
+      dv{DType::f32, p.v.view.shape};
+  Tensor old_dq{DType::f32, p.q.view.shape}, old_dk{DType::f32, p.k.view.shape},
+      old_dv{DType::f32, p.v.view.shape};
+  standard_attention_backward(dout.view, p.q.view, p.k.view, p.v.view, p.out.view, lse.data(),
+                              dq.view, dk.view, dv.view, p.options);
+  attention_backward_standard(dout.view, p.q.view, p.k.view, p.v.view, p.out.view, lse.data(),
+                              old_dq.view, old_dk.view, old_dv.view, p.options);
+  EXPECT_TRUE(same_bits(dq, old_dq) && same_bits(dk, old_dk) && same_bits(dv, old_dv));
+  reference_attention_backward(dout.view, p.q.view, p.k.view, p.v.view, p.out.view, lse.data(),
+                               dq.view, dk.view, dv.view, p.options);
+  attention_backward_reference(dout.view, p.q.view, p.k.view, p.v.view, p.out.view, lse.data(),
+                               old_dq.view, old_dk.view, old_dv.view, p.options);
+  EXPECT_TRUE(same_bits(dq, old_dq) && same_bits(dk, old_dk) && same_bits(dv, old_dv));
+}
+#pragma GCC diagnostic pop
 
 TEST(Validation, VisiblePairsCountsTheMaskExactly) {
   AttentionOptions causal;

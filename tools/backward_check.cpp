@@ -135,7 +135,7 @@ void BackwardOracle::compute_reference() {
       lse_row[static_cast<std::size_t>(g)] = problem_.lse[static_cast<std::size_t>(
           (batch_index_ * heads_q + first_q_head + g) * seqlen_q + row)];
     }
-    attention_backward_reference(
+    reference_attention_backward(
         offset_rows(slice_view(problem_.dout.view(), first_q_head, group_), row, 1),
         offset_rows(slice_view(problem_.q.view(), first_q_head, group_), row, 1),
         offset_rows(slice_view(problem_.k.view(), kv_head_, 1), 0, keys),

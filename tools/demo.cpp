@@ -276,7 +276,8 @@ int run_demo(const DemoOptions& demo) {
   const PathErrors flash_errors = errors_against(reference, flash.out, flash.lse);
   const auto row_count = static_cast<long long>(reference.rows.size());
   std::printf(
-      "\nvs the fp64 reference (attention_reference) on %lld query row%s of every (batch, head):\n",
+      "\nvs the fp64 reference (reference_attention_forward) on %lld query row%s of every (batch, "
+      "head):\n",
       row_count, row_count == 1 ? "" : "s");
   Tolerance tolerance;
   // Flash's tolerance is relative to the standard path's error: it means something only while the

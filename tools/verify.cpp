@@ -127,7 +127,8 @@ ReferenceRows reference_rows(const HostTensor& q, const HostTensor& k, const Hos
     const RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, options);
     ConstTensorView k_row = k_full, v_row = v_full;
     k_row.shape[1] = v_row.shape[1] = row_problem.keys;
-    attention_reference(q_row, k_row, v_row, row_out.view(), row_lse.data(), row_problem.options);
+    reference_attention_forward(q_row, k_row, v_row, row_out.view(), row_lse.data(),
+                                row_problem.options);
     // row_out is [batch, 1, heads_q, head_dim]: its flat order is already [batch, heads_q, dim].
     for (std::int64_t i = 0; i < per_row_out; ++i) reference.out.push_back(row_out.at(i));
     reference.lse.insert(reference.lse.end(), row_lse.begin(), row_lse.end());

@@ -80,7 +80,7 @@ RowKeys row_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv
                  const AttentionOptions& options);
 
 // The fp64 reference on the query rows `rows` of every (batch, head), output rounded to the
-// input dtype as attention_reference does.
+// input dtype as reference_attention_forward does.
 struct ReferenceRows {
   std::vector<std::int64_t> rows;
   std::vector<float> out;  // [rows.size(), batch, heads_q, head_dim]

@@ -29,19 +29,31 @@ void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
 
 // The standard path: per (batch, head) the full seqlen_q x seqlen_kv score matrix by OpenBLAS
 // sgemm, mask, row softmax with max subtraction, then P·V by sgemm.
-void attention_standard(const ConstTensorView& q, const ConstTensorView& k,
-                        const ConstTensorView& v, const TensorView& out, float* lse,
-                        const AttentionOptions& options = {});
+void standard_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
+                                const ConstTensorView& v, const TensorView& out, float* lse,
+                                const AttentionOptions& options = {});
 
 // The oracle: plain loops with fp64 accumulation, rounded once into `out`.
-void attention_reference(const ConstTensorView& q, const ConstTensorView& k,
-                         const ConstTensorView& v, const TensorView& out, float* lse,
-                         const AttentionOptions& options = {});
+void reference_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
+                                 const ConstTensorView& v, const TensorView& out, float* lse,
+                                 const AttentionOptions& options = {});
 
 // Runs the chosen path.
 void attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
                        const ConstTensorView& v, const TensorView& out, float* lse,
                        const AttentionOptions& options = {});
+
+// The names before 0.2, kept for one release: every path is now <path>_attention_<pass>.
+[[deprecated("use standard_attention_forward")]] inline void attention_standard(
+    const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
+    const TensorView& out, float* lse, const AttentionOptions& options = {}) {
+  standard_attention_forward(q, k, v, out, lse, options);
+}
+[[deprecated("use reference_attention_forward")]] inline void attention_reference(
+    const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
+    const TensorView& out, float* lse, const AttentionOptions& options = {}) {
+  reference_attention_forward(q, k, v, out, lse, options);
+}
 
 // Bytes of score / probability tiles that one call of `impl` allocates at most, all threads
 // together:

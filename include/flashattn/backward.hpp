@@ -23,7 +23,7 @@ void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView
                               const AttentionOptions& options = {});
 
 // The standard backward: per (batch, head) the full P, dP and dS matrices, products by OpenBLAS.
-void attention_backward_standard(const ConstTensorView& dout, const ConstTensorView& q,
+void standard_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                  const ConstTensorView& k, const ConstTensorView& v,
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
@@ -31,7 +31,7 @@ void attention_backward_standard(const ConstTensorView& dout, const ConstTensorV
 
 // The oracle: plain loops in fp64 that recompute P from q and k (out and lse are validated but
 // not used), rounded once into dq, dk, dv.
-void attention_backward_reference(const ConstTensorView& dout, const ConstTensorView& q,
+void reference_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                   const ConstTensorView& k, const ConstTensorView& v,
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
@@ -42,6 +42,20 @@ void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const C
                         const ConstTensorView& out, const float* lse, const TensorView& dq,
                         const TensorView& dk, const TensorView& dv,
                         const AttentionOptions& options = {});
+
+// The names before 0.2, kept for one release: every path is now <path>_attention_<pass>.
+[[deprecated("use standard_attention_backward")]] inline void attention_backward_standard(
+    const ConstTensorView& dout, const ConstTensorView& q, const ConstTensorView& k,
+    const ConstTensorView& v, const ConstTensorView& out, const float* lse, const TensorView& dq,
+    const TensorView& dk, const TensorView& dv, const AttentionOptions& options = {}) {
+  standard_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
+}
+[[deprecated("use reference_attention_backward")]] inline void attention_backward_reference(
+    const ConstTensorView& dout, const ConstTensorView& q, const ConstTensorView& k,
+    const ConstTensorView& v, const ConstTensorView& out, const float* lse, const TensorView& dq,
+    const TensorView& dk, const TensorView& dv, const AttentionOptions& options = {}) {
+  reference_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
+}
 
 // FLOPs of one backward call by the usual convention: 2.5 x the forward's (five products of the
 // forward's size: S, dP, dV, dQ, dK).

@@ -54,18 +54,18 @@ void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
               lse, options);
 }
 
-void attention_standard(const ConstTensorView& q, const ConstTensorView& k,
-                        const ConstTensorView& v, const TensorView& out, float* lse,
-                        const AttentionOptions& options) {
-  run_backend("attention_standard", AttentionImpl::standard, detail::standard_forward, q, k, v, out,
-              lse, options);
+void standard_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
+                                const ConstTensorView& v, const TensorView& out, float* lse,
+                                const AttentionOptions& options) {
+  run_backend("standard_attention_forward", AttentionImpl::standard, detail::standard_forward, q, k,
+              v, out, lse, options);
 }
 
-void attention_reference(const ConstTensorView& q, const ConstTensorView& k,
-                         const ConstTensorView& v, const TensorView& out, float* lse,
-                         const AttentionOptions& options) {
-  run_backend("attention_reference", AttentionImpl::reference, detail::reference_forward, q, k, v,
-              out, lse, options);
+void reference_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
+                                 const ConstTensorView& v, const TensorView& out, float* lse,
+                                 const AttentionOptions& options) {
+  run_backend("reference_attention_forward", AttentionImpl::reference, detail::reference_forward, q,
+              k, v, out, lse, options);
 }
 
 void attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
@@ -75,9 +75,9 @@ void attention_forward(AttentionImpl impl, const ConstTensorView& q, const Const
     case AttentionImpl::flash:
       return flash_attention_forward(q, k, v, out, lse, options);
     case AttentionImpl::standard:
-      return attention_standard(q, k, v, out, lse, options);
+      return standard_attention_forward(q, k, v, out, lse, options);
     case AttentionImpl::reference:
-      return attention_reference(q, k, v, out, lse, options);
+      return reference_attention_forward(q, k, v, out, lse, options);
   }
   throw Error("attention_forward: impl: expected flash, standard or reference");
 }

@@ -42,21 +42,21 @@ void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView
                v, out, lse, dq, dk, dv, options);
 }
 
-void attention_backward_standard(const ConstTensorView& dout, const ConstTensorView& q,
+void standard_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                  const ConstTensorView& k, const ConstTensorView& v,
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
                                  const AttentionOptions& options) {
-  run_backward("attention_backward_standard", AttentionImpl::standard, detail::standard_backward,
+  run_backward("standard_attention_backward", AttentionImpl::standard, detail::standard_backward,
                dout, q, k, v, out, lse, dq, dk, dv, options);
 }
 
-void attention_backward_reference(const ConstTensorView& dout, const ConstTensorView& q,
+void reference_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                   const ConstTensorView& k, const ConstTensorView& v,
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const AttentionOptions& options) {
-  run_backward("attention_backward_reference", AttentionImpl::reference, detail::reference_backward,
+  run_backward("reference_attention_backward", AttentionImpl::reference, detail::reference_backward,
                dout, q, k, v, out, lse, dq, dk, dv, options);
 }
 
@@ -69,9 +69,9 @@ void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const C
     case AttentionImpl::flash:
       return flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
     case AttentionImpl::standard:
-      return attention_backward_standard(dout, q, k, v, out, lse, dq, dk, dv, options);
+      return standard_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
     case AttentionImpl::reference:
-      return attention_backward_reference(dout, q, k, v, out, lse, dq, dk, dv, options);
+      return reference_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
   }
   throw Error("attention_backward: impl: expected flash, standard or reference");
 }
