@@ -15,8 +15,8 @@
 
 #include "ceilings.hpp"
 #include "flashattn/attention.hpp"
+#include "flashattn/dtype.hpp"
 #include "util/aligned_vector.hpp"
-#include "util/convert.hpp"
 
 namespace {
 
@@ -38,7 +38,7 @@ struct Inputs {
     f32.resize(count);
     for (float& x : f32) x = normal(rng);
     if (dtype == DType::bf16) {
-      for (const float x : f32) bf16.push_back(flashattn::detail::bf16_from_f32(x));
+      for (const float x : f32) bf16.push_back(flashattn::bf16_from_f32(x));
     }
   }
   void* data() {

@@ -32,7 +32,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
-#include "util/convert.hpp"
+#include "flashattn/dtype.hpp"
 
 extern char** environ;
 
@@ -94,12 +94,11 @@ struct Tensor {
     const std::int64_t count = shape[0] * shape[1] * shape[2] * shape[3];
     bytes.resize(static_cast<std::size_t>(count) * flashattn::dtype_size(dtype));
     std::normal_distribution<float> normal;
-    for (std::int64_t i = 0; i < count; ++i)
-      flashattn::detail::store_f32(bytes.data(), dtype, i, normal(rng));
+    for (std::int64_t i = 0; i < count; ++i) store_f32(bytes.data(), dtype, i, normal(rng));
   }
   ConstTensorView view() const { return flashattn::contiguous_view(bytes.data(), dtype, shape); }
   TensorView view() { return flashattn::contiguous_view(bytes.data(), dtype, shape); }
-  float at(std::int64_t i) const { return flashattn::detail::load_f32(bytes.data(), dtype, i); }
+  float at(std::int64_t i) const { return load_f32(bytes.data(), dtype, i); }
 };
 
 double median(std::vector<double> values) {

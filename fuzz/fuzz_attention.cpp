@@ -38,9 +38,9 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "flashattn/dtype.hpp"
 #include "flashattn/flashattn.hpp"
 #include "fuzz_support.hpp"
-#include "util/convert.hpp"
 
 namespace {
 
@@ -200,7 +200,7 @@ Kind kind_of(double x) {
 // instrumentation, which would otherwise cost more than the library calls under test.
 __attribute__((no_sanitize("coverage"))) void check_against_reference(
     Problem& p, const flashattn::detail::AttentionParams& params) {
-  using flashattn::detail::load_f32;
+  using load_f32;
   const std::int64_t B = params.batch, Sq = params.seqlen_q, Hq = params.heads_q,
                      D = params.head_dim, Skv = params.seqlen_kv, Hkv = params.heads_kv;
   std::vector<double> ref_out(static_cast<std::size_t>(B * Sq * Hq * D));

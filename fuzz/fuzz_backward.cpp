@@ -48,9 +48,9 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "flashattn/dtype.hpp"
 #include "flashattn/flashattn.hpp"
 #include "fuzz_support.hpp"
-#include "util/convert.hpp"
 
 namespace {
 
@@ -325,8 +325,8 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
       const double want = g.want[index];
       const double derived = exact ? 0.0 : g.bound[index];
       ++index;
-      const double got = flashattn::detail::load_f32(g.tensor.buffer.bytes.data(), p.dtype,
-                                                     g.tensor.offset(b, s, h, d));
+      const double got =
+          load_f32(g.tensor.buffer.bytes.data(), p.dtype, g.tensor.offset(b, s, h, d));
       auto report = [&](double tolerance) {
         std::ostringstream what;
         what << g.name << "[b=" << b << ", s=" << s << ", h=" << h << ", d=" << d << "] = " << got

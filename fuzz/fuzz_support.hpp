@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "api/params.hpp"
+#include "flashattn/dtype.hpp"
 #include "flashattn/flashattn.hpp"
-#include "util/convert.hpp"
 
 namespace fuzz_support {
 
@@ -195,9 +195,8 @@ inline float value_from(std::uint8_t byte, int exponent, bool specials, bool non
 inline void fill(Tensor& t, DType dtype, FuzzedDataProvider& in, int exponent, bool specials,
                  bool non_finite) {
   for_each_index(t.shape, [&](auto a, auto b, auto c, auto d) {
-    flashattn::detail::store_f32(
-        t.buffer.bytes.data(), dtype, t.offset(a, b, c, d),
-        value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, specials, non_finite));
+    store_f32(t.buffer.bytes.data(), dtype, t.offset(a, b, c, d),
+              value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, specials, non_finite));
   });
 }
 
@@ -239,7 +238,7 @@ inline std::vector<double> to_f64(const void* base, DType dtype,
     for (std::int64_t s = 0; s < seq; ++s)
       for (std::int64_t h = 0; h < heads; ++h)
         for (std::int64_t d = 0; d < D; ++d)
-          result[i++] = flashattn::detail::load_f32(base, dtype, strides.offset(b, s, h) + d);
+          result[i++] = load_f32(base, dtype, strides.offset(b, s, h) + d);
   return result;
 }
 

@@ -21,8 +21,8 @@
 #include "api/memory.hpp"
 #include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
+#include "flashattn/dtype.hpp"
 #include "npy.hpp"
-#include "util/convert.hpp"
 
 namespace {
 
@@ -52,7 +52,7 @@ struct Operand {
   flashattn::ConstTensorView view() const {
     return flashattn::contiguous_view(data(), dtype, shape);
   }
-  float at(std::int64_t i) const { return flashattn::detail::load_f32(data(), dtype, i); }
+  float at(std::int64_t i) const { return load_f32(data(), dtype, i); }
 
   void save(const fs::path& path) const {
     if (dtype == DType::f32) {
@@ -73,7 +73,7 @@ Operand random_operand(DType dtype, Shape shape, std::mt19937_64& rng) {
     if (dtype == DType::f32) {
       operand.f32.push_back(normal(rng));
     } else {
-      operand.f16.push_back(flashattn::detail::f16_from_f32(normal(rng)));
+      operand.f16.push_back(flashattn::f16_from_f32(normal(rng)));
     }
   }
   return operand;
@@ -298,7 +298,7 @@ TEST_F(CliTest, RunFloat16InputsRunAsF16AndWriteFloat32) {
   EXPECT_EQ(out.dtype, DType::f32);
   // The library computed in f16: every output value is exactly representable in binary16.
   for (const float value : out.f32) {
-    EXPECT_EQ(flashattn::detail::f32_from_f16(flashattn::detail::f16_from_f32(value)), value);
+    EXPECT_EQ(flashattn::f32_from_f16(flashattn::f16_from_f32(value)), value);
   }
   AttentionOptions options;
   options.causal = true;

@@ -250,7 +250,7 @@ TEST_F(CliBackwardTest, Float16InputsRunTheBackwardInF16) {
     EXPECT_EQ(array.dtype, DType::f32);
     // The library wrote the gradients in f16: every value is exactly representable in binary16.
     for (const float value : array.f32) {
-      ASSERT_EQ(detail::f32_from_f16(detail::f16_from_f32(value)), value) << name;
+      ASSERT_EQ(f32_from_f16(f16_from_f32(value)), value) << name;
     }
     expect_close(std::vector<double>(array.f32.begin(), array.f32.end()), *want, *baseline, p,
                  name);

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "cpu/tile_kernels.hpp"
+#include "flashattn/dtype.hpp"
 #include "test_support.hpp"
-#include "util/convert.hpp"
 
 namespace flashattn::testing {
 namespace {
@@ -38,7 +38,7 @@ constexpr float kSentinel = -12345.0f;
 std::vector<std::uint8_t> rows_in(DType dtype, const std::vector<float>& values) {
   std::vector<std::uint8_t> bytes(values.size() * dtype_size(dtype));
   for (std::size_t i = 0; i < values.size(); ++i) {
-    detail::store_f32(bytes.data(), dtype, static_cast<std::int64_t>(i), values[i]);
+    store_f32(bytes.data(), dtype, static_cast<std::int64_t>(i), values[i]);
   }
   return bytes;
 }

@@ -16,8 +16,8 @@
 
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "flashattn/dtype.hpp"
 #include "flashattn/flashattn.hpp"
-#include "util/convert.hpp"
 
 namespace flashattn::testing {
 
@@ -43,10 +43,10 @@ struct Tensor {
            i3 * view.strides[3];
   }
   float at(std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3) const {
-    return detail::load_f32(view.data, view.dtype, offset(i0, i1, i2, i3));
+    return load_f32(view.data, view.dtype, offset(i0, i1, i2, i3));
   }
   void set(std::int64_t i0, std::int64_t i1, std::int64_t i2, std::int64_t i3, float value) {
-    detail::store_f32(view.data, view.dtype, offset(i0, i1, i2, i3), value);
+    store_f32(view.data, view.dtype, offset(i0, i1, i2, i3), value);
   }
 
   template <class Fn>

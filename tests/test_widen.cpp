@@ -35,8 +35,8 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
                         static_cast<std::int64_t>(patterns.size()));
       int mismatches = 0;
       for (std::size_t i = 0; i < patterns.size() && mismatches < 5; ++i) {
-        const float want = dtype == DType::f16 ? detail::f32_from_f16(patterns[i])
-                                               : detail::f32_from_bf16(patterns[i]);
+        const float want = dtype == DType::f16 ? f32_from_f16(patterns[i])
+                                               : f32_from_bf16(patterns[i]);
         const bool same = std::isnan(want) ? std::isnan(widened[i])
                                            : std::bit_cast<std::uint32_t>(widened[i]) ==
                                                  std::bit_cast<std::uint32_t>(want);
@@ -75,7 +75,7 @@ TEST(NarrowRowBf16, MatchesTheScalarRoundingOnEveryTarget) {
       }
       int mismatches = 0;
       for (std::size_t i = 0; i < values.size() && mismatches < 5; ++i) {
-        const std::uint16_t want = detail::bf16_from_f32(values[i]);
+        const std::uint16_t want = bf16_from_f32(values[i]);
         if (narrowed[i] != want) {
           ++mismatches;
           ADD_FAILURE() << (stream ? "streamed: " : "") << "0x" << std::hex
@@ -103,7 +103,7 @@ TEST(StreamRowBf16, WritesEveryElementOnEveryTarget) {
         for (std::int64_t i = 0; i < static_cast<std::int64_t>(destination.size()); ++i) {
           const bool inside = i >= offset && i < offset + n;
           const std::uint16_t want =
-              inside ? detail::bf16_from_f32(source[static_cast<std::size_t>(i - offset)])
+              inside ? bf16_from_f32(source[static_cast<std::size_t>(i - offset)])
                      : std::uint16_t{0xdead};
           ASSERT_EQ(destination[static_cast<std::size_t>(i)], want)
               << "offset " << offset << " n " << n << " element " << i;
@@ -154,7 +154,7 @@ TEST(RoundTransposedBf16, MatchesTheScalarTranspose) {
       for (std::int64_t c = 0; c < columns; ++c) {
         for (std::int64_t r = 0; r < rows_padded; ++r) {
           const std::uint16_t want =
-              r < rows ? detail::bf16_from_f32(src[static_cast<std::size_t>(r * ld_src + c)]) : 0;
+              r < rows ? bf16_from_f32(src[static_cast<std::size_t>(r * ld_src + c)]) : 0;
           ASSERT_EQ(dst[static_cast<std::size_t>(c * ld_dst + r)], want)
               << "rows " << rows << " columns " << columns << " at (" << c << ", " << r << ")";
         }

@@ -5,7 +5,7 @@
 #include <type_traits>
 
 #include "flashattn/backward.hpp"
-#include "util/convert.hpp"
+#include "flashattn/dtype.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -79,7 +79,7 @@ SliceGradients BackwardOracle::slice_of(const HostTensor& dq, const HostTensor& 
       for (std::int64_t h = first_head; h < first_head + heads; ++h) {
         const std::int64_t base = ((batch_index_ * seqlen + s) * all_heads + h) * head_dim;
         for (std::int64_t d = 0; d < head_dim; ++d) {
-          detail::store_f32(slice.data(), slice.dtype, index++, whole.at(base + d));
+          store_f32(slice.data(), slice.dtype, index++, whole.at(base + d));
         }
       }
     }
@@ -143,7 +143,7 @@ void BackwardOracle::compute_reference() {
         offset_rows(slice_view(problem_.out.view(), first_q_head, group_), row, 1), lse_row.data(),
         dq_row.view(), unused_dk.view(), unused_dv.view(), row_problem.options);
     for (std::int64_t i = 0; i < dq_row.numel(); ++i) {
-      detail::store_f32(dq_rows.data(), dtype, index++, dq_row.at(i));
+      store_f32(dq_rows.data(), dtype, index++, dq_row.at(i));
     }
   }
   reference_dq_rows_ = std::move(dq_rows);

@@ -47,8 +47,8 @@
 #include "cpu/tile_kernels_bf16.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
+#include "flashattn/dtype.hpp"
 #include "flashattn/error.hpp"
-#include "util/convert.hpp"
 #include "verify.hpp"
 
 extern char** environ;

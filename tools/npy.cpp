@@ -12,8 +12,8 @@
 #include <sstream>
 #include <utility>
 
+#include "flashattn/dtype.hpp"
 #include "flashattn/error.hpp"
-#include "util/convert.hpp"
 
 namespace flashattn::npy {
 
@@ -291,7 +291,7 @@ const void* Array::data() const {
 std::vector<float> Array::to_f32() const {
   if (dtype == DType::f32) return f32;
   std::vector<float> widened(f16.size());
-  std::transform(f16.begin(), f16.end(), widened.begin(), detail::f32_from_f16);
+  std::transform(f16.begin(), f16.end(), widened.begin(), f32_from_f16);
   return widened;
 }
 

@@ -16,9 +16,9 @@
 #include "cli_common.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
+#include "flashattn/dtype.hpp"
 #include "flashattn/error.hpp"
 #include "npy.hpp"
-#include "util/convert.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -94,7 +94,7 @@ class Output {
   void write(npy::Writer& writer) {
     if (dtype_ == DType::f16) {
       f32_.resize(f16_.size());
-      for (std::size_t i = 0; i < f16_.size(); ++i) f32_[i] = detail::f32_from_f16(f16_[i]);
+      for (std::size_t i = 0; i < f16_.size(); ++i) f32_[i] = f32_from_f16(f16_[i]);
     }
     writer.write(f32_.data(), shape_);
   }

@@ -5,7 +5,7 @@
 #include <limits>
 #include <set>
 
-#include "util/convert.hpp"
+#include "flashattn/dtype.hpp"
 
 namespace flashattn::cli {
 
@@ -28,7 +28,7 @@ const void* HostTensor::data() const {
                              : static_cast<const void*>(bits16.data());
 }
 
-float HostTensor::at(std::int64_t index) const { return detail::load_f32(data(), dtype, index); }
+float HostTensor::at(std::int64_t index) const { return load_f32(data(), dtype, index); }
 
 DType parse_dtype(const std::string& name) {
   if (name == "f16") return DType::f16;
@@ -52,7 +52,7 @@ HostTensor random_tensor(DType dtype, std::array<std::int64_t, 4> shape, std::mt
   HostTensor tensor(dtype, shape);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (std::int64_t i = 0; i < tensor.numel(); ++i) {
-    detail::store_f32(tensor.data(), dtype, i, normal(rng));
+    store_f32(tensor.data(), dtype, i, normal(rng));
   }
   return tensor;
 }

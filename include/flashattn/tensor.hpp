@@ -5,12 +5,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flashattn/dtype.hpp"
+
 namespace flashattn {
-
-enum class DType : std::uint8_t { f32, f16, bf16 };
-
-constexpr std::size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
-const char* dtype_name(DType dtype);
 
 // A non-owning view of a 4-d tensor: data pointer, element type, dims and element strides
 // (not bytes). The last dim must be contiguous (stride 1) wherever the library reads a view.

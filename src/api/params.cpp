@@ -12,19 +12,6 @@
 #include "api/fail.hpp"
 
 namespace flashattn {
-
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return "f32";
-    case DType::f16:
-      return "f16";
-    case DType::bf16:
-      return "bf16";
-  }
-  return "unknown";
-}
-
 namespace detail {
 namespace {
 

@@ -1,81 +1,14 @@
 #pragma once
 
-// Scalar conversions between the storage dtypes and fp32. Round-to-nearest-even, with NaN and
-// infinities preserved. These are the portable fallbacks; SIMD kernels convert in registers.
+// Row conversions between the storage dtypes and fp32 (SIMD where the CPU has it), and the memory
+// hints of the row loops. The scalar conversions are public: flashattn/dtype.hpp.
 
-#include <bit>
 #include <cstdint>
 #include <cstring>
 
-#include "flashattn/tensor.hpp"
+#include "flashattn/dtype.hpp"
 
 namespace flashattn::detail {
-
-inline float f32_from_bf16(std::uint16_t bits) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
-}
-
-inline std::uint16_t bf16_from_f32(float value) {
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((bits >> 16) | 0x40u);
-  const std::uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<std::uint16_t>((bits + rounding) >> 16);
-}
-
-inline float f32_from_f16(std::uint16_t half) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(half & 0x8000u) << 16;
-  const std::uint32_t exponent = (half >> 10) & 0x1fu;
-  const std::uint32_t mantissa = half & 0x3ffu;
-  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent == 0) {
-    // Zero or subnormal: value = mantissa * 2^-24, exact in fp32.
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    return sign ? -magnitude : magnitude;
-  }
-  return std::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
-inline std::uint16_t f16_from_f32(float value) {
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
-  const std::uint16_t sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
-  const std::uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // NaN
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds to infinity
-  if (magnitude < 0x38800000u) {                        // subnormal half or zero
-    // Scale so that one half-subnormal ulp (2^-24) is 1.0, then round to nearest even.
-    const float scaled = std::bit_cast<float>(magnitude) * 0x1p24f;
-    const float rounded = scaled + 0x1p23f - 0x1p23f;  // exact RNE for scaled < 2^23
-    return sign | static_cast<std::uint16_t>(rounded);
-  }
-  const std::uint32_t rounding = 0xfffu + ((magnitude >> 13) & 1u);
-  return sign | static_cast<std::uint16_t>((magnitude - 0x38000000u + rounding) >> 13);
-}
-
-inline float load_f32(const void* base, DType dtype, std::int64_t index) {
-  switch (dtype) {
-    case DType::f32:
-      return static_cast<const float*>(base)[index];
-    case DType::f16:
-      return f32_from_f16(static_cast<const std::uint16_t*>(base)[index]);
-    case DType::bf16:
-      return f32_from_bf16(static_cast<const std::uint16_t*>(base)[index]);
-  }
-  return 0.0f;
-}
-
-inline void store_f32(void* base, DType dtype, std::int64_t index, float value) {
-  switch (dtype) {
-    case DType::f32:
-      static_cast<float*>(base)[index] = value;
-      return;
-    case DType::f16:
-      static_cast<std::uint16_t*>(base)[index] = f16_from_f32(value);
-      return;
-    case DType::bf16:
-      static_cast<std::uint16_t*>(base)[index] = bf16_from_f32(value);
-      return;
-  }
-}
 
 // dst[0, n) = src[0, n) of an f16 (dtype f16) or bf16 (dtype bf16) row widened to fp32, with
 // SIMD where the CPU has it (util/widen.cpp); exactly the floats of f32_from_f16/bf16.
