@@ -1,83 +1,84 @@
 // The oracle: the seed's standard attention in plain loops with fp64 accumulation. It never gets
 // fast and never goes away; every other path is tested against it.
 
-#include <omp.h>
-
 #include <cmath>
 #include <limits>
-#include <new>
 #include <vector>
 
 #include "api/backends.hpp"
 #include "util/convert.hpp"
+#include "util/parallel.hpp"
 
 namespace flashattn::detail {
 
-void reference_forward_f64(const AttentionParams& p, double* out_f64, double* lse_f64) {
-  const std::int64_t D = p.head_dim;
-  const double scale = p.scale;
-  const std::int64_t tasks = p.batch * p.heads_q;
+namespace {
 
-  // An exception must not leave an OpenMP region (that is std::terminate): a thread whose
-  // buffers cannot be allocated records it, skips its tasks, and bad_alloc is thrown after.
-  bool out_of_memory = false;
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    std::vector<double> scores, output_row;
-    bool allocated = false;
-    try {
-      scores.resize(static_cast<std::size_t>(p.seqlen_kv));
-      output_row.resize(static_cast<std::size_t>(D));
-      allocated = true;
-    } catch (const std::bad_alloc&) {
-#pragma omp atomic write
-      out_of_memory = true;
+// Per-thread buffers: the scores of one row, then its output before rounding.
+struct RowBuffers {
+  std::vector<double> scores, output;
+};
+
+// Query row `row` of (batch b, query head h): out_row[0, D) and *lse (when not null).
+void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std::int64_t row,
+                   RowBuffers& buffers, double* out_row, double* lse) {
+  const std::int64_t D = p.head_dim, h_kv = p.kv_head(h);
+  const double scale = p.scale;
+  const KeyRange keys = p.key_range(row);
+  if (keys.empty()) {
+    for (std::int64_t d = 0; d < D; ++d) out_row[d] = 0.0;
+    if (lse) *lse = -std::numeric_limits<double>::infinity();
+    return;
+  }
+  // Scores of the visible keys and their maximum. A NaN score is skipped by the max but flows
+  // through exp() into the sum, so the whole row becomes NaN.
+  std::vector<double>& scores = buffers.scores;
+  const std::int64_t q_offset = p.q_strides.offset(b, row, h);
+  double max_score = -std::numeric_limits<double>::infinity();
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    const std::int64_t k_offset = p.k_strides.offset(b, j, h_kv);
+    double dot = 0.0;
+    for (std::int64_t d = 0; d < D; ++d) {
+      dot += static_cast<double>(load_f32(p.q, p.dtype, q_offset + d)) *
+             static_cast<double>(load_f32(p.k, p.dtype, k_offset + d));
     }
-#pragma omp for schedule(dynamic)
-    for (std::int64_t task = 0; task < tasks; ++task) {
-      if (!allocated) continue;
-      const std::int64_t b = task / p.heads_q, h = task % p.heads_q, h_kv = p.kv_head(h);
-      for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
-        double* out_row = out_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
-        double* lse = lse_f64 ? lse_f64 + p.lse_index(b, h, row) : nullptr;
-        const KeyRange keys = p.key_range(row);
-        if (keys.empty()) {
-          for (std::int64_t d = 0; d < D; ++d) out_row[d] = 0.0;
-          if (lse) *lse = -std::numeric_limits<double>::infinity();
-          continue;
-        }
-        // Scores of the visible keys and their maximum. A NaN score is skipped by the max but
-        // flows through exp() into the sum, so the whole row becomes NaN.
-        const std::int64_t q_offset = p.q_strides.offset(b, row, h);
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-          const std::int64_t k_offset = p.k_strides.offset(b, j, h_kv);
-          double dot = 0.0;
-          for (std::int64_t d = 0; d < D; ++d) {
-            dot += static_cast<double>(load_f32(p.q, p.dtype, q_offset + d)) *
-                   static_cast<double>(load_f32(p.k, p.dtype, k_offset + d));
-          }
-          scores[j] = dot * scale;
-          if (scores[j] > max_score) max_score = scores[j];
-        }
-        // All scores -inf (only reachable with infinite inputs): subtract 0 instead of -inf.
-        const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
-        double sum = 0.0;
-        for (std::int64_t d = 0; d < D; ++d) output_row[d] = 0.0;
-        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-          const double weight = std::exp(scores[j] - shift);
-          sum += weight;
-          const std::int64_t v_offset = p.v_strides.offset(b, j, h_kv);
-          for (std::int64_t d = 0; d < D; ++d) {
-            output_row[d] += weight * static_cast<double>(load_f32(p.v, p.dtype, v_offset + d));
-          }
-        }
-        for (std::int64_t d = 0; d < D; ++d) out_row[d] = output_row[d] / sum;
-        if (lse) *lse = shift + std::log(sum);
-      }
+    scores[j] = dot * scale;
+    if (scores[j] > max_score) max_score = scores[j];
+  }
+  // All scores -inf (only reachable with infinite inputs): subtract 0 instead of -inf.
+  const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
+  double sum = 0.0;
+  std::vector<double>& output = buffers.output;
+  for (std::int64_t d = 0; d < D; ++d) output[d] = 0.0;
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    const double weight = std::exp(scores[j] - shift);
+    sum += weight;
+    const std::int64_t v_offset = p.v_strides.offset(b, j, h_kv);
+    for (std::int64_t d = 0; d < D; ++d) {
+      output[d] += weight * static_cast<double>(load_f32(p.v, p.dtype, v_offset + d));
     }
   }
-  if (out_of_memory) throw std::bad_alloc();
+  for (std::int64_t d = 0; d < D; ++d) out_row[d] = output[d] / sum;
+  if (lse) *lse = shift + std::log(sum);
+}
+
+}  // namespace
+
+void reference_forward_f64(const AttentionParams& p, double* out_f64, double* lse_f64) {
+  const std::int64_t D = p.head_dim;
+  auto make_buffers = [&] {
+    return RowBuffers{std::vector<double>(static_cast<std::size_t>(p.seqlen_kv)),
+                      std::vector<double>(static_cast<std::size_t>(D))};
+  };
+  // A task: every row of one (batch, query head).
+  auto run_task = [&](RowBuffers& buffers, std::int64_t task) {
+    const std::int64_t b = task / p.heads_q, h = task % p.heads_q;
+    for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+      double* out_row = out_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
+      double* lse = lse_f64 ? lse_f64 + p.lse_index(b, h, row) : nullptr;
+      reference_row(p, b, h, row, buffers, out_row, lse);
+    }
+  };
+  parallel_tasks(p.num_threads, p.batch * p.heads_q, make_buffers, run_task);
 }
 
 void reference_forward(const AttentionParams& p) {

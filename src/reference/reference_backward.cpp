@@ -5,104 +5,114 @@
 //   dS_ij = P_ij (dP_ij − D_i)             dq_i = scale Σ_j dS_ij k_j
 //   dk_j += scale dS_ij q_i                dv_j += P_ij dO_i   (summed over the GQA group)
 
-#include <omp.h>
-
 #include <cmath>
 #include <limits>
-#include <new>
 #include <vector>
 
 #include "api/backends.hpp"
 #include "util/convert.hpp"
+#include "util/parallel.hpp"
 
 namespace flashattn::detail {
+
+namespace {
+
+// Per-thread buffers: P and dP of one row.
+struct RowBuffers {
+  std::vector<double> probabilities, dprobabilities;
+};
+
+// Element (j, d) of one (batch, KV head) group's dK and dV lies at [base + j · kv_row + d]. An
+// index, not a pointer: with Skv = 0 the arrays may be null, and null plus an offset is undefined
+// behaviour (the backward fuzzer's UBSan found it).
+struct GroupGradients {
+  double* dk;
+  double* dv;
+  std::int64_t base, kv_row;
+};
+
+// Query row `row` of (batch b, query head h): writes dq[0, D) and adds its terms to the group's
+// dK and dV rows.
+void reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
+                            std::int64_t row, RowBuffers& buffers, double* dq,
+                            const GroupGradients& group) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim, h_kv = p.kv_head(h);
+  const double scale = p.scale;
+  auto read = [&](const void* base, const Strides& strides, std::int64_t s, std::int64_t head,
+                  std::int64_t d) {
+    return static_cast<double>(load_f32(base, p.dtype, strides.offset(b, s, head) + d));
+  };
+  for (std::int64_t d = 0; d < D; ++d) dq[d] = 0.0;
+  const KeyRange keys = p.key_range(row);
+  if (keys.empty()) return;
+
+  std::vector<double>& probabilities = buffers.probabilities;
+  std::vector<double>& dprobabilities = buffers.dprobabilities;
+  double max_score = -std::numeric_limits<double>::infinity();
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    double dot = 0.0;
+    for (std::int64_t d = 0; d < D; ++d) {
+      dot += read(p.q, p.q_strides, row, h, d) * read(p.k, p.k_strides, j, h_kv, d);
+    }
+    probabilities[j] = dot * scale;
+    if (probabilities[j] > max_score) max_score = probabilities[j];
+  }
+  const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
+  double sum = 0.0;
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    probabilities[j] = std::exp(probabilities[j] - shift);
+    sum += probabilities[j];
+  }
+  double row_delta = 0.0;  // D_i
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    probabilities[j] /= sum;
+    double dot = 0.0;
+    for (std::int64_t d = 0; d < D; ++d) {
+      dot += read(bp.dout, bp.dout_strides, row, h, d) * read(p.v, p.v_strides, j, h_kv, d);
+    }
+    dprobabilities[j] = dot;
+    row_delta += probabilities[j] * dot;
+  }
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    const double dscore = probabilities[j] * (dprobabilities[j] - row_delta);
+    const std::int64_t kv = group.base + j * group.kv_row;
+    for (std::int64_t d = 0; d < D; ++d) {
+      dq[d] += scale * dscore * read(p.k, p.k_strides, j, h_kv, d);
+      group.dk[kv + d] += scale * dscore * read(p.q, p.q_strides, row, h, d);
+      group.dv[kv + d] += probabilities[j] * read(bp.dout, bp.dout_strides, row, h, d);
+    }
+  }
+}
+
+}  // namespace
 
 void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk_f64,
                             double* dv_f64) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, Skv = p.seqlen_kv;
-  const double scale = p.scale;
-  const std::int64_t tasks = p.batch * p.heads_kv;
-  auto read = [&](const void* base, const Strides& strides, std::int64_t b, std::int64_t s,
-                  std::int64_t h, std::int64_t d) {
-    return static_cast<double>(load_f32(base, p.dtype, strides.offset(b, s, h) + d));
+  auto make_buffers = [&] {
+    return RowBuffers{std::vector<double>(static_cast<std::size_t>(Skv)),
+                      std::vector<double>(static_cast<std::size_t>(Skv))};
   };
-
-  // As in reference_forward_f64: bad_alloc must not leave the OpenMP region.
-  bool out_of_memory = false;
-#pragma omp parallel num_threads(p.num_threads)
-  {
-    std::vector<double> probabilities, dprobabilities;
-    bool allocated = false;
-    try {
-      probabilities.resize(static_cast<std::size_t>(Skv));
-      dprobabilities.resize(static_cast<std::size_t>(Skv));
-      allocated = true;
-    } catch (const std::bad_alloc&) {
-#pragma omp atomic write
-      out_of_memory = true;
-    }
-#pragma omp for schedule(dynamic)
-    for (std::int64_t task = 0; task < tasks; ++task) {
-      if (!allocated) continue;
-      const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
-      // Element (j, d) of this group's dK and dV at [base + j · kv_row + d]. An index, not a
-      // pointer: with Skv = 0 the arrays may be null, and null plus an offset is undefined
-      // behaviour (the backward fuzzer's UBSan found it).
-      const std::int64_t base = (b * Skv * p.heads_kv + h_kv) * D, kv_row = p.heads_kv * D;
-      for (std::int64_t j = 0; j < Skv; ++j) {
-        for (std::int64_t d = 0; d < D; ++d) {
-          dk_f64[base + j * kv_row + d] = dv_f64[base + j * kv_row + d] = 0.0;
-        }
-      }
-      for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
-        for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
-          double* dq = dq_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
-          for (std::int64_t d = 0; d < D; ++d) dq[d] = 0.0;
-          const KeyRange keys = p.key_range(row);
-          if (keys.empty()) continue;
-
-          double max_score = -std::numeric_limits<double>::infinity();
-          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-            double dot = 0.0;
-            for (std::int64_t d = 0; d < D; ++d) {
-              dot += read(p.q, p.q_strides, b, row, h, d) * read(p.k, p.k_strides, b, j, h_kv, d);
-            }
-            probabilities[j] = dot * scale;
-            if (probabilities[j] > max_score) max_score = probabilities[j];
-          }
-          const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
-          double sum = 0.0;
-          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-            probabilities[j] = std::exp(probabilities[j] - shift);
-            sum += probabilities[j];
-          }
-          double row_delta = 0.0;  // D_i
-          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-            probabilities[j] /= sum;
-            double dot = 0.0;
-            for (std::int64_t d = 0; d < D; ++d) {
-              dot += read(bp.dout, bp.dout_strides, b, row, h, d) *
-                     read(p.v, p.v_strides, b, j, h_kv, d);
-            }
-            dprobabilities[j] = dot;
-            row_delta += probabilities[j] * dot;
-          }
-          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-            const double dscore = probabilities[j] * (dprobabilities[j] - row_delta);
-            for (std::int64_t d = 0; d < D; ++d) {
-              dq[d] += scale * dscore * read(p.k, p.k_strides, b, j, h_kv, d);
-              dk_f64[base + j * kv_row + d] +=
-                  scale * dscore * read(p.q, p.q_strides, b, row, h, d);
-              dv_f64[base + j * kv_row + d] +=
-                  probabilities[j] * read(bp.dout, bp.dout_strides, b, row, h, d);
-            }
-          }
-        }
+  // A task: one (batch, KV head) group, which owns its dK and dV rows.
+  auto run_task = [&](RowBuffers& buffers, std::int64_t task) {
+    const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
+    const GroupGradients group{dk_f64, dv_f64, (b * Skv * p.heads_kv + h_kv) * D, p.heads_kv * D};
+    for (std::int64_t j = 0; j < Skv; ++j) {
+      for (std::int64_t d = 0; d < D; ++d) {
+        group.dk[group.base + j * group.kv_row + d] = 0.0;
+        group.dv[group.base + j * group.kv_row + d] = 0.0;
       }
     }
-  }
-  if (out_of_memory) throw std::bad_alloc();
+    for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
+      for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+        double* dq = dq_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
+        reference_backward_row(bp, b, h, row, buffers, dq, group);
+      }
+    }
+  };
+  parallel_tasks(p.num_threads, p.batch * p.heads_kv, make_buffers, run_task);
 }
 
 void reference_backward(const BackwardParams& bp) {
