@@ -296,175 +296,254 @@ struct Task {
   float* dq;  // the fp32 dQ sums this task adds into, [group x seqlen_q x dims_padded]
 };
 
+// The K/V block [begin, end) of a task, packed once for every row block that sees it: in the
+// layouts that the three products reading it stream, in fp32 unless the products are bf16 ones
+// (then in bf16, and in fp32 only once a pair needs it).
+struct KeyBlock {
+  std::int64_t begin, end, keys, keys_padded;
+  std::int64_t bf16_keys;  // keys zero-padded to a whole AMX reduction
+  bool bf16_exact;         // bf16 products: K and V hold no subnormal
+  bool fp32_packed;        // Kᵀ, K and Vᵀ laid out in fp32
+  bool finite;             // K and V hold no infinity or NaN
+};
+
+// One Q row block (query head g of the group, row block n) against the task's K/V block.
+struct BlockPair {
+  std::int64_t g, n, row_begin, rows;
+  bool bf16;          // all five products in bf16
+  bool visible_only;  // masked pairs and a non-finite input: gradients over visible pairs only
+  const float* q;     // the block's fp32 Q and dO panels (valid when !bf16 or visible_only)
+  const float* dout;
+};
+
+// Kᵀ, K and Vᵀ of the block in fp32.
+void pack_key_block_fp32(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
+                         std::int64_t b, std::int64_t h_kv, KeyBlock& kv) {
+  const std::int64_t D = p.head_dim;
+  cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, kv.begin,
+                            kv.keys, kv.keys_padded, D);
+  cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, kv.begin,
+                            kv.keys, kv.keys_padded, D);
+  cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, kv.begin, kv.keys, D,
+                 tiles.dims_padded);
+  kv.fp32_packed = true;
+}
+
+// Prologue of one K/V block: pack K and V, zero the dK and dV accumulators.
+KeyBlock start_key_block(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
+                         std::int64_t b, std::int64_t h_kv, std::int64_t block) {
+  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded;
+  KeyBlock kv{};
+  kv.begin = block * tiles.keys;
+  kv.end = std::min(kv.begin + tiles.keys, p.seqlen_kv);
+  kv.keys = kv.end - kv.begin;
+  kv.keys_padded = cpu::pad_to_lanes(kv.keys);
+  kv.bf16_keys = cpu::pad_to_amx_reduction(kv.keys);
+  const std::int64_t transposed_size =
+      (tiles.bf16_operands() ? tiles.bf16_reduction : D) * kv.keys_padded;
+  if (tiles.bf16_operands()) {
+    const bool subnormal_keys =
+        cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, kv.begin,
+                                       kv.keys, kv.keys_padded, D, tiles.bf16_reduction);
+    const bool subnormal_values =
+        cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, kv.begin,
+                                       kv.keys, kv.keys_padded, D, tiles.bf16_reduction);
+    kv.bf16_exact = !subnormal_keys && !subnormal_values;
+    kv.finite = cpu::all_finite_bf16(t.k_bf16.data(), transposed_size) &&
+                cpu::all_finite_bf16(t.v_bf16.data(), transposed_size);
+    cpu::pack_row_pairs_bf16(t.k_pairs.data(), p.k, p.k_strides, b, h_kv, kv.begin, kv.keys,
+                             kv.bf16_keys, D, Dp);
+  } else {
+    pack_key_block_fp32(p, tiles, t, b, h_kv, kv);
+    kv.finite = cpu::all_finite(t.k_packed_t.data(), transposed_size) &&
+                cpu::all_finite(t.v_packed_t.data(), transposed_size);
+  }
+  std::fill_n(t.dk.begin(), kv.keys * Dp, 0.0f);
+  std::fill_n(t.dv.begin(), kv.keys * Dp, 0.0f);
+  return kv;
+}
+
+// Row blocks [first, end) holding the query rows that see some key of the block: the row ranges
+// are monotone in the row. The blocks are visited whole; their rows that see none of the block
+// get P = 0, hence dS = 0, from the mask. A block that no row sees (no queries, or keys outside
+// every window) visits none and still writes its dK and dV: zeros.
+struct RowBlocks {
+  std::int64_t first, end;
+};
+RowBlocks row_blocks_that_see(const AttentionParams& p, const BackwardTiles& tiles,
+                              const KeyBlock& kv) {
+  std::int64_t first_row = 0, last_row = p.seqlen_q;
+  while (first_row < last_row && p.key_range(first_row).end <= kv.begin) ++first_row;
+  while (last_row > first_row && p.key_range(last_row - 1).begin >= kv.end) --last_row;
+  const std::int64_t first_block = first_row / tiles.rows;
+  return {first_block,
+          first_row == last_row ? first_block : (last_row + tiles.rows - 1) / tiles.rows};
+}
+
+// Which way the pair's products run, with the fp32 operands they then need laid out.
+BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
+                     const Task& task, KeyBlock& kv, std::int64_t g, std::int64_t n) {
+  const AttentionParams& p = bp.forward;
+  QueryBlocks& queries = *task.queries;
+  BlockPair pair{};
+  pair.g = g;
+  pair.n = n;
+  pair.row_begin = n * tiles.rows;
+  pair.rows = queries.rows(n);
+  pair.bf16 = kv.bf16_exact && queries.bf16_exact(task.slot, g, n);
+  if (!pair.bf16) queries.pack_fp32(bp, task.slot, task.b, task.h_kv, g, n);
+  pair.q = queries.q_panels(task.slot, g, n);
+  pair.dout = queries.dout_panels(task.slot, g, n);
+  // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its gradients
+  // over the visible pairs only (cpu/visible_gradients.hpp).
+  const bool fully_visible = p.key_range(pair.row_begin).end >= kv.end &&
+                             p.key_range(pair.row_begin + pair.rows - 1).begin <= kv.begin;
+  pair.visible_only = !fully_visible && !(kv.finite && queries.finite(task.slot, g, n));
+  if (!pair.bf16 && !kv.fp32_packed) pack_key_block_fp32(p, tiles, t, task.b, task.h_kv, kv);
+  return pair;
+}
+
+// P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0                [rows x keys_padded]
+void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
+                        const Task& task, const KeyBlock& kv, const BlockPair& pair) {
+  const QueryBlocks& queries = *task.queries;
+  const std::int64_t ld_s = tiles.ld_scores;
+  if (pair.bf16) {
+    cpu::bf16_tile_product(tiles.products, t.probabilities.data(), ld_s, false,
+                           queries.q_bf16(task.slot, pair.g, pair.n), tiles.bf16_reduction,
+                           t.k_bf16.data(), pair.rows, kv.keys_padded, tiles.bf16_reduction);
+  } else {
+    cpu::scores_tile(t.probabilities.data(), ld_s, {pair.q, tiles.dims_padded, pair.rows},
+                     t.k_packed_t.data(), pair.rows, kv.keys_padded, p.head_dim);
+  }
+  for (std::int64_t i = 0; i < pair.rows; ++i) {
+    float* s = t.probabilities.data() + i * ld_s;
+    mask_invisible(s, p.key_range(pair.row_begin + i), kv.begin, kv.keys);
+    std::fill(s + kv.keys, s + kv.keys_padded, kNegativeInfinity);
+  }
+  cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.scale,
+                                   queries.lse(task.slot, pair.g, pair.n), pair.rows,
+                                   kv.keys_padded);
+}
+
+// dV += Pᵀ·dO                                                           [keys x Dp]
+// (visible_only pairs add theirs with dQ and dK, in gradients_step)
+void value_gradient_step(const BackwardTiles& tiles, Scratch& t, const Task& task,
+                         const KeyBlock& kv, const BlockPair& pair) {
+  if (pair.visible_only) return;
+  const std::int64_t ld_s = tiles.ld_scores, Dp = tiles.dims_padded;
+  if (pair.bf16) {
+    cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.bf16_rows, t.probabilities.data(),
+                               ld_s, pair.rows, tiles.bf16_rows, kv.keys_padded);
+    cpu::bf16_tile_product(tiles.products, t.dv.data(), Dp, true, t.probabilities_t.data(),
+                           tiles.bf16_rows, task.queries->dout_pairs(task.slot, pair.g, pair.n),
+                           kv.keys, Dp, tiles.bf16_rows);
+  } else {
+    cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, pair.dout,
+                                       pair.rows, kv.keys, Dp);
+  }
+}
+
+// dS = scale · P ∘ (dO·Vᵀ − D_i)                                        [rows x keys_padded]
+void score_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
+                         const Task& task, const KeyBlock& kv, const BlockPair& pair) {
+  const QueryBlocks& queries = *task.queries;
+  const std::int64_t ld_s = tiles.ld_scores;
+  if (pair.bf16) {
+    cpu::bf16_tile_product(tiles.products, t.dscores.data(), ld_s, false,
+                           queries.dout_bf16(task.slot, pair.g, pair.n), tiles.bf16_reduction,
+                           t.v_bf16.data(), pair.rows, kv.keys_padded, tiles.bf16_reduction);
+  } else {
+    cpu::scores_tile(t.dscores.data(), ld_s, {pair.dout, tiles.dims_padded, pair.rows},
+                     t.v_packed_t.data(), pair.rows, kv.keys_padded, p.head_dim);
+  }
+  cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
+                             queries.delta(task.slot, pair.g, pair.n), p.scale, pair.rows,
+                             kv.keys_padded);
+}
+
+// dQ += dS·K                                                            [rows x Dp]
+// dK += dSᵀ·Q                                                           [keys x Dp]
+// and, for visible_only pairs, dV += Pᵀ·dO, each over the visible (row, key) pairs only.
+void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
+                    const Task& task, const KeyBlock& kv, const BlockPair& pair) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, ld_s = tiles.ld_scores;
+  const std::int64_t rows = pair.rows, row_begin = pair.row_begin, b = task.b;
+  float* dq = task.dq + (pair.g * p.seqlen_q + row_begin) * Dp;
+  if (pair.visible_only) {
+    const std::int64_t h = task.h_kv * p.group_size() + pair.g;
+    t.q_rows.resize(static_cast<std::size_t>(rows * D));
+    t.dout_rows.resize(t.q_rows.size());
+    t.k_rows.resize(static_cast<std::size_t>(kv.keys * D));
+    for (std::int64_t i = 0; i < rows; ++i) {
+      load_row_f32(t.q_rows.data() + i * D, p.q, p.dtype, p.q_strides.offset(b, row_begin + i, h),
+                   D);
+      load_row_f32(t.dout_rows.data() + i * D, bp.dout, p.dtype,
+                   bp.dout_strides.offset(b, row_begin + i, h), D);
+    }
+    for (std::int64_t j = 0; j < kv.keys; ++j) {
+      load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
+                   p.k_strides.offset(b, kv.begin + j, task.h_kv), D);
+    }
+    cpu::add_visible_gradients(p, {row_begin, rows, kv.begin, kv.keys, D, t.probabilities.data(),
+                                   t.dscores.data(), ld_s, t.q_rows.data(), D, t.dout_rows.data(),
+                                   D, t.k_rows.data(), D, dq, Dp, t.dk.data(), t.dv.data(), Dp});
+  } else if (pair.bf16) {
+    cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.bf16_keys, t.dscores.data(), ld_s,
+                                  rows, kv.keys_padded, kv.bf16_keys);
+    cpu::bf16_tile_product(tiles.products, dq, Dp, true, t.dscores_bf16.data(), tiles.bf16_keys,
+                           t.k_pairs.data(), rows, Dp, kv.bf16_keys);
+    cpu::round_transposed_bf16(t.dscores_t.data(), tiles.bf16_rows, t.dscores.data(), ld_s, rows,
+                               tiles.bf16_rows, kv.keys_padded);
+    cpu::bf16_tile_product(tiles.products, t.dk.data(), Dp, true, t.dscores_t.data(),
+                           tiles.bf16_rows, task.queries->q_pairs(task.slot, pair.g, pair.n),
+                           kv.keys, Dp, tiles.bf16_rows);
+  } else {
+    cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), kv.keys, 0, kv.keys,
+                            rows, Dp);
+    cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s, pair.q, rows,
+                                       kv.keys, Dp);
+  }
+}
+
+// Epilogue of one K/V block: its dK and dV rows, written once.
+void store_key_gradients(const BackwardParams& bp, const BackwardTiles& tiles, const Scratch& t,
+                         const Task& task, const KeyBlock& kv) {
+  const AttentionParams& p = bp.forward;
+  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
+  for (std::int64_t j = 0; j < kv.keys; ++j) {
+    if (j + kRowsAhead < kv.keys) {
+      prefetch_store_row(bp.dk, p.dtype, bp.dk_strides.offset(b, kv.begin + j + kRowsAhead, h_kv),
+                         D, tiles.stream_gradients);
+      prefetch_store_row(bp.dv, p.dtype, bp.dv_strides.offset(b, kv.begin + j + kRowsAhead, h_kv),
+                         D, tiles.stream_gradients);
+    }
+    store_row_f32(bp.dk, p.dtype, bp.dk_strides.offset(b, kv.begin + j, h_kv), t.dk.data() + j * Dp,
+                  D, tiles.stream_gradients);
+    store_row_f32(bp.dv, p.dtype, bp.dv_strides.offset(b, kv.begin + j, h_kv), t.dv.data() + j * Dp,
+                  D, tiles.stream_gradients);
+  }
+}
+
+// A task: each of its K/V blocks against every row block that sees it, the five products of the
+// table atop this file per pair.
 void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
                    const Task& task) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
-  const std::int64_t ld_s = tiles.ld_scores;
-  QueryBlocks& queries = *task.queries;
-
   for (std::int64_t block = task.block_begin; block < task.block_end; ++block) {
-    const std::int64_t key_begin = block * tiles.keys;
-    const std::int64_t key_end = std::min(key_begin + tiles.keys, p.seqlen_kv);
-    const std::int64_t keys = key_end - key_begin, keys_padded = cpu::pad_to_lanes(keys);
-
-    // K and V of the block in the layouts the three products that read them stream, in fp32
-    // unless the products are bf16 ones (then in bf16, and in fp32 only if a pair needs it).
-    bool kv_bf16_exact = false, fp32_packed = false, kv_finite = true;
-    const std::int64_t bf16_keys = cpu::pad_to_amx_reduction(keys);
-    auto pack_fp32 = [&] {
-      cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
-                                keys, keys_padded, D);
-      cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin,
-                                keys, keys_padded, D);
-      cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin, keys, D, Dp);
-      fp32_packed = true;
-    };
-    const std::int64_t transposed_size =
-        (tiles.bf16_operands() ? tiles.bf16_reduction : D) * keys_padded;
-    if (tiles.bf16_operands()) {
-      const bool subnormal_keys =
-          cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, key_begin,
-                                         keys, keys_padded, D, tiles.bf16_reduction);
-      const bool subnormal_values =
-          cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin,
-                                         keys, keys_padded, D, tiles.bf16_reduction);
-      kv_bf16_exact = !subnormal_keys && !subnormal_values;
-      kv_finite = cpu::all_finite_bf16(t.k_bf16.data(), transposed_size) &&
-                  cpu::all_finite_bf16(t.v_bf16.data(), transposed_size);
-      cpu::pack_row_pairs_bf16(t.k_pairs.data(), p.k, p.k_strides, b, h_kv, key_begin, keys,
-                               bf16_keys, D, Dp);
-    } else {
-      pack_fp32();
-      kv_finite = cpu::all_finite(t.k_packed_t.data(), transposed_size) &&
-                  cpu::all_finite(t.v_packed_t.data(), transposed_size);
-    }
-    std::fill_n(t.dk.begin(), keys * Dp, 0.0f);
-    std::fill_n(t.dv.begin(), keys * Dp, 0.0f);
-
-    // Query rows that see some key of the block: the row ranges are monotone in the row. The
-    // row blocks that hold them are visited whole; their rows that see none of the block get
-    // P = 0, hence dS = 0, from the mask. A block that no row sees (no queries, or keys outside
-    // every window) visits none and still writes its dK and dV: zeros.
-    std::int64_t first_row = 0, last_row = p.seqlen_q;
-    while (first_row < last_row && p.key_range(first_row).end <= key_begin) ++first_row;
-    while (last_row > first_row && p.key_range(last_row - 1).begin >= key_end) --last_row;
-    const std::int64_t first_block = first_row / tiles.rows;
-    const std::int64_t end_block =
-        first_row == last_row ? first_block : (last_row + tiles.rows - 1) / tiles.rows;
-
+    KeyBlock kv = start_key_block(p, tiles, t, task.b, task.h_kv, block);
+    const RowBlocks row_blocks = row_blocks_that_see(p, tiles, kv);
     for (std::int64_t g = 0; g < p.group_size(); ++g) {
-      const std::int64_t h = h_kv * p.group_size() + g;
-      for (std::int64_t n = first_block; n < end_block; ++n) {
-        const std::int64_t row_begin = n * tiles.rows, rows = queries.rows(n);
-        const bool bf16 = kv_bf16_exact && queries.bf16_exact(task.slot, g, n);
-        if (!bf16) queries.pack_fp32(bp, task.slot, b, h_kv, g, n);
-        const float* q = queries.q_panels(task.slot, g, n);
-        const float* dout = queries.dout_panels(task.slot, g, n);
-        // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its
-        // gradients over the visible pairs only (cpu/visible_gradients.hpp).
-        const bool fully_visible = p.key_range(row_begin).end >= key_end &&
-                                   p.key_range(row_begin + rows - 1).begin <= key_begin;
-        const bool visible_only = !fully_visible && !(kv_finite && queries.finite(task.slot, g, n));
-        if (!bf16 && !fp32_packed) pack_fp32();
-
-        // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0          [rows x keys_padded]
-        if (bf16) {
-          cpu::bf16_tile_product(tiles.products, t.probabilities.data(), ld_s, false,
-                                 queries.q_bf16(task.slot, g, n), tiles.bf16_reduction,
-                                 t.k_bf16.data(), rows, keys_padded, tiles.bf16_reduction);
-        } else {
-          cpu::scores_tile(t.probabilities.data(), ld_s, {q, Dp, rows}, t.k_packed_t.data(), rows,
-                           keys_padded, D);
-        }
-        for (std::int64_t i = 0; i < rows; ++i) {
-          float* s = t.probabilities.data() + i * ld_s;
-          mask_invisible(s, p.key_range(row_begin + i), key_begin, keys);
-          std::fill(s + keys, s + keys_padded, kNegativeInfinity);
-        }
-        cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.scale,
-                                         queries.lse(task.slot, g, n), rows, keys_padded);
-
-        // dV += Pᵀ·dO                                                     [keys x Dp]
-        // (visible_only: with dQ and dK below)
-        if (bf16 && !visible_only) {
-          cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.bf16_rows,
-                                     t.probabilities.data(), ld_s, rows, tiles.bf16_rows,
-                                     keys_padded);
-          cpu::bf16_tile_product(tiles.products, t.dv.data(), Dp, true, t.probabilities_t.data(),
-                                 tiles.bf16_rows, queries.dout_pairs(task.slot, g, n), keys, Dp,
-                                 tiles.bf16_rows);
-        } else if (!visible_only) {
-          cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, dout,
-                                             rows, keys, Dp);
-        }
-
-        // dS = scale · P ∘ (dO·Vᵀ − D_i)                                  [rows x keys_padded]
-        if (bf16) {
-          cpu::bf16_tile_product(tiles.products, t.dscores.data(), ld_s, false,
-                                 queries.dout_bf16(task.slot, g, n), tiles.bf16_reduction,
-                                 t.v_bf16.data(), rows, keys_padded, tiles.bf16_reduction);
-        } else {
-          cpu::scores_tile(t.dscores.data(), ld_s, {dout, Dp, rows}, t.v_packed_t.data(), rows,
-                           keys_padded, D);
-        }
-        cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
-                                   queries.delta(task.slot, g, n), p.scale, rows, keys_padded);
-
-        // dQ += dS·K                                                       [rows x Dp]
-        // dK += dSᵀ·Q                                                      [keys x Dp]
-        float* dq = task.dq + (g * p.seqlen_q + row_begin) * Dp;
-        if (visible_only) {
-          t.q_rows.resize(static_cast<std::size_t>(rows * D));
-          t.dout_rows.resize(t.q_rows.size());
-          t.k_rows.resize(static_cast<std::size_t>(keys * D));
-          for (std::int64_t i = 0; i < rows; ++i) {
-            load_row_f32(t.q_rows.data() + i * D, p.q, p.dtype,
-                         p.q_strides.offset(b, row_begin + i, h), D);
-            load_row_f32(t.dout_rows.data() + i * D, bp.dout, p.dtype,
-                         bp.dout_strides.offset(b, row_begin + i, h), D);
-          }
-          for (std::int64_t j = 0; j < keys; ++j) {
-            load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
-                         p.k_strides.offset(b, key_begin + j, h_kv), D);
-          }
-          cpu::add_visible_gradients(
-              p, {row_begin, rows, key_begin, keys, D, t.probabilities.data(), t.dscores.data(),
-                  ld_s, t.q_rows.data(), D, t.dout_rows.data(), D, t.k_rows.data(), D, dq, Dp,
-                  t.dk.data(), t.dv.data(), Dp});
-        } else if (bf16) {
-          cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.bf16_keys, t.dscores.data(),
-                                        ld_s, rows, keys_padded, bf16_keys);
-          cpu::bf16_tile_product(tiles.products, dq, Dp, true, t.dscores_bf16.data(),
-                                 tiles.bf16_keys, t.k_pairs.data(), rows, Dp, bf16_keys);
-          cpu::round_transposed_bf16(t.dscores_t.data(), tiles.bf16_rows, t.dscores.data(), ld_s,
-                                     rows, tiles.bf16_rows, keys_padded);
-          cpu::bf16_tile_product(tiles.products, t.dk.data(), Dp, true, t.dscores_t.data(),
-                                 tiles.bf16_rows, queries.q_pairs(task.slot, g, n), keys, Dp,
-                                 tiles.bf16_rows);
-        } else {
-          cpu::accumulate_pv_tile(dq, Dp, t.dscores.data(), ld_s, t.k_packed.data(), keys, 0, keys,
-                                  rows, Dp);
-          cpu::accumulate_transposed_pv_tile(t.dk.data(), Dp, t.dscores.data(), ld_s, q, rows, keys,
-                                             Dp);
-        }
+      for (std::int64_t n = row_blocks.first; n < row_blocks.end; ++n) {
+        const BlockPair pair = start_pair(bp, tiles, t, task, kv, g, n);
+        probabilities_step(p, tiles, t, task, kv, pair);
+        value_gradient_step(tiles, t, task, kv, pair);
+        score_gradient_step(p, tiles, t, task, kv, pair);
+        gradients_step(bp, tiles, t, task, kv, pair);
       }
     }
-
-    for (std::int64_t j = 0; j < keys; ++j) {
-      if (j + kRowsAhead < keys) {
-        prefetch_store_row(bp.dk, p.dtype,
-                           bp.dk_strides.offset(b, key_begin + j + kRowsAhead, h_kv), D,
-                           tiles.stream_gradients);
-        prefetch_store_row(bp.dv, p.dtype,
-                           bp.dv_strides.offset(b, key_begin + j + kRowsAhead, h_kv), D,
-                           tiles.stream_gradients);
-      }
-      store_row_f32(bp.dk, p.dtype, bp.dk_strides.offset(b, key_begin + j, h_kv),
-                    t.dk.data() + j * Dp, D, tiles.stream_gradients);
-      store_row_f32(bp.dv, p.dtype, bp.dv_strides.offset(b, key_begin + j, h_kv),
-                    t.dv.data() + j * Dp, D, tiles.stream_gradients);
-    }
+    store_key_gradients(bp, tiles, t, task, kv);
   }
   fence_streams();
 }
