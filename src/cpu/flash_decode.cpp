@@ -150,89 +150,27 @@ InputRows input_rows(const AttentionParams& p, const void* base, const Strides& 
   return {buffer, DType::f32, Dp};
 }
 
-// One (batch entry, key chunk) task: every KV head's rows against the chunk's keys.
-void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
-                  ChunkResults& results, std::int64_t b, std::int64_t chunk) {
-  const std::int64_t rows = plan.rows, heads = p.heads_kv, Sq = p.seqlen_q;
-  const std::int64_t group = p.group_size(), Bk = plan.block_keys;
-  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
-  const std::int64_t slot = (b * plan.chunks + chunk) * heads * rows;
-  float* row_max = results.max.data() + slot;
-  float* row_sum = results.sum.data() + slot;
-  float* acc = results.acc.data() + slot * Dp;
-  std::fill_n(row_max, heads * rows, kNegativeInfinity);
-  std::fill_n(row_sum, heads * rows, 0.0f);
-  std::fill_n(acc, heads * rows * Dp, 0.0f);
-  const std::int64_t chunk_begin = plan.keys.begin + chunk * plan.chunk_keys;
-  const std::int64_t chunk_end = std::min(chunk_begin + plan.chunk_keys, plan.keys.end);
-  if (chunk_begin >= chunk_end) return;
-
-  KeyRange ranges[kMaxDecodeRows];
-  for (std::int64_t position = 0; position < Sq; ++position)
-    ranges[position] = p.key_range(position);
-  for (std::int64_t h = 0; h < heads; ++h) {
-    for (std::int64_t r = 0; r < rows; ++r) {
-      float* q_row = t.q.data() + (h * rows + r) * Dp;
-      // In pair order by way of the input rows' buffer, which bf16 pairs leave unused.
-      float* loaded = plan.bf16_pairs ? t.inputs.data() : q_row;
-      load_row_f32(loaded, p.q, p.dtype, p.q_strides.offset(b, r % Sq, h * group + r / Sq),
-                   p.head_dim);
-      if (plan.bf16_pairs) cpu::to_bf16_pair_order(q_row, loaded, Dp);
+// The keys of one (batch entry, key chunk) task as memory lays them out, kKeyGroup keys at a time
+// and within them KV head by KV head, handing each group of K or V rows to the rows that see it.
+class KeyWalk {
+ public:
+  KeyWalk(const AttentionParams& p, const DecodePlan& plan, Scratch& t, std::int64_t b,
+          std::int64_t chunk_end)
+      : p_(p), plan_(plan), t_(t), b_(b), chunk_end_(chunk_end) {
+    for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
+      ranges_[position] = p.key_range(position);
     }
   }
 
-  // Calls fn(h, first_row, row_count, key, key_count) so that each (row, key) pair of the keys
-  // [j, j + n) that the mask shows comes once, and no other: all of them at once for all rows of
-  // each KV head where every position sees the whole group, else key by key for the rows of the
-  // positions that see the key, one query head of the group at a time.
-  auto visit = [&](std::int64_t j, std::int64_t n, auto&& fn) {
-    const Positions first = positions_seeing(ranges, Sq, j);
-    const Positions last = positions_seeing(ranges, Sq, j + n - 1);
-    if (first.first == 0 && first.last == Sq && last.first == 0 && last.last == Sq) {
-      for (std::int64_t h = 0; h < heads; ++h) fn(h, h * rows, rows, j, n);
-      return;
-    }
-    for (std::int64_t key = j; key < j + n; ++key) {
-      const Positions seen = positions_seeing(ranges, Sq, key);
-      if (seen.first >= seen.last) continue;
-      for (std::int64_t h = 0; h < heads; ++h) {
-        for (std::int64_t gi = 0; gi < group; ++gi) {
-          fn(h, h * rows + gi * Sq + seen.first, seen.last - seen.first, key, 1);
-        }
-      }
-    }
-  };
-  // Asks for the rows the next call will read (the next KV head's, or the next group's first)
-  // while this one computes: the rows of a group lie a key stride apart, in pages the hardware
-  // prefetchers have not seen yet. One thread, Sq = 1, Hkv = 8, 32768 keys: 10.3-10.5 -> 11.2-12.2
-  // GB/s.
-  auto prefetch_next = [&](const void* base, const Strides& strides, std::int64_t h,
-                           std::int64_t key, std::int64_t count) {
-    const bool last_head = h + 1 == heads;
-    const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
-    for (std::int64_t i = 0; i < count && next_key + i < chunk_end; ++i) {
-      prefetch_row(base, p.dtype, strides.offset(b, next_key + i, next_head), p.head_dim);
-    }
-  };
-  // The input rows of the last call, kept while the query heads of a group take them in turn;
-  // the next rows are asked for when these are first taken.
-  InputRows inputs{nullptr, DType::f32, 0};
-  std::int64_t inputs_head = -1, inputs_key = -1;
-  auto rows_of = [&](const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
-                     std::int64_t count) {
-    if (h != inputs_head || key != inputs_key) {
-      prefetch_next(base, strides, h, key, count);
-      inputs = input_rows(p, base, strides, b, key, count, h, Dp, t.inputs.data());
-      inputs_head = h;
-      inputs_key = key;
-    }
-    return inputs;
-  };
-  // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or
-  // V, kKeyGroup at a time, with their input rows.
-  auto walk_inputs = [&](const void* base, const Strides& strides, std::int64_t block,
-                         std::int64_t keys, auto&& fn) {
-    inputs_head = -1;
+  // The keys that query position `position` sees.
+  KeyRange range(std::int64_t position) const { return ranges_[position]; }
+
+  // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or V
+  // (base, strides), kKeyGroup at a time, with their input rows.
+  template <class Fn>
+  void walk_inputs(const void* base, const Strides& strides, std::int64_t block, std::int64_t keys,
+                   Fn&& fn) {
+    inputs_head_ = -1;
     for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
       visit(j, std::min(kKeyGroup, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
@@ -240,51 +178,176 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
               fn(first, count, key, key_count, rows_of(base, strides, h, key, key_count));
             });
     }
-  };
+  }
 
-  for (std::int64_t block = chunk_begin; block < chunk_end; block += Bk) {
-    const std::int64_t keys = std::min(Bk, chunk_end - block);
-    const std::int64_t keys_padded = cpu::pad_to_lanes(keys);
-    float* scores = t.scores.data();
-    for (std::int64_t slot_row = 0; slot_row < heads * rows; ++slot_row) {
-      const KeyRange seen = ranges[slot_row % rows % Sq];
-      mask_invisible(scores + slot_row * Bk,
-                     {std::max(seen.begin, block), std::min(seen.end, block + keys)}, block,
-                     keys_padded);
+ private:
+  // Calls fn(h, first_row, row_count, key, key_count) so that each (row, key) pair of the keys
+  // [j, j + n) that the mask shows comes once, and no other: all of them at once for all rows of
+  // each KV head where every position sees the whole group, else key by key for the rows of the
+  // positions that see the key, one query head of the group at a time.
+  template <class Fn>
+  void visit(std::int64_t j, std::int64_t n, Fn&& fn) const {
+    const std::int64_t Sq = p_.seqlen_q, rows = plan_.rows;
+    const Positions first = positions_seeing(ranges_, Sq, j);
+    const Positions last = positions_seeing(ranges_, Sq, j + n - 1);
+    if (first.first == 0 && first.last == Sq && last.first == 0 && last.last == Sq) {
+      for (std::int64_t h = 0; h < p_.heads_kv; ++h) fn(h, h * rows, rows, j, n);
+      return;
     }
-    // s = q · k, kKeyGroup keys at a time and head by head: the order of the rows in memory.
-    walk_inputs(p.k, p.k_strides, block, keys,
-                [&](std::int64_t first, std::int64_t count, std::int64_t key,
-                    std::int64_t key_count, const InputRows& k) {
-                  float* out = scores + first * Bk + (key - block);
-                  const float* q_rows = t.q.data() + first * Dp;
-                  if (plan.bf16_pairs) {
-                    cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count,
-                                             static_cast<const std::uint16_t*>(k.data), k.ld,
-                                             key_count, Dp);
-                  } else {
-                    cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
-                  }
-                });
-    for (std::int64_t h = 0; h < heads; ++h) {
-      cpu::online_softmax_tile(scores + h * rows * Bk, Bk, p.scale, row_max + h * rows,
-                               row_sum + h * rows, acc + h * rows * Dp, Dp, rows, keys_padded, Dp);
+    for (std::int64_t key = j; key < j + n; ++key) {
+      const Positions seen = positions_seeing(ranges_, Sq, key);
+      if (seen.first >= seen.last) continue;
+      for (std::int64_t h = 0; h < p_.heads_kv; ++h) {
+        for (std::int64_t gi = 0; gi < p_.group_size(); ++gi) {
+          fn(h, h * rows + gi * Sq + seen.first, seen.last - seen.first, key, 1);
+        }
+      }
     }
-    // acc += p · v in the same order.
-    walk_inputs(p.v, p.v_strides, block, keys,
-                [&](std::int64_t first, std::int64_t count, std::int64_t key,
-                    std::int64_t key_count, const InputRows& v) {
-                  float* acc_rows = acc + first * Dp;
-                  const float* weights = scores + first * Bk + (key - block);
-                  if (plan.bf16_pairs) {
-                    cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
-                                              static_cast<const std::uint16_t*>(v.data), v.ld,
-                                              key_count, Dp);
-                  } else {
-                    cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld,
-                                   key_count, Dp);
-                  }
-                });
+  }
+
+  // Asks for the rows the next call will read (the next KV head's, or the next group's first)
+  // while this one computes: the rows of a group lie a key stride apart, in pages the hardware
+  // prefetchers have not seen yet.
+  void prefetch_next(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
+                     std::int64_t count) const {
+    const bool last_head = h + 1 == p_.heads_kv;
+    const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
+    for (std::int64_t i = 0; i < count && next_key + i < chunk_end_; ++i) {
+      prefetch_row(base, p_.dtype, strides.offset(b_, next_key + i, next_head), p_.head_dim);
+    }
+  }
+
+  // The input rows of the last call, kept while the query heads of a group take them in turn;
+  // the next rows are asked for when these are first taken.
+  InputRows rows_of(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
+                    std::int64_t count) {
+    if (h != inputs_head_ || key != inputs_key_) {
+      prefetch_next(base, strides, h, key, count);
+      inputs_ = input_rows(p_, base, strides, b_, key, count, h, cpu::pad_to_lanes(p_.head_dim),
+                           t_.inputs.data());
+      inputs_head_ = h;
+      inputs_key_ = key;
+    }
+    return inputs_;
+  }
+
+  const AttentionParams& p_;
+  const DecodePlan& plan_;
+  Scratch& t_;
+  std::int64_t b_, chunk_end_;
+  KeyRange ranges_[kMaxDecodeRows];
+  InputRows inputs_{nullptr, DType::f32, 0};
+  std::int64_t inputs_head_ = -1, inputs_key_ = -1;
+};
+
+// The running statistics and accumulator of one chunk, for every row of its batch entry.
+struct ChunkState {
+  float* row_max;  // [Hkv·rows]
+  float* row_sum;  // [Hkv·rows]
+  float* acc;      // [Hkv·rows x Dp]
+  KeyRange keys;   // the chunk's keys
+};
+
+// Prologue of a chunk: m = -inf, l = 0, acc = 0, and its keys.
+ChunkState start_chunk(const AttentionParams& p, const DecodePlan& plan, ChunkResults& results,
+                       std::int64_t b, std::int64_t chunk) {
+  const std::int64_t slots = p.heads_kv * plan.rows, Dp = cpu::pad_to_lanes(p.head_dim);
+  const std::int64_t slot = (b * plan.chunks + chunk) * slots;
+  const ChunkState state{
+      results.max.data() + slot,
+      results.sum.data() + slot,
+      results.acc.data() + slot * Dp,
+      {plan.keys.begin + chunk * plan.chunk_keys,
+       std::min(plan.keys.begin + (chunk + 1) * plan.chunk_keys, plan.keys.end)}};
+  std::fill_n(state.row_max, slots, kNegativeInfinity);
+  std::fill_n(state.row_sum, slots, 0.0f);
+  std::fill_n(state.acc, slots * Dp, 0.0f);
+  return state;
+}
+
+// The batch entry's query rows into t.q, [Hkv·rows x Dp], in bf16 pair order for bf16 pairs.
+void load_query_rows(const AttentionParams& p, const DecodePlan& plan, Scratch& t, std::int64_t b) {
+  const std::int64_t rows = plan.rows, Sq = p.seqlen_q, Dp = cpu::pad_to_lanes(p.head_dim);
+  for (std::int64_t h = 0; h < p.heads_kv; ++h) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* q_row = t.q.data() + (h * rows + r) * Dp;
+      // In pair order by way of the input rows' buffer, which bf16 pairs leave unused.
+      float* loaded = plan.bf16_pairs ? t.inputs.data() : q_row;
+      load_row_f32(loaded, p.q, p.dtype, p.q_strides.offset(b, r % Sq, h * p.group_size() + r / Sq),
+                   p.head_dim);
+      if (plan.bf16_pairs) cpu::to_bf16_pair_order(q_row, loaded, Dp);
+    }
+  }
+}
+
+// s = q · k over the keys [block, block + keys), kKeyGroup keys at a time and head by head: the
+// order of the rows in memory. Scores of masked pairs are -inf, set before.
+void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, KeyWalk& walk,
+                 std::int64_t block, std::int64_t keys) {
+  const std::int64_t Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
+  float* scores = t.scores.data();
+  for (std::int64_t slot_row = 0; slot_row < p.heads_kv * plan.rows; ++slot_row) {
+    const KeyRange seen = walk.range(slot_row % plan.rows % p.seqlen_q);
+    mask_invisible(scores + slot_row * Bk,
+                   {std::max(seen.begin, block), std::min(seen.end, block + keys)}, block,
+                   cpu::pad_to_lanes(keys));
+  }
+  walk.walk_inputs(
+      p.k, p.k_strides, block, keys,
+      [&](std::int64_t first, std::int64_t count, std::int64_t key, std::int64_t key_count,
+          const InputRows& k) {
+        float* out = scores + first * Bk + (key - block);
+        const float* q_rows = t.q.data() + first * Dp;
+        if (plan.bf16_pairs) {
+          cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count,
+                                   static_cast<const std::uint16_t*>(k.data), k.ld, key_count, Dp);
+        } else {
+          cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
+        }
+      });
+}
+
+// acc += p · v over the same keys in the same order.
+void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, KeyWalk& walk,
+                     float* acc, std::int64_t block, std::int64_t keys) {
+  const std::int64_t Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
+  const float* scores = t.scores.data();
+  walk.walk_inputs(
+      p.v, p.v_strides, block, keys,
+      [&](std::int64_t first, std::int64_t count, std::int64_t key, std::int64_t key_count,
+          const InputRows& v) {
+        float* acc_rows = acc + first * Dp;
+        const float* weights = scores + first * Bk + (key - block);
+        if (plan.bf16_pairs) {
+          cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
+                                    static_cast<const std::uint16_t*>(v.data), v.ld, key_count, Dp);
+        } else {
+          cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld, key_count, Dp);
+        }
+      });
+}
+
+// One (batch entry, key chunk) task: every KV head's rows against the chunk's keys, a block of
+// Bk keys at a time:
+//   s = q·k, masked pairs -inf        scores_step       [Hkv·rows x Bk]
+//   online softmax of scale·s         online_softmax_tile, per KV head
+//   acc += p·v                        accumulate_step   [Hkv·rows x Dp]
+void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
+                  ChunkResults& results, std::int64_t b, std::int64_t chunk) {
+  const ChunkState state = start_chunk(p, plan, results, b, chunk);
+  if (state.keys.empty()) return;
+  load_query_rows(p, plan, t, b);
+  KeyWalk walk(p, plan, t, b, state.keys.end);
+  const std::int64_t rows = plan.rows, Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
+  for (std::int64_t block = state.keys.begin; block < state.keys.end; block += Bk) {
+    const std::int64_t keys = std::min(Bk, state.keys.end - block);
+    scores_step(p, plan, t, walk, block, keys);
+    for (std::int64_t h = 0; h < p.heads_kv; ++h) {
+      cpu::online_softmax_tile(t.scores.data() + h * rows * Bk, Bk, p.scale,
+                               state.row_max + h * rows, state.row_sum + h * rows,
+                               state.acc + h * rows * Dp, Dp, rows, cpu::pad_to_lanes(keys), Dp);
+    }
+    accumulate_step(p, plan, t, walk, state.acc, block, keys);
   }
 }
 
