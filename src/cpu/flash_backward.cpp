@@ -56,10 +56,10 @@
 #include "cpu/tile_kernels_bf16.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "cpu/visible_gradients.hpp"
-#include "standard/matrix.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
+#include "util/rows.hpp"
 
 namespace flashattn::detail {
 namespace {

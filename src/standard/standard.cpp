@@ -16,11 +16,11 @@
 
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
-#include "standard/matrix.hpp"
 #include "util/blas_lock.hpp"
 #include "util/convert.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"
+#include "util/rows.hpp"
 
 namespace flashattn::detail {
 namespace {

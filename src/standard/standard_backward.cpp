@@ -21,10 +21,10 @@
 #include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "cpu/visible_gradients.hpp"
-#include "standard/matrix.hpp"
 #include "util/blas_lock.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"
+#include "util/rows.hpp"
 
 namespace flashattn::detail {
 namespace {

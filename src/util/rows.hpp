@@ -1,6 +1,9 @@
 #pragma once
 
-// fp32 matrices for the standard paths' sgemm calls.
+// Rows of one head as the paths share them: an operand's rows as an fp32 matrix for sgemm
+// (gather_rows, scatter_rows), and the backward's per-row inputs, D_i = rowsum(dO ∘ O)
+// (row_deltas) and the forward's lse as the backward reads it (backward_row_lse), which the
+// standard and the flash backward both use.
 
 #include <algorithm>
 #include <cmath>
