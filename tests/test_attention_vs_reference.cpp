@@ -25,6 +25,7 @@
 #include <sstream>
 #include <string>
 
+#include "cpu/flash_decode.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "cpu/tile_kernels_bf16.hpp"
 #include "test_support.hpp"
@@ -591,7 +592,7 @@ TEST_P(DecodeVsReference, FlashAndStandardMatchFp64Reference) {
   options.causal = c.causal;
   options.window_left = c.window_left;
   options.window_right = c.window_right;
-  ASSERT_TRUE(detail::use_flash_decode(
+  ASSERT_TRUE(detail::cpu::use_flash_decode(
       detail::make_params("test", q.view, kv.view, kv.view, out.view, nullptr, options)));
   check_against_reference(c);
 }
@@ -667,7 +668,7 @@ TEST(FlashDecode, PreallocatedCacheReadsOnlyTheFilledRows) {
       out_cache.poison();
       out.poison();
       std::vector<float> lse_cache(kBatch * kHeadsQ, NAN), lse(kBatch * kHeadsQ, NAN);
-      ASSERT_TRUE(detail::use_flash_decode(
+      ASSERT_TRUE(detail::cpu::use_flash_decode(
           detail::make_params("test", q.view, k_view, v_view, out_cache.view, nullptr, options)));
       flash_attention_forward(q.view, k_view, v_view, out_cache.view, lse_cache.data(), options);
       flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);

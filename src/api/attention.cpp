@@ -11,6 +11,7 @@
 #include "api/backends.hpp"
 #include "api/memory.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_sizes.hpp"
 
 namespace flashattn {
 
@@ -103,7 +104,7 @@ std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::
   __int128 bytes = 0;
   switch (impl) {
     case AttentionImpl::flash: {
-      const detail::FlashTiles tiles = detail::flash_tiles(head_dim);
+      const detail::cpu::TileSizes tiles = detail::cpu::flash_tiles(head_dim);
       bytes = threads * tiles.rows * tiles.keys * sizeof(float);
       break;
     }

@@ -7,9 +7,10 @@
 #include <limits>
 #include <string>
 
-#include "api/backends.hpp"
+#include "cpu/flash_decode.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "cpu/tile_kernels_amx.hpp"
+#include "cpu/tile_sizes.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -54,11 +55,11 @@ std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
   const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
   switch (impl) {
     case AttentionImpl::flash: {
-      if (use_flash_decode(p)) return flash_decode_scratch_bytes(p);
+      if (cpu::use_flash_decode(p)) return cpu::flash_decode_scratch_bytes(p);
       // Per thread: for each Q block of a task Q and accumulator tiles [rows x Dp], running
       // max and sum; packed K [D x Bc] and V [Bc x Dp], scores [rows x Bc]. A Q block holds at
       // least a whole GQA group.
-      const FlashTiles tiles = flash_tiles(p.head_dim);
+      const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
       const __int128 tile_rows = std::max(tiles.rows, p.group_size()), keys = tiles.keys;
       __int128 floats = tiles.blocks_per_task * (tile_rows * D_padded * 2 + 2 * tile_rows) +
                         D * keys + keys * D_padded + tile_rows * keys;
@@ -101,12 +102,12 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       // query side (Q and dO packed in row blocks of Br, D_i, the dQ sums): with one chunk of
       // K/V blocks per group, per thread for one GQA group; with several, shared by all groups
       // with one dQ buffer per chunk.
-      const FlashTiles tiles = flash_backward_tiles(p);
+      const cpu::TileSizes tiles = cpu::flash_backward_tiles(p);
       const __int128 tile_rows = tiles.rows, keys = tiles.keys;
       const __int128 padded_sq = (Sq + tile_rows - 1) / tile_rows * tile_rows;
       __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;
       __int128 shared = 0;
-      const __int128 chunks = flash_backward_chunks(p);
+      const __int128 chunks = cpu::flash_backward_chunks(p);
       const __int128 groups = static_cast<__int128>(p.batch) * p.heads_kv;
       const __int128 group_rows = p.group_size();
       // bf16 inputs may add bf16 operands of the AMX products, two per float: Kᵀ and Vᵀ, K as

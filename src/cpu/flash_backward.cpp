@@ -66,10 +66,6 @@ namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
-// Enough tasks to keep every thread busy when batch x heads_kv is small; a function of the
-// shape only (see the determinism note above).
-constexpr std::int64_t kMinimumTasks = 8;
-
 // Storage whose every element is written before it is read. A zero-filled std::vector was a
 // serial pass on the calling thread before the parallel work: ~100 MiB on the seed shape.
 hwy::AlignedFreeUniquePtr<float[]> uninitialized_floats(std::int64_t n) {
@@ -550,50 +546,11 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
 }  // namespace
 
-cpu::Bf16Products backward_bf16_products(const AttentionParams& p) {
-  return p.dtype == DType::bf16 ? cpu::active_bf16_products() : cpu::Bf16Products::widened;
-}
-
-FlashTiles flash_backward_tiles(const AttentionParams& p) {
-  // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
-  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block
-  // (Br = 32, 96 or 128 were no faster). On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce
-  // over Br, and each AMX accumulator tile is loaded and stored once per call, which at 64 (two
-  // 32-row steps) cost about as much as the products. 2 threads, alternating runs, bf16
-  // non-causal: seed shape 0.0928-0.0986 -> 0.0891-0.0944 s, D = 64 0.061-0.063 -> 0.058 s,
-  // [2,4096,8,128] 0.304-0.319 -> 0.294-0.301 s; causal seed shape 2% faster; Br = 192 or Bc =
-  // 256 no faster than 128. Bc: the forward's (twice it was 5-10% slower on the seed shape and
-  // [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape non-causal on AMX),
-  // except for the fp32 products under a causal mask or a window: half the forward's, at least
-  // 64, so that the blocks the mask cuts waste half as much. 2 threads, alternating runs, 64
-  // instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to 0.176-0.183 s and D = 64 from
-  // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
-  // slower, the non-causal seed shape. vdpbf16ps (AMD EPYC VM, 2 threads, alternating runs, bf16)
-  // takes the fp32 sizes too: its accumulators are registers, as the fp32 kernels' are; Br = 128
-  // was no faster ([1,1024,32,128] non-causal 0.0595 against 0.0606 s, causal 0.0362 against
-  // 0.0387), and at [1,1024,64,128] causal half the forward's Bc took 0.0701-0.0707 s against
-  // 0.0725-0.0760 with the whole.
-  const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
-  const bool amx = backward_bf16_products(p) == cpu::Bf16Products::amx;
-  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
-  const bool half_keys = masked && !amx;
-  return {amx ? 128 : 64, half_keys ? std::max<std::int64_t>(forward_keys / 2, 64) : forward_keys,
-          1};
-}
-
-std::int64_t flash_backward_chunks(const AttentionParams& p) {
-  const std::int64_t keys = flash_backward_tiles(p).keys;
-  const std::int64_t kv_blocks = (p.seqlen_kv + keys - 1) / keys;
-  const std::int64_t groups = p.batch * p.heads_kv;
-  return std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1),
-                    std::int64_t{1}, std::max<std::int64_t>(kv_blocks, 1));
-}
-
 void flash_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim;
-  const FlashTiles sizes = flash_backward_tiles(p);
-  const cpu::Bf16Products products = backward_bf16_products(p);
+  const cpu::TileSizes sizes = cpu::flash_backward_tiles(p);
+  const cpu::Bf16Products products = cpu::backward_bf16_products(p);
   // Written with plain stores, the three gradients' rows were first read from memory: 2-5% of
   // the backward at [1,1024,64,128] causal and [1,1024,32,128] non-causal (2 threads,
   // alternating runs: 0.195-0.203 -> 0.186-0.197 s and 0.156-0.167 -> 0.150-0.164 s).
@@ -611,10 +568,10 @@ void flash_backward(const BackwardParams& bp) {
                             scores_stride(sizes.keys)};
   const std::int64_t kv_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
   const std::int64_t groups = p.batch * p.heads_kv;
-  const std::int64_t chunks = flash_backward_chunks(p);
+  const std::int64_t chunks = cpu::flash_backward_chunks(p);
   const std::int64_t group_floats = p.group_size() * p.seqlen_q * tiles.dims_padded;
 
-  // With one chunk per group (at least kMinimumTasks groups) a task owns its group's query
+  // With one chunk per group (cpu::flash_backward_chunks) a task owns its group's query
   // rows: it lays out their Q, dO and D_i and sums their dQ in its thread's scratch, and writes
   // dQ at its end. Laid out and summed in shared buffers instead, the seed shape's backward
   // spent ~13% of its time faulting in and streaming ~100 MiB of them (2 threads: 0.245 -> 0.213

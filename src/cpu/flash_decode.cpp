@@ -29,12 +29,14 @@
 // rows; shared, m, l and acc of every chunk of every row: at most 16 / B chunks per batch entry
 // (one beyond 16 entries), max(B, 16)·Hkv·rows·(Dp + 2) floats, whatever the sequence length.
 
+#include "cpu/flash_decode.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "api/backends.hpp"
 #include "cpu/tile_kernels.hpp"
+#include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
@@ -88,7 +90,7 @@ DecodePlan decode_plan(const AttentionParams& p) {
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
   plan.bf16_pairs = p.dtype == DType::bf16 && p.head_dim == Dp &&
                     Dp % cpu::bf16_pair_chunk() == 0 && plan.rows <= kMaxBf16PairRows;
-  const FlashTiles tiles = flash_tiles(p.head_dim);
+  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
   const std::int64_t tile_floats = tiles.rows * tiles.keys;
   plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
                                    cpu::kTileLanes * cpu::kTileLanes,
@@ -399,10 +401,12 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
 
 }  // namespace
 
+namespace cpu {
+
 bool use_flash_decode(const AttentionParams& p) {
   if (p.seqlen_q == 0 || p.group_size() * p.seqlen_q > kMaxDecodeRows) return false;
   // The score tiles of every KV head, Bk = 16 keys at least, within the tiled forward's tile.
-  const FlashTiles tiles = flash_tiles(p.head_dim);
+  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
   return p.heads_kv * p.group_size() * p.seqlen_q * cpu::kTileLanes <= tiles.rows * tiles.keys;
 }
 
@@ -440,4 +444,5 @@ void flash_decode(const AttentionParams& p) {
       });
 }
 
+}  // namespace cpu
 }  // namespace flashattn::detail

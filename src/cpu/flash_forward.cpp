@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/flash_decode.hpp"
 #include "cpu/pack.hpp"
 #include "cpu/tile_kernels.hpp"
 #include "cpu/tile_kernels_amx.hpp"
@@ -39,11 +40,6 @@
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
-
-FlashTiles flash_tiles(std::int64_t head_dim) {
-  const cpu::TileSizes tiles = cpu::choose_tile_sizes(head_dim, cpu::machine_cache_sizes());
-  return {tiles.rows, tiles.keys, tiles.blocks_per_task};
-}
 
 namespace {
 
@@ -74,7 +70,7 @@ struct Scratch {
   AlignedVector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
 
   // Q, acc, row_max and row_sum hold tiles.blocks_per_task blocks of tiles.rows rows.
-  Scratch(FlashTiles tiles, std::int64_t D, cpu::Bf16Products bf16_products)
+  Scratch(cpu::TileSizes tiles, std::int64_t D, cpu::Bf16Products bf16_products)
       : products(bf16_products),
         dims_padded(cpu::pad_to_lanes(D)),
         bf16_dims(cpu::pad_to_amx_reduction(D)),
@@ -208,7 +204,7 @@ struct KeyBlock {
 
 // One Q block against one packed K/V block:
 //   S = Q·Kᵀ, mask, online softmax of scale·S, acc += P·V
-void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
+void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
                      const QueryBlock& block, const KeyBlock& kv) {
   const TaskRows& task = block.rows;
   const std::int64_t Dp = t.dims_padded, ld_scores = tiles.keys;
@@ -299,7 +295,7 @@ void visit_key_block(const AttentionParams& p, FlashTiles tiles, Scratch& t,
 
 // A task: consecutive Q blocks of one (batch, KV head). Each K/V block is packed once and then
 // visited by every Q block of the task that sees some of it.
-void flash_task(const AttentionParams& p, FlashTiles tiles, bool stream_out, Scratch& t,
+void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out, Scratch& t,
                 std::vector<QueryBlock>& blocks) {
   const std::int64_t Dp = t.dims_padded, b = blocks.front().rows.b;
   const std::int64_t h_kv = blocks.front().rows.h_kv;
@@ -375,11 +371,11 @@ void flash_task(const AttentionParams& p, FlashTiles tiles, bool stream_out, Scr
 }  // namespace
 
 void flash_forward(const AttentionParams& p) {
-  if (use_flash_decode(p)) {
-    flash_decode(p);
+  if (cpu::use_flash_decode(p)) {
+    cpu::flash_decode(p);
     return;
   }
-  const FlashTiles tiles = flash_tiles(p.head_dim);
+  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
   // A Q block holds Br rows: Br / group positions of each query head of a GQA group.
   const std::int64_t group = p.group_size();
   const std::int64_t positions = std::max<std::int64_t>(1, tiles.rows / group);
@@ -394,7 +390,7 @@ void flash_forward(const AttentionParams& p) {
   };
   while (blocks_per_task > 1 && task_count(blocks_per_task) < 4 * p.num_threads) --blocks_per_task;
   const std::int64_t tasks_per_head = (q_blocks + blocks_per_task - 1) / blocks_per_task;
-  const FlashTiles scratch_tiles{group * positions, tiles.keys, blocks_per_task};
+  const cpu::TileSizes scratch_tiles{group * positions, tiles.keys, blocks_per_task};
 
   // Output rows that cannot stay in the L2 caches go straight to memory: plain stores read every
   // line first (seed shape, 2 threads, alternating runs: 2-5% of the f32 forward).

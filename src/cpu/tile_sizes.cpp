@@ -102,4 +102,51 @@ TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
   return {rows, keys, blocks_per_task};
 }
 
+TileSizes flash_tiles(std::int64_t head_dim) {
+  return choose_tile_sizes(head_dim, machine_cache_sizes());
+}
+
+Bf16Products backward_bf16_products(const AttentionParams& p) {
+  return p.dtype == DType::bf16 ? active_bf16_products() : Bf16Products::widened;
+}
+
+TileSizes flash_backward_tiles(const AttentionParams& p) {
+  // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
+  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block
+  // (Br = 32, 96 or 128 were no faster). On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce
+  // over Br, and each AMX accumulator tile is loaded and stored once per call, which at 64 (two
+  // 32-row steps) cost about as much as the products. 2 threads, alternating runs, bf16
+  // non-causal: seed shape 0.0928-0.0986 -> 0.0891-0.0944 s, D = 64 0.061-0.063 -> 0.058 s,
+  // [2,4096,8,128] 0.304-0.319 -> 0.294-0.301 s; causal seed shape 2% faster; Br = 192 or Bc =
+  // 256 no faster than 128. Bc: the forward's (twice it was 5-10% slower on the seed shape and
+  // [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape non-causal on AMX),
+  // except for the fp32 products under a causal mask or a window: half the forward's, at least
+  // 64, so that the blocks the mask cuts waste half as much. 2 threads, alternating runs, 64
+  // instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to 0.176-0.183 s and D = 64 from
+  // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
+  // slower, the non-causal seed shape. vdpbf16ps (AMD EPYC VM, 2 threads, alternating runs, bf16)
+  // takes the fp32 sizes too: its accumulators are registers, as the fp32 kernels' are; Br = 128
+  // was no faster ([1,1024,32,128] non-causal 0.0595 against 0.0606 s, causal 0.0362 against
+  // 0.0387), and at [1,1024,64,128] causal half the forward's Bc took 0.0701-0.0707 s against
+  // 0.0725-0.0760 with the whole.
+  const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
+  const bool amx = backward_bf16_products(p) == Bf16Products::amx;
+  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  const bool half_keys = masked && !amx;
+  return {amx ? 128 : 64, half_keys ? std::max<std::int64_t>(forward_keys / 2, 64) : forward_keys,
+          1};
+}
+
+// Enough tasks to keep every thread busy when batch x heads_kv is small; a function of the
+// shape only (flash_backward.cpp: results do not depend on the thread count).
+constexpr std::int64_t kMinimumTasks = 8;
+
+std::int64_t flash_backward_chunks(const AttentionParams& p) {
+  const std::int64_t keys = flash_backward_tiles(p).keys;
+  const std::int64_t kv_blocks = (p.seqlen_kv + keys - 1) / keys;
+  const std::int64_t groups = p.batch * p.heads_kv;
+  return std::clamp((kMinimumTasks + groups - 1) / std::max<std::int64_t>(groups, 1),
+                    std::int64_t{1}, std::max<std::int64_t>(kv_blocks, 1));
+}
+
 }  // namespace flashattn::detail::cpu

@@ -1,9 +1,13 @@
 #pragma once
 
-// How big the FlashAttention tiles are: a pure function of the head dim and the cache sizes,
-// so it can be tested without the machine it runs on.
+// How big the FlashAttention tiles are: choose_tile_sizes is a pure function of the head dim and
+// the cache sizes, so it can be tested without the machine it runs on; flash_tiles and
+// flash_backward_tiles apply it to this machine and a call's parameters.
 
 #include <cstdint>
+
+#include "api/params.hpp"
+#include "cpu/tile_kernels_bf16.hpp"
 
 namespace flashattn::detail::cpu {
 
@@ -33,5 +37,18 @@ struct TileSizes {
 };
 
 TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches);
+
+// The forward's tiles on this machine: Br query rows by Bc keys, and how many Q blocks of Br
+// rows at most share each packed K/V block.
+TileSizes flash_tiles(std::int64_t head_dim);
+
+// How the flash backward's products run: bf16 inputs as active_bf16_products says, every other
+// dtype widened to fp32.
+Bf16Products backward_bf16_products(const AttentionParams& p);
+// The backward's Br x Bc (blocks_per_task unused).
+TileSizes flash_backward_tiles(const AttentionParams& p);
+// How many chunks of K/V blocks the flash backward cuts each (batch, KV head) group into: a
+// function of the shape only, so results do not depend on the thread count.
+std::int64_t flash_backward_chunks(const AttentionParams& p);
 
 }  // namespace flashattn::detail::cpu
