@@ -26,8 +26,9 @@
 #include <string>
 
 #include "cpu/flash_decode.hpp"
-#include "cpu/tile_kernels.hpp"
-#include "cpu/tile_kernels_bf16.hpp"
+#include "cpu/kernels/bf16_products.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels_bf16.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -448,8 +449,8 @@ TEST(AttentionVsReferenceFlash, TasksOfSeveralQueryBlocks) {
 }
 
 // Long reductions: scores of 16384 head dims, rows of 65536 keys. The product kernels sum them
-// in partial sums (cpu/tile_kernels.hpp), and the flash path must then be as accurate as the
-// standard path to within the grid's factor 4 with a floor of only one rounding of the output
+// in partial sums (cpu/kernels/tile_kernels.hpp), and the flash path must then be as accurate as
+// the standard path to within the grid's factor 4 with a floor of only one rounding of the output
 // (u·max|out|) and of lse: the grid's floor, which carries 4 score roundings to the output by
 // max|v|, would let pass what one chain through every key did (`flashattn demo`, 262144 keys:
 // 2.25e-7 against the standard path's 2.3e-8, with max|out| near 0.01).

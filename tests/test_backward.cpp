@@ -22,7 +22,8 @@
 #include <sstream>
 #include <string>
 
-#include "cpu/tile_kernels_bf16.hpp"
+#include "cpu/kernels/bf16_products.hpp"
+#include "cpu/kernels/tile_kernels_bf16.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -519,8 +520,8 @@ TEST(Backward, Bf16SubnormalsInSomeBlocksAreUsed) {
 // An infinity or a NaN in q, k, v or dO reaches exactly the gradient elements that the fp64
 // reference gives non-finite, and no other: in particular not the rows and keys that a causal
 // mask or a window keeps apart from it, where the blocked products would multiply it by a
-// masked pair's 0 (0·inf = NaN; cpu/visible_gradients.hpp). 150 rows and keys make row blocks
-// and K/V blocks that the mask cuts (the flash backward's tiles are 64 x 128); GQA, 1 and 3
+// masked pair's 0 (0·inf = NaN; cpu/kernels/visible_gradients.hpp). 150 rows and keys make row
+// blocks and K/V blocks that the mask cuts (the flash backward's tiles are 64 x 128); GQA, 1 and 3
 // threads, every dtype (bf16 on bf16 products where the CPU has them). With the flash path's
 // visible-pairs step switched off, 72 of these checks failed. The values of the finite
 // elements are the grid test's business; here they only have to be within 1% of the

@@ -1,4 +1,4 @@
-// The decode path's two products (cpu/tile_kernels.hpp: dot_rows, axpy_rows, and their bf16
+// The decode path's two products (cpu/kernels/tile_kernels.hpp: dot_rows, axpy_rows, and their bf16
 // pair variants) on every SIMD target compiled in that this CPU runs, against sums in double:
 // every row count up to 9 and every x count up to 19, so that each block shape the kernels pick
 // (rows by 4, 2 and 1; x rows by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and
@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "flashattn/dtype.hpp"
 #include "test_support.hpp"
 

@@ -1,4 +1,4 @@
-// The scores product (cpu/tile_kernels.hpp: scores_tile, scores_tile_columns) on every SIMD
+// The scores product (cpu/kernels/tile_kernels.hpp: scores_tile, scores_tile_columns) on every SIMD
 // target compiled in that this CPU runs, against sums in double: every row count up to 13 (the
 // kernel's blocks of 6 rows and its remainders of 4, 2 and 1), Kᵀ laid out for 16 to 144 keys (one
 // column panel, a whole panel and a partial one, two whole and a partial one), and every range of
@@ -16,7 +16,7 @@
 #include <random>
 #include <vector>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {

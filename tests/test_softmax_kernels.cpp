@@ -1,4 +1,4 @@
-// The exponentials of the softmax tiles (cpu/tile_kernels.hpp) on every SIMD target compiled in
+// The exponentials of the softmax tiles (cpu/kernels/tile_kernels.hpp) on every SIMD target compiled in
 // that this CPU runs: every float exponent between the flush threshold and 0 against exp2 in
 // double, the edges exactly (t = 0, t < -125, -inf), and NaN scores whatever their bits. The
 // attention tests reach these kernels only through scores that random inputs produce.
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"
 
 namespace flashattn::detail::cpu {

@@ -14,8 +14,8 @@
 #include <random>
 #include <vector>
 
-#include "cpu/tile_kernels.hpp"
-#include "cpu/tile_kernels_bf16.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels_bf16.hpp"
 #include "test_support.hpp"
 #include "util/convert.hpp"
 #include "util/dot.hpp"

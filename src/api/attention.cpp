@@ -2,16 +2,11 @@
 
 #include "flashattn/attention.hpp"
 
-#include <omp.h>
-
-#include <limits>
 #include <new>
 #include <string>
 
 #include "api/backends.hpp"
 #include "api/memory.hpp"
-#include "cpu/tile_kernels.hpp"
-#include "cpu/tile_sizes.hpp"
 
 namespace flashattn {
 
@@ -81,45 +76,6 @@ void attention_forward(AttentionImpl impl, const ConstTensorView& q, const Const
       return reference_attention_forward(q, k, v, out, lse, options);
   }
   throw Error("attention_forward: impl: expected flash, standard or reference");
-}
-
-std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::int64_t seqlen_kv,
-                                std::int64_t head_dim, const AttentionOptions& options) {
-  constexpr const char* caller = "score_buffer_bytes";
-  for (const auto& [name, value] : {std::pair{"seqlen_q", seqlen_q}, {"seqlen_kv", seqlen_kv}}) {
-    if (value < 0 || value > (std::int64_t{1} << 61)) {
-      throw Error(std::string(caller) + ": " + name + ": expected 0..2^61, got " +
-                  std::to_string(value));
-    }
-  }
-  if (head_dim < 1 || head_dim > (std::int64_t{1} << 61)) {
-    throw Error(std::string(caller) + ": head_dim: expected 1..2^61, got " +
-                std::to_string(head_dim));
-  }
-  if (options.num_threads < 0) {
-    throw Error(std::string(caller) + ": num_threads: expected >= 0 (0 = all), got " +
-                std::to_string(options.num_threads));
-  }
-  const __int128 threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-  __int128 bytes = 0;
-  switch (impl) {
-    case AttentionImpl::flash: {
-      const detail::cpu::TileSizes tiles = detail::cpu::flash_tiles(head_dim);
-      bytes = threads * tiles.rows * tiles.keys * sizeof(float);
-      break;
-    }
-    case AttentionImpl::standard:
-      bytes = threads * seqlen_q * detail::cpu::pad_to_lanes(seqlen_kv) * sizeof(float);
-      break;
-    case AttentionImpl::reference:
-      bytes = threads * seqlen_kv * sizeof(double);
-      break;
-  }
-  if (bytes > std::numeric_limits<std::int64_t>::max()) {
-    throw Error(std::string(caller) + ": seqlen_q " + std::to_string(seqlen_q) + " x seqlen_kv " +
-                std::to_string(seqlen_kv) + " overflows a 64-bit byte count");
-  }
-  return static_cast<std::int64_t>(bytes);
 }
 
 }  // namespace flashattn

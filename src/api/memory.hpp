@@ -1,7 +1,9 @@
 #pragma once
 
-// Scratch memory: how much a call will allocate, how much the machine has, and the check that
-// refuses a call that cannot fit before anything is allocated or written.
+// Scratch memory, every estimate in one place: how much a call will allocate (the public
+// score_buffer_bytes is defined in memory.cpp too; the decode path counts its own from its plan,
+// cpu::flash_decode_scratch_bytes), how much the machine has, and the check that refuses a call
+// that cannot fit before anything is allocated or written.
 
 #include <cstdint>
 

@@ -31,7 +31,7 @@
 //
 // Non-finite inputs: a pair that the mask cuts and that holds an infinity or a NaN on either
 // side adds its three gradient products over its visible (row, key) pairs only, since a masked
-// pair's P = dS = 0 times an infinity would be NaN (cpu/visible_gradients.hpp).
+// pair's P = dS = 0 times an infinity would be NaN (cpu/kernels/visible_gradients.hpp).
 //
 // Memory: per thread the K/V-side tiles (K, V in three layouts, S/P, dP/dS, the dK and dV
 // accumulators: at most 0.7 MiB at D = 128); the query side, Q and dO packed, D_i and the fp32 dQ
@@ -50,12 +50,13 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "cpu/pack.hpp"
-#include "cpu/tile_kernels.hpp"
-#include "cpu/tile_kernels_amx.hpp"
-#include "cpu/tile_kernels_bf16.hpp"
+#include "cpu/kernels/bf16_products.hpp"
+#include "cpu/kernels/pack.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels_amx.hpp"
+#include "cpu/kernels/tile_kernels_bf16.hpp"
+#include "cpu/kernels/visible_gradients.hpp"
 #include "cpu/tile_sizes.hpp"
-#include "cpu/visible_gradients.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
@@ -221,7 +222,7 @@ class QueryBlocks {
     return bf16_exact_[block_index(slot, g, n)] != 0;
   }
   // Whether the block's Q, dO and D_i hold no infinity or NaN and its lse no NaN
-  // (cpu/visible_gradients.hpp).
+  // (cpu/kernels/visible_gradients.hpp).
   bool finite(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return finite_[block_index(slot, g, n)] != 0;
   }
@@ -391,7 +392,7 @@ BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scrat
   pair.q = queries.q_panels(task.slot, g, n);
   pair.dout = queries.dout_panels(task.slot, g, n);
   // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its gradients
-  // over the visible pairs only (cpu/visible_gradients.hpp).
+  // over the visible pairs only (cpu/kernels/visible_gradients.hpp).
   const bool fully_visible = p.key_range(pair.row_begin).end >= kv.end &&
                              p.key_range(pair.row_begin + pair.rows - 1).begin <= kv.begin;
   pair.visible_only = !fully_visible && !(kv.finite && queries.finite(task.slot, g, n));

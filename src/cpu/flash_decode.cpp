@@ -35,7 +35,7 @@
 #include <cmath>
 #include <limits>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"

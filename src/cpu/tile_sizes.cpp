@@ -4,7 +4,7 @@
 #include <fstream>
 #include <string>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 
 namespace flashattn::detail::cpu {
 namespace {

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "api/params.hpp"
-#include "cpu/tile_kernels_bf16.hpp"
+#include "cpu/kernels/bf16_products.hpp"
 
 namespace flashattn::detail::cpu {
 

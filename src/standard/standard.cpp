@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "util/blas_lock.hpp"
 #include "util/convert.hpp"
 #include "util/omp_threads.hpp"

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "cpu/tile_kernels.hpp"
-#include "cpu/visible_gradients.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
+#include "cpu/kernels/visible_gradients.hpp"
 #include "util/blas_lock.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"

@@ -154,7 +154,7 @@ void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
                           std::int64_t ld_x, std::int64_t x_count, std::int64_t n);
 
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
-// patterns): the backward asks it of each packed block (cpu/visible_gradients.hpp).
+// patterns): the backward asks it of each packed block (cpu/kernels/visible_gradients.hpp).
 bool all_finite(const float* values, std::int64_t n);
 bool all_finite_bf16(const std::uint16_t* values, std::int64_t n);
 

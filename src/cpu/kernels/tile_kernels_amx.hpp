@@ -26,10 +26,11 @@ constexpr std::int64_t pad_to_amx_reduction(std::int64_t n) {
   return (n + kAmxReduction - 1) / kAmxReduction * kAmxReduction;
 }
 
-// Whether this CPU has AMX-TILE and AMX-BF16 (and AVX512-BF16, for rounding the probabilities)
-// and the kernel lets this process use the tile registers: Linux hands out the 8 KiB of tile
-// state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), which the first call makes.
-bool amx_supported();
+// Whether this CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile
+// registers: Linux hands out the 8 KiB of tile state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM), which the first call makes. The AMX path also needs AVX512-BF16 to round
+// the probabilities: amx_supported (bf16_products.hpp) checks both.
+bool amx_tiles_usable();
 
 // c[rows x columns] = a · B (accumulate false) or c += a · B (accumulate true), fp32 c row-major
 // with leading dimension ld_c; a [rows x reduction] bf16 row-major (ld_a); b_packed the

@@ -11,13 +11,13 @@
 // Highway's order: foreach_target.h first, then highway.h, then the contrib headers.
 // clang-format off
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "cpu/tile_kernels.cpp"
+#define HWY_TARGET_INCLUDE "cpu/kernels/tile_kernels.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 #include <hwy/contrib/math/math-inl.h>
 // clang-format on
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 
 #include <algorithm>
 #include <cmath>

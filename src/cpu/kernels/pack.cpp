@@ -1,10 +1,10 @@
-#include "cpu/pack.hpp"
+#include "cpu/kernels/pack.hpp"
 
 #include <immintrin.h>
 
 #include <algorithm>
 
-#include "cpu/tile_kernels.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 #include "util/convert.hpp"
 
 namespace flashattn::detail::cpu {

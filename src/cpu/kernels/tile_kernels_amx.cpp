@@ -4,7 +4,7 @@
 // is run with tiles of fewer rows (a new configuration), a ragged last column block with one
 // column tile, so c is never read or written outside [rows x columns].
 
-#include "cpu/tile_kernels_amx.hpp"
+#include "cpu/kernels/tile_kernels_amx.hpp"
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -14,8 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpu/tile_kernels.hpp"
-#include "cpu/tile_kernels_bf16.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 
 #define FLASHATTN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
@@ -131,11 +130,7 @@ bool cpu_has_amx_bf16() {
 
 }  // namespace
 
-bool amx_supported() {
-  static const bool supported =
-      cpu_has_amx_bf16() && bf16_products_supported() && request_tile_permission();
-  return supported;
-}
+bool amx_tiles_usable() { return cpu_has_amx_bf16() && request_tile_permission(); }
 
 FLASHATTN_AMX_TARGET void amx_product(float* c, std::int64_t ld_c, bool accumulate,
                                       const std::uint16_t* a, std::int64_t ld_a,

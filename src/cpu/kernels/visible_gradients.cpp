@@ -1,4 +1,4 @@
-#include "cpu/visible_gradients.hpp"
+#include "cpu/kernels/visible_gradients.hpp"
 
 #include <algorithm>
 
