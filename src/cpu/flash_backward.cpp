@@ -400,19 +400,29 @@ BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scrat
   return pair;
 }
 
+// out[rows x keys_padded] = A·Bᵀ of a row block against the K/V block, S = Q·Kᵀ or dP = dO·Vᵀ:
+// the bf16 rows a_bf16 against b_bf16 (Bᵀ packed in bf16), or the fp32 panels a against b_t.
+void score_product(const AttentionParams& p, const BackwardTiles& tiles, float* out,
+                   const KeyBlock& kv, const BlockPair& pair, const std::uint16_t* a_bf16,
+                   const std::uint16_t* b_bf16, const float* a, const float* b_t) {
+  if (pair.bf16) {
+    cpu::bf16_tile_product(tiles.products, out, tiles.ld_scores, false, a_bf16,
+                           tiles.bf16_reduction, b_bf16, pair.rows, kv.keys_padded,
+                           tiles.bf16_reduction);
+  } else {
+    cpu::scores_tile(out, tiles.ld_scores, {a, tiles.dims_padded, pair.rows}, b_t, pair.rows,
+                     kv.keys_padded, p.head_dim);
+  }
+}
+
 // P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0                [rows x keys_padded]
 void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
                         const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
-  if (pair.bf16) {
-    cpu::bf16_tile_product(tiles.products, t.probabilities.data(), ld_s, false,
-                           queries.q_bf16(task.slot, pair.g, pair.n), tiles.bf16_reduction,
-                           t.k_bf16.data(), pair.rows, kv.keys_padded, tiles.bf16_reduction);
-  } else {
-    cpu::scores_tile(t.probabilities.data(), ld_s, {pair.q, tiles.dims_padded, pair.rows},
-                     t.k_packed_t.data(), pair.rows, kv.keys_padded, p.head_dim);
-  }
+  score_product(p, tiles, t.probabilities.data(), kv, pair,
+                queries.q_bf16(task.slot, pair.g, pair.n), t.k_bf16.data(), pair.q,
+                t.k_packed_t.data());
   for (std::int64_t i = 0; i < pair.rows; ++i) {
     float* s = t.probabilities.data() + i * ld_s;
     mask_invisible(s, p.key_range(pair.row_begin + i), kv.begin, kv.keys);
@@ -446,14 +456,8 @@ void score_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, S
                          const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
-  if (pair.bf16) {
-    cpu::bf16_tile_product(tiles.products, t.dscores.data(), ld_s, false,
-                           queries.dout_bf16(task.slot, pair.g, pair.n), tiles.bf16_reduction,
-                           t.v_bf16.data(), pair.rows, kv.keys_padded, tiles.bf16_reduction);
-  } else {
-    cpu::scores_tile(t.dscores.data(), ld_s, {pair.dout, tiles.dims_padded, pair.rows},
-                     t.v_packed_t.data(), pair.rows, kv.keys_padded, p.head_dim);
-  }
+  score_product(p, tiles, t.dscores.data(), kv, pair, queries.dout_bf16(task.slot, pair.g, pair.n),
+                t.v_bf16.data(), pair.dout, t.v_packed_t.data());
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                              queries.delta(task.slot, pair.g, pair.n), p.scale, pair.rows,
                              kv.keys_padded);
