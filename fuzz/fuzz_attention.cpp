@@ -200,7 +200,6 @@ Kind kind_of(double x) {
 // instrumentation, which would otherwise cost more than the library calls under test.
 __attribute__((no_sanitize("coverage"))) void check_against_reference(
     Problem& p, const flashattn::detail::AttentionParams& params) {
-  using load_f32;
   const std::int64_t B = params.batch, Sq = params.seqlen_q, Hq = params.heads_q,
                      D = params.head_dim, Skv = params.seqlen_kv, Hkv = params.heads_kv;
   std::vector<double> ref_out(static_cast<std::size_t>(B * Sq * Hq * D));
