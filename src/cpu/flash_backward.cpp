@@ -19,8 +19,8 @@
 // Every query row block is laid out once before the K/V blocks that read it: Q and dO as the
 // column panels that S, dP, dK and dV stream, and D_i (by the task that owns the group's rows,
 // or, when several chunks share them, in one parallel pass before the tasks). Packed inside the
-// loop instead, each row block was re-read and re-packed once per K/V block it sees: 8 times at
-// seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
+// loop instead, each row block was re-read and re-packed once per K/V block it sees
+// (docs/tuning.md).
 //
 // bf16 inputs run all five products in bf16 where the forward does (cpu::active_bf16_products:
 // on AMX tiles, or with vdpbf16ps): S = Q·Kᵀ and dP = dO·Vᵀ from the bf16 inputs as they are, and
@@ -94,8 +94,7 @@ struct BackwardTiles {
 // Row stride of the [Br x Bc] tiles S/P and dP/dS: Bc plus one cache line. dV += Pᵀ·dO and
 // dK += dSᵀ·Q walk down a few columns of P and dS, one line per row; rows 512 bytes apart (Bc =
 // 128) put those 64 lines in 8 of L1's 64 sets, where they and the panel of dO or Q evicted
-// each other. f32 seed shape non-causal, 2 threads, six alternating runs: 0.294-0.311 ->
-// 0.289-0.306 s (medians 0.302 -> 0.295); causal within the noise.
+// each other (docs/tuning.md).
 std::int64_t scores_stride(std::int64_t keys) { return keys + cpu::kTileLanes; }
 
 // Query row blocks of `groups` GQA groups (batch, KV head), laid out once for all the K/V blocks
@@ -106,9 +105,9 @@ std::int64_t scores_stride(std::int64_t keys) { return keys + cpu::kTileLanes; }
 //
 // With bf16 products (AMX, vdpbf16ps) the products read bf16 copies, and the fp32 panels serve only
 // the pairs that fall back to fp32 (a subnormal on either side). When one task owns the blocks
-// (`fp32_on_demand`) it lays them out at the first such pair, if any: packing them always, the bf16
-// backward of the seed shape (non-causal, 2 threads, alternating runs) took 0.0851-0.0866 s instead
-// of 0.0816-0.0848. Blocks that several tasks share are laid out whole in advance.
+// (`fp32_on_demand`) it lays them out at the first such pair, if any: packing them always made
+// the bf16 backward slower (docs/tuning.md). Blocks that several tasks share are laid out whole
+// in advance.
 class QueryBlocks {
  public:
   QueryBlocks(const AttentionParams& p, const BackwardTiles& tiles, std::int64_t groups,
@@ -477,23 +476,13 @@ cpu::Bf16Products backward_bf16_products(const AttentionParams& p) {
 
 FlashTiles flash_backward_tiles(const AttentionParams& p) {
   // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
-  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block
-  // (Br = 32, 96 or 128 were no faster). On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce
-  // over Br, and each AMX accumulator tile is loaded and stored once per call, which at 64 (two
-  // 32-row steps) cost about as much as the products. 2 threads, alternating runs, bf16
-  // non-causal: seed shape 0.0928-0.0986 -> 0.0891-0.0944 s, D = 64 0.061-0.063 -> 0.058 s,
-  // [2,4096,8,128] 0.304-0.319 -> 0.294-0.301 s; causal seed shape 2% faster; Br = 192 or Bc =
-  // 256 no faster than 128. Bc: the forward's (twice it was 5-10% slower on the seed shape and
-  // [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape non-causal on AMX),
-  // except for the fp32 products under a causal mask or a window: half the forward's, at least
-  // 64, so that the blocks the mask cuts waste half as much. 2 threads, alternating runs, 64
-  // instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to 0.176-0.183 s and D = 64 from
-  // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
-  // slower, the non-causal seed shape. vdpbf16ps (AMD EPYC VM, 2 threads, alternating runs, bf16)
-  // takes the fp32 sizes too: its accumulators are registers, as the fp32 kernels' are; Br = 128
-  // was no faster ([1,1024,32,128] non-causal 0.0595 against 0.0606 s, causal 0.0362 against
-  // 0.0387), and at [1,1024,64,128] causal half the forward's Bc took 0.0701-0.0707 s against
-  // 0.0725-0.0760 with the whole.
+  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block.
+  // On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce over Br, and each AMX accumulator tile
+  // is loaded and stored once per call, which at 64 (two 32-row steps) cost about as much as
+  // the products. Bc: the forward's, except for the fp32 products under a causal mask or a
+  // window: half the forward's, at least 64, so that the blocks the mask cuts waste half as
+  // much. vdpbf16ps takes the fp32 sizes too: its accumulators are registers, as the fp32
+  // kernels' are. The sizes tried and their times: docs/tuning.md.
   const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
   const bool amx = backward_bf16_products(p) == cpu::Bf16Products::amx;
   const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
@@ -515,9 +504,8 @@ void flash_backward(const BackwardParams& bp) {
   const std::int64_t D = p.head_dim;
   const FlashTiles sizes = flash_backward_tiles(p);
   const cpu::Bf16Products products = backward_bf16_products(p);
-  // Written with plain stores, the three gradients' rows were first read from memory: 2-5% of
-  // the backward at [1,1024,64,128] causal and [1,1024,32,128] non-causal (2 threads,
-  // alternating runs: 0.195-0.203 -> 0.186-0.197 s and 0.156-0.167 -> 0.150-0.164 s).
+  // Written with plain stores, the three gradients' rows were first read from memory
+  // (write-allocate); too large for the caches, they are streamed (docs/tuning.md).
   const std::int64_t gradient_bytes =
       static_cast<std::int64_t>(dtype_size(p.dtype)) * D *
       (p.batch * p.seqlen_q * p.heads_q + 2 * p.batch * p.seqlen_kv * p.heads_kv);
@@ -537,9 +525,8 @@ void flash_backward(const BackwardParams& bp) {
 
   // With one chunk per group (at least kMinimumTasks groups) a task owns its group's query
   // rows: it lays out their Q, dO and D_i and sums their dQ in its thread's scratch, and writes
-  // dQ at its end. Laid out and summed in shared buffers instead, the seed shape's backward
-  // spent ~13% of its time faulting in and streaming ~100 MiB of them (2 threads: 0.245 -> 0.213
-  // s). Several chunks share a group's rows: then those are laid out once before the tasks, each
+  // dQ at its end, instead of faulting in and streaming shared buffers (docs/tuning.md).
+  // Several chunks share a group's rows: then those are laid out once before the tasks, each
   // chunk adds into its own dQ buffer ([chunk][batch][heads_kv][group][seqlen_q][Dp], zeroed by
   // its task), and the buffers are summed in chunk order after them.
   const bool task_owns_queries = chunks == 1;
