@@ -1,4 +1,4 @@
-# Third-party dependencies (DESIGN.md §7), all from Debian 12 packages.
+# Third-party dependencies (docs/design.md, "Dependencies"), all from Debian 12 packages.
 
 find_package(OpenMP REQUIRED)
 find_package(hwy REQUIRED)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what flashattn needs to build and test on Debian 12 (DESIGN.md §7). Idempotent.
+# Installs what flashattn needs to build and test on Debian 12 (docs/design.md, "Dependencies").
+# Idempotent.
 set -euo pipefail
 
 SUDO=""

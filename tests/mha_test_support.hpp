@@ -91,7 +91,7 @@ struct NaiveLayer {
             normalizer += scores[j];
           }
           // Merge heads: o_i of head h becomes columns h·Dh .. h·Dh + Dh - 1 of row b·Sq + i.
-          // A row with no visible key gets 0 (DESIGN.md §2).
+          // A row with no visible key gets 0 (docs/design.md, "The contract").
           for (std::int64_t d = 0; d < head_dim; ++d) {
             T sum = 0;
             for (std::int64_t j = 0; j < visible; ++j) sum += scores[j] * v[kv_index(b, h, j, d)];

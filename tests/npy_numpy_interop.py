@@ -21,7 +21,7 @@ EPS16 = float(np.finfo(np.float16).eps)
 
 
 def attention(q, k, v, causal=False, window=(-1, -1), scale=None):
-    """float64 attention with the library's mask convention (DESIGN.md section 2)."""
+    """float64 attention with the library's mask convention (docs/design.md, "The contract")."""
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
     _, seqlen_q, heads_q, head_dim = q.shape
     seqlen_kv, heads_kv = k.shape[1], k.shape[2]

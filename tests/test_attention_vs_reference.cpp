@@ -1,5 +1,5 @@
 // The FlashAttention path and the standard path against the fp64 reference on fresh random
-// inputs, over a grid of shapes that breaks tiling (DESIGN.md §4).
+// inputs, over a grid of shapes that breaks tiling (docs/design.md, "How correctness is checked").
 //
 // Tolerance, derived rather than guessed:
 //  * The standard path must stay inside the first-order forward error bound of fp32 attention:

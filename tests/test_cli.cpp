@@ -128,7 +128,8 @@ double max_abs(const std::vector<float>& values) {
   return largest;
 }
 
-// The tolerance rule of DESIGN.md §4: the tool's error against the fp64 reference may be at most
+// The tolerance rule of docs/design.md, "How correctness is checked": the tool's error against
+// the fp64 reference may be at most
 // 4x the standard path's error on the same inputs, plus a floor for when that error is ~0: one
 // ulp of the input dtype at max|v| for out (each output is a convex combination of v rows), four
 // fp32 ulps of max|lse| for lse (always fp32).

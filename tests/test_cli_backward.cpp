@@ -106,7 +106,8 @@ struct Problem {
   }
 };
 
-// The rule of DESIGN.md §4: the tool's error against the reference may be 4x the standard
+// The rule of docs/design.md, "How correctness is checked": the tool's error against the
+// reference may be 4x the standard
 // backward's error on the same inputs in the same precision, plus a floor for when that error
 // is ~0: four roundings of the dtype at G = max|reference gradient| + max|dO|·max|v|, the size
 // of the products each gradient sums (the floor covers the reference's own rounding into the

@@ -210,7 +210,8 @@ TEST(MultiHeadAttention, InitRandomIsDeterministicAndBounded) {
   }
 }
 
-// Without keys the attention output is 0 (DESIGN.md §2), so y is exactly b_O on every row.
+// Without keys the attention output is 0 (docs/design.md, "The contract"), so y is exactly b_O
+// on every row.
 TEST(MultiHeadAttention, NoKeysGivesOutputBias) {
   for (AttentionImpl impl :
        {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {

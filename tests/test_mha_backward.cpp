@@ -351,7 +351,8 @@ TEST(MhaBackward, ActivationsOwnTheirInputs) {
   EXPECT_EQ(before.dw_q, after.dw_q);
 }
 
-// Without keys the attention output is the constant 0 (DESIGN.md §2): y = b_O, so only b_O has
+// Without keys the attention output is the constant 0 (docs/design.md, "The contract"): y = b_O,
+// so only b_O has
 // a gradient (the column sums of dy); everything else is exactly 0, never NaN.
 TEST(MhaBackward, NoKeysGiveGradientOnlyToOutputBias) {
   const GradShape shape{"no_keys", 2, 3, 0, true, 16, 4, 0, true};

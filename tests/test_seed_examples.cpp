@@ -1,5 +1,5 @@
 // The worked examples of the seeds (../shared/seeds), with their numbers written out, through
-// all three paths; and the edge semantics of DESIGN.md §2.
+// all three paths; and the edge semantics of docs/design.md, "The contract".
 
 #include <gtest/gtest.h>
 
@@ -116,7 +116,7 @@ INSTANTIATE_TEST_SUITE_P(AllPaths, SeedTwoTokenExample, ::testing::ValuesIn(kAll
 INSTANTIATE_TEST_SUITE_P(AllPaths, SeedFourTokenCausal, ::testing::ValuesIn(kAllImpls),
                          [](const auto& info) { return std::string(impl_name(info.param)); });
 
-// DESIGN.md §2 edge semantics, for every path.
+// docs/design.md, "The contract" edge semantics, for every path.
 class EdgeSemantics : public ::testing::TestWithParam<AttentionImpl> {
  protected:
   // Runs GetParam() on q [1, Sq, 2, D] and k/v [1, Skv, 2, D] filled by the callers.

@@ -105,7 +105,8 @@ inline double unit_roundoff(DType dtype) {
   return 0.0;
 }
 
-// DESIGN.md §2 lets the probabilities be rounded to the input dtype as the operand of P·V (the
+// docs/design.md, "The contract" lets the probabilities be rounded to the input dtype as the
+// operand of P·V (the
 // bf16 products of the flash path do): that moves an output element by at most
 // sum_j |p~_j - p_j|·|v_j| / l <= u_in · max|v|.
 inline double probability_rounding_bound(DType dtype, double max_abs_v) {

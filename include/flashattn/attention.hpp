@@ -12,7 +12,7 @@ enum class AttentionImpl { flash, standard, reference };
 
 const char* impl_name(AttentionImpl impl);
 
-// Shapes (DESIGN.md §2):
+// Shapes (docs/design.md, "The contract"):
 //   q    [batch, seqlen_q,  heads_q,  head_dim]
 //   k, v [batch, seqlen_kv, heads_kv, head_dim]   heads_q % heads_kv == 0 (GQA / MQA)
 //   out  [batch, seqlen_q,  heads_q,  head_dim]   same dtype as q, k, v

@@ -11,8 +11,8 @@ namespace flashattn {
 
 // A non-owning view of a 4-d tensor: data pointer, element type, dims and element strides
 // (not bytes). The last dim must be contiguous (stride 1) wherever the library reads a view.
-// The seed's [B, Nh, S, Dh] layout and DESIGN.md's [B, S, H, D] layout are the same memory seen
-// through different strides, so splitting or merging heads is a view, never a copy.
+// The seed's [B, Nh, S, Dh] layout and docs/design.md's [B, S, H, D] layout are the same memory
+// seen through different strides, so splitting or merging heads is a view, never a copy.
 template <class Pointer>
 struct BasicTensorView {
   Pointer data = nullptr;

@@ -1,7 +1,7 @@
 #pragma once
 
-// The one plain struct the API layer hands to a backend (DESIGN.md §2). Validation happens once,
-// in make_params; backends assume every field is valid.
+// The one plain struct the API layer hands to a backend (docs/design.md, "The contract").
+// Validation happens once, in make_params; backends assume every field is valid.
 
 #include <algorithm>
 #include <cstdint>

@@ -19,8 +19,8 @@
 // Every query row block is laid out once before the K/V blocks that read it: Q and dO as the
 // column panels that S, dP, dK and dV stream, and D_i (by the task that owns the group's rows,
 // or, when several chunks share them, in one parallel pass before the tasks). Packed inside the
-// loop instead, each row block was re-read and re-packed once per K/V block it sees: 8 times at
-// seqlen 1024, ~20% of the backward's time ([2,32,1024,128] causal, 2 threads: 0.150 s before).
+// loop instead, each row block was re-read and re-packed once per K/V block it sees
+// (docs/tuning.md).
 //
 // bf16 inputs run all five products in bf16 where the forward does (cpu::active_bf16_products:
 // on AMX tiles, or with vdpbf16ps): S = Q·Kᵀ and dP = dO·Vᵀ from the bf16 inputs as they are, and
@@ -91,8 +91,7 @@ struct BackwardTiles {
 // Row stride of the [Br x Bc] tiles S/P and dP/dS: Bc plus one cache line. dV += Pᵀ·dO and
 // dK += dSᵀ·Q walk down a few columns of P and dS, one line per row; rows 512 bytes apart (Bc =
 // 128) put those 64 lines in 8 of L1's 64 sets, where they and the panel of dO or Q evicted
-// each other. f32 seed shape non-causal, 2 threads, six alternating runs: 0.294-0.311 ->
-// 0.289-0.306 s (medians 0.302 -> 0.295); causal within the noise.
+// each other (docs/tuning.md).
 std::int64_t scores_stride(std::int64_t keys) { return keys + cpu::kTileLanes; }
 
 // Query row blocks of `groups` GQA groups (batch, KV head), laid out once for all the K/V blocks
@@ -103,9 +102,9 @@ std::int64_t scores_stride(std::int64_t keys) { return keys + cpu::kTileLanes; }
 //
 // With bf16 products (AMX, vdpbf16ps) the products read bf16 copies, and the fp32 panels serve only
 // the pairs that fall back to fp32 (a subnormal on either side). When one task owns the blocks
-// (`fp32_on_demand`) it lays them out at the first such pair, if any: packing them always, the bf16
-// backward of the seed shape (non-causal, 2 threads, alternating runs) took 0.0851-0.0866 s instead
-// of 0.0816-0.0848. Blocks that several tasks share are laid out whole in advance.
+// (`fp32_on_demand`) it lays them out at the first such pair, if any: packing them always made
+// the bf16 backward slower (docs/tuning.md). Blocks that several tasks share are laid out whole
+// in advance.
 class QueryBlocks {
  public:
   QueryBlocks(const AttentionParams& p, const BackwardTiles& tiles, std::int64_t groups,
@@ -556,9 +555,8 @@ void flash_backward(const BackwardParams& bp) {
   const std::int64_t D = p.head_dim;
   const cpu::TileSizes sizes = cpu::flash_backward_tiles(p);
   const cpu::Bf16Products products = cpu::backward_bf16_products(p);
-  // Written with plain stores, the three gradients' rows were first read from memory: 2-5% of
-  // the backward at [1,1024,64,128] causal and [1,1024,32,128] non-causal (2 threads,
-  // alternating runs: 0.195-0.203 -> 0.186-0.197 s and 0.156-0.167 -> 0.150-0.164 s).
+  // Written with plain stores, the three gradients' rows were first read from memory
+  // (write-allocate); too large for the caches, they are streamed (docs/tuning.md).
   const std::int64_t gradient_bytes =
       static_cast<std::int64_t>(dtype_size(p.dtype)) * D *
       (p.batch * p.seqlen_q * p.heads_q + 2 * p.batch * p.seqlen_kv * p.heads_kv);
@@ -578,9 +576,8 @@ void flash_backward(const BackwardParams& bp) {
 
   // With one chunk per group (cpu::flash_backward_chunks) a task owns its group's query
   // rows: it lays out their Q, dO and D_i and sums their dQ in its thread's scratch, and writes
-  // dQ at its end. Laid out and summed in shared buffers instead, the seed shape's backward
-  // spent ~13% of its time faulting in and streaming ~100 MiB of them (2 threads: 0.245 -> 0.213
-  // s). Several chunks share a group's rows: then those are laid out once before the tasks, each
+  // dQ at its end, instead of faulting in and streaming shared buffers (docs/tuning.md).
+  // Several chunks share a group's rows: then those are laid out once before the tasks, each
   // chunk adds into its own dQ buffer ([chunk][batch][heads_kv][group][seqlen_q][Dp], zeroed by
   // its task), and the buffers are summed in chunk order after them.
   const bool task_owns_queries = chunks == 1;

@@ -4,8 +4,7 @@
 // The tiled forward (flash_forward.cpp) packs every K/V block, a transpose of K and a copy of V,
 // and walks one head's rows, Hkv·D floats apart: a page each in [B, S, H, D]. For a handful of
 // query rows the packing is most of the work and the strided walk starves the hardware
-// prefetchers (Zen 3 VM, 2 threads, K and V of [1, 8192, 8, 128]: a strided walk reads 13-19.5
-// GB/s, a sequential one 44.5). Here K and V are read once, in memory order: kKeyGroup keys at a
+// prefetchers (docs/tuning.md). Here K and V are read once, in memory order: kKeyGroup keys at a
 // time and within them head by head, the rows straight from the input (bf16 and f16 widened in
 // registers; bf16 in pairs, against query rows and accumulators in bf16 pair order, see
 // DecodePlan) or, where head_dim is not a whole number of vectors, widened into padded rows,
@@ -15,9 +14,8 @@
 //   online softmax of scale·s                          online_softmax_tile
 //   acc[h][r] += p[h][r][j] · v[j, h]                  axpy_rows         [rows x D] per head
 // Masked (row, key) pairs are never computed: -inf scores, and no product with the value row,
-// so a non-finite value reaches only the rows that see it. Same machine, Sq = 1, Hq = 32,
-// D = 128, f32, K+V read per second: 26.0 GB/s with Hkv = 8 and 33.9 with Hkv = 32 against the
-// tiled forward's 8.9 and 10.7.
+// so a non-finite value reaches only the rows that see it. (Read rates against the tiled
+// forward: docs/tuning.md.)
 //
 // Threads take (batch, key chunk) tasks; each chunk keeps its own m, l and acc for every row of
 // its batch entry, and a last pass merges each row's chunks in chunk order:
@@ -48,15 +46,12 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 // Query rows per KV head (group · seqlen_q) up to which decoding takes this path. Beyond a few
 // rows the products dominate, but a chunked key walk still beats the tiled forward, whose tasks
-// are one per (batch entry, KV head) here: Zen 3 VM, 2 threads, Skv = 8192, D = 128, f32, K+V
-// read per second against the tiled forward: 16 rows (Hq = 32, Hkv = 2) 12.8 against 9.4 GB/s,
-// (Sq = 4, Hq = 32, Hkv = 8) 10.8 against 7.4; 32 rows (Hkv = 1) 6.8 against 3.5, (Sq = 8,
-// Hkv = 8) 5.8 against 5.4.
+// are one per (batch entry, KV head) here, up to 32 rows (docs/tuning.md).
 constexpr std::int64_t kMaxDecodeRows = 32;
 // A chunk holds at least this many keys, so that merging it costs a row 1/256 of the chunk's
 // products or less, and a batch entry at most kMaxChunks chunks (fewer with more entries, which
-// are tasks already). Short caches split too: 256 keys, Hq = 32, Hkv = 2, 2 threads, 97 -> 63 us
-// a call with 128 keys per chunk instead of 512.
+// are tasks already). Short caches split too: 128 keys rather than 512 let a 256-key cache run
+// on 2 threads (docs/tuning.md).
 constexpr std::int64_t kMinChunkKeys = 128;
 constexpr std::int64_t kMaxChunks = 16;
 // Keys whose K (V) rows one dot_rows (axpy_rows) call takes: each query row's accumulator is
@@ -76,11 +71,8 @@ struct DecodePlan {
   std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of kTileLanes
   // bf16 rows read as they are (head_dim a whole number of vectors) whose products take them
   // in bf16 pairs (cpu::dot_rows_bf16_pairs): the query rows and accumulators are then kept in
-  // bf16 pair order. Zen 3 VM, Sq = 1, Hq = 32, D = 128, time against the widening kernels
-  // (paired runs, 16384 keys unless said): 4 rows per KV head (Hkv = 8) 0.89 on 2 threads,
-  // 0.91 on 1, 0.95-0.97 with 1024 keys in L3; 8 rows 0.965-0.97; 1 row (Hkv = 32, bound by
-  // memory) 0.97; 16 rows 1.02-1.04, though its kernels took 197 and 168 cycles per key for
-  // 220 and 181 on rows in L1: no pairs beyond kMaxBf16PairRows rows.
+  // bf16 pair order. Faster up to kMaxBf16PairRows rows per KV head, slower beyond them
+  // (docs/tuning.md).
   bool bf16_pairs = false;
 };
 
@@ -209,7 +201,7 @@ class KeyWalk {
 
   // Asks for the rows the next call will read (the next KV head's, or the next group's first)
   // while this one computes: the rows of a group lie a key stride apart, in pages the hardware
-  // prefetchers have not seen yet.
+  // prefetchers have not seen yet (docs/tuning.md).
   void prefetch_next(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                      std::int64_t count) const {
     const bool last_head = h + 1 == p_.heads_kv;

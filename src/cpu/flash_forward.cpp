@@ -49,12 +49,8 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // The rows of a partly visible K/V block go in chunks of this many, each computing only the keys
 // from the first one its first row sees to the last one its last row sees: under a causal mask a
 // diagonal block's rows see ever more of its keys, in a sliding window both ends move. Two row
-// blocks of the product kernels. Zen 3, 2 threads, paired runs against whole blocks (Br = 128,
-// Bc = 80), causal: S = 512 0.925 of the time (D = 128; 0.93 with chunks of 6, 0.95 of 24),
-// S = 1024 0.96-0.97, S = 4096 0.99; the scores computed fall by up to 10% at S = 512, the rest
-// goes to the chunks' extra calls. Starting each chunk at its first key too: S = 4096, D = 128,
-// window (256, 0) 0.96, (128, 128) 0.945, (1024, 0) 0.975 of the time of chunks that start at the
-// block's first key.
+// blocks of the product kernels: smaller chunks skip more scores but pay for more calls
+// (docs/tuning.md).
 constexpr std::int64_t kDiagonalChunkRows = 12;
 
 // Per-thread tiles. Row widths are padded to whole vectors (cpu::pad_to_lanes) with zeros, so
@@ -241,7 +237,8 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
     cpu::online_softmax_tile(scores + key_begin, ld_scores, p.scale, block.row_max + row_lo,
                              block.row_sum + row_lo, acc, Dp, rows, key_end_padded - key_begin, Dp);
     if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
-      // P is rounded to bf16 only as the operand of P·V (DESIGN.md §2, precision).
+      // P is rounded to bf16 only as the operand of P·V (docs/design.md, "The contract",
+      // precision).
       cpu::round_probabilities_bf16(t.p_bf16.data(), t.bf16_keys, scores, ld_scores, rows,
                                     keys_padded, kv.bf16_reduction);
       cpu::bf16_tile_product(products, acc, Dp, true, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(),
@@ -394,7 +391,7 @@ void flash_forward(const AttentionParams& p) {
   const cpu::TileSizes scratch_tiles{group * positions, tiles.keys, blocks_per_task};
 
   // Output rows that cannot stay in the L2 caches go straight to memory: plain stores read every
-  // line first (seed shape, 2 threads, alternating runs: 2-5% of the f32 forward).
+  // line first (docs/tuning.md).
   const bool stream_out = cpu::stream_output(static_cast<std::int64_t>(dtype_size(p.dtype)) *
                                                  p.batch * p.seqlen_q * p.heads_q * p.head_dim,
                                              p.num_threads);

@@ -68,35 +68,26 @@ TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
 
   // Bc: the packed V panel (Bc keys x kPanelWidth floats) is what the P·V kernel keeps in L1
   // while all query rows pass over it; give it at most two thirds of L1 (Bc = 128 at 48 KiB,
-  // 64 at 32 KiB... measured: on a 48 KiB-L1 core, Bc = 128 beat 64 by ~10%, since the softmax
-  // and the rescale are paid per block).
+  // 64 at 32 KiB): larger blocks pay the softmax and the rescale fewer times (docs/tuning.md).
   const std::int64_t keys =
       std::clamp(round_down(caches.l1d_bytes * 2 / 3 / (kPanelWidth * kFloat), kTileLanes),
                  std::int64_t{64}, std::int64_t{256});
 
   // Br: one task's tiles, Q and acc (Br x dims), scores (Br x Bc) and packed K and V
   // (2 x Bc x dims), fill at most half of L2 so the next K/V rows and the output stream past
-  // them. The larger Br, the more query rows share each packed K/V block: on one AVX-512 core
-  // with a 2 MiB L2, D = 128, non-causal S = 1024, Br = 64 / 128 / 256 gave 75 / 93 / 116
-  // GFLOP/s. Capped at 256: beyond it causal diagonal blocks waste more than packing saves.
+  // them. The larger Br, the more query rows share each packed K/V block (docs/tuning.md).
+  // Capped at 256: beyond it causal diagonal blocks waste more than packing saves.
   const std::int64_t budget = caches.l2_bytes / 2 / kFloat - 2 * keys * dims;
   const std::int64_t rows =
       std::clamp(round_down(budget / (2 * dims + keys), kTileLanes), kTileLanes, std::int64_t{256});
 
   // Q blocks per task: each packed K/V block is then read by that many Q blocks, which divides
-  // the packing (a transpose of K, ~1/4 of the flash time at one Q block per task on the seed
-  // shape) by as much. Their Q and acc tiles need not stay in L2: a Q block's visit to a K/V
-  // block reads Q and acc and writes acc, 3·Br·D floats against 4·Br·Bc·D FLOPs, 3 / Bc bytes
-  // per FLOP (under 4 GB/s per core at 100 GFLOP/s and Bc = 80), in sequence from L3. Measured
-  // against the earlier rule (as many as fit in three quarters of L2), 2 threads, seed shape: on a
-  // Zen 3 core (512 KiB L2, 2 blocks by that rule) 4 blocks ran 2-5.5% faster non-causal and 2.5%
-  // causal in paired runs, 8 no faster than 4; on a Zen 5 core (1 MiB L2, 2 blocks) 4 ran 1.5-2.5%
-  // faster non-causal, causal equal; a 2 MiB L2 held 4 already. Where Br is smaller than 256,
-  // more blocks, so that a packed K/V block serves 1024 query rows: what a task packs beyond the
-  // keys its rows see in full (a causal diagonal, a window's edges) weighs less. Zen 3, Br = 128,
-  // D = 128, 8 blocks against 4, paired: causal S = 4096 0.965-0.995 of the time, S = 2048
-  // 0.98-0.99, window (256, 0) 0.95-0.98 (there packing was 17% of the profile), seed shape
-  // 0.97-1.00.
+  // the packing (a transpose of K) by as much. Their Q and acc tiles need not stay in L2: a Q
+  // block's visit to a K/V block reads Q and acc and writes acc, 3·Br·D floats against
+  // 4·Br·Bc·D FLOPs, 3 / Bc bytes per FLOP (under 4 GB/s per core at 100 GFLOP/s and Bc = 80),
+  // in sequence from L3. Where Br is smaller than 256, more blocks, so that a packed K/V block
+  // serves 1024 query rows: what a task packs beyond the keys its rows see in full (a causal
+  // diagonal, a window's edges) weighs less (docs/tuning.md).
   const std::int64_t blocks_per_task =
       std::clamp((kRowsPerTask + rows - 1) / rows, kMinBlocksPerTask, kMaxBlocksPerTask);
   return {rows, keys, blocks_per_task};
@@ -112,23 +103,13 @@ Bf16Products backward_bf16_products(const AttentionParams& p) {
 
 TileSizes flash_backward_tiles(const AttentionParams& p) {
   // Br x Bc of the backward. Five products share each tile pair (two in the forward): Br = 64
-  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block
-  // (Br = 32, 96 or 128 were no faster). On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce
-  // over Br, and each AMX accumulator tile is loaded and stored once per call, which at 64 (two
-  // 32-row steps) cost about as much as the products. 2 threads, alternating runs, bf16
-  // non-causal: seed shape 0.0928-0.0986 -> 0.0891-0.0944 s, D = 64 0.061-0.063 -> 0.058 s,
-  // [2,4096,8,128] 0.304-0.319 -> 0.294-0.301 s; causal seed shape 2% faster; Br = 192 or Bc =
-  // 256 no faster than 128. Bc: the forward's (twice it was 5-10% slower on the seed shape and
-  // [1,4096,4,128] causal; half of it 8% slower on the bf16 seed shape non-causal on AMX),
-  // except for the fp32 products under a causal mask or a window: half the forward's, at least
-  // 64, so that the blocks the mask cuts waste half as much. 2 threads, alternating runs, 64
-  // instead of 128 took [1,1024,64,128] causal from 0.184-0.195 to 0.176-0.183 s and D = 64 from
-  // 0.100-0.103 to 0.093-0.096 s; seqlen 4096 causal was within the noise, and so was, or 2%
-  // slower, the non-causal seed shape. vdpbf16ps (AMD EPYC VM, 2 threads, alternating runs, bf16)
-  // takes the fp32 sizes too: its accumulators are registers, as the fp32 kernels' are; Br = 128
-  // was no faster ([1,1024,32,128] non-causal 0.0595 against 0.0606 s, causal 0.0362 against
-  // 0.0387), and at [1,1024,64,128] causal half the forward's Bc took 0.0701-0.0707 s against
-  // 0.0725-0.0760 with the whole.
+  // keeps a row block's Q-side tiles and the two score-sized tiles in L2 beside the K/V block.
+  // On AMX, Br = 128: dV += Pᵀ·dO and dK += dSᵀ·Q reduce over Br, and each AMX accumulator tile
+  // is loaded and stored once per call, which at 64 (two 32-row steps) cost about as much as
+  // the products. Bc: the forward's, except for the fp32 products under a causal mask or a
+  // window: half the forward's, at least 64, so that the blocks the mask cuts waste half as
+  // much. vdpbf16ps takes the fp32 sizes too: its accumulators are registers, as the fp32
+  // kernels' are. The sizes tried and their times: docs/tuning.md.
   const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
   const bool amx = backward_bf16_products(p) == Bf16Products::amx;
   const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;

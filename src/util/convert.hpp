@@ -34,8 +34,8 @@ void fence_streams();
 inline constexpr std::int64_t kRowsAhead = 8;
 
 // Asks for the n elements at base + offset to be brought into the caches, for reading or (a
-// row the caller will write) for writing; returns at once. Inline: a call per row cost ~4% of
-// the bf16 forward on AMX. (Built without -mprfchw, both are prefetcht0: a line that no other
+// row the caller will write) for writing; returns at once. Inline: it is called once per row
+// (docs/tuning.md). (Built without -mprfchw, both are prefetcht0: a line that no other
 // core holds arrives exclusive, and the store that follows needs no further request.)
 inline void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64_t n,
                          bool for_write = false) {
@@ -102,9 +102,8 @@ inline void store_row_f32(void* dst, DType dtype, std::int64_t offset, const flo
 
 // Asks for the row that store_row_f32(dst, dtype, offset, ..., n, stream) will write, unless
 // that streams it: plain stores read every line they write (write-allocate), and rows lie a
-// page or more apart, so callers ask kRowsAhead rows on, as for loads. bf16 seed shape
-// non-causal, 2 threads, alternating runs: forward 0.0392-0.0428 -> 0.0366-0.0397 s. A streamed
-// row is read by none of its stores (stream_row_f32 writes even its partial end lines
+// page or more apart, so callers ask kRowsAhead rows on, as for loads (docs/tuning.md). A
+// streamed row is read by none of its stores (stream_row_f32 writes even its partial end lines
 // non-temporally where it can).
 inline void prefetch_store_row(void* dst, DType dtype, std::int64_t offset, std::int64_t n,
                                bool stream) {

@@ -1,8 +1,7 @@
 // f16 and bf16 rows widened to fp32 with SIMD (F16C and AVX-512 conversions where the CPU has
 // them), compiled once per Highway target and dispatched at run time. Widening is exact, so every
-// target gives the same floats as the scalar f32_from_f16 / f32_from_bf16. Per element the
-// scalar f16 path took ~10 integer operations and branches: on the seed shape (non-causal,
-// 2 threads) f16 ran at 249 GFLOP/s against bf16's 283 with it, at 280 with F16C.
+// target gives the same floats as the scalar f32_from_f16 / f32_from_bf16, whose f16 path takes
+// ~10 integer operations and branches per element (docs/tuning.md).
 
 // clang-format off
 #undef HWY_TARGET_INCLUDE
@@ -67,8 +66,8 @@ HWY_INLINE auto RoundToBf16(DF /*df*/, hn::Vec<DF> values) {
   return hn::DemoteTo(dh, hn::BitCast(di, hn::IfThenElse(is_nan, hn::Or(upper, quiet), rounded)));
 }
 
-// The bf16 output rows of the flash forward, which element by element took ~6% of its time once
-// the products ran on AMX.
+// The bf16 output rows of the flash forward, which element by element cost a visible share of
+// its time once the products ran on AMX (docs/tuning.md).
 void NarrowRowBf16(std::uint16_t* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
   const hn::ScalableTag<float> df;
   const hn::Rebind<std::uint16_t, decltype(df)> dh;
@@ -95,11 +94,8 @@ HWY_INLINE void StreamPart(float* HWY_RESTRICT dst, const float* HWY_RESTRICT sr
 
 // Non-temporal stores of whole vectors from the first vector-aligned element on. Before it and
 // in the tail, lines that the row shares with its neighbours: those take narrower non-temporal
-// stores where dst is 16-byte aligned. Written with plain stores, each was read first: on rows
-// that start 16 bytes into a line (a std::vector's, numpy's) the seed shape's f32 forward spent
-// 4-5% of its time in them (memmove); now 2.3% in the whole row copy, and in alternating runs
-// (non-causal, 2 threads) forward 0.1220-0.1279 -> 0.1178-0.1249 s, backward (dQ, dK, dV)
-// 0.2937-0.3092 -> 0.2882-0.3056 s.
+// stores where dst is 16-byte aligned. Written with plain stores, each was read first, on rows
+// that start 16 bytes into a line (a std::vector's, numpy's) (docs/tuning.md).
 void StreamRowF32(float* HWY_RESTRICT dst, const float* HWY_RESTRICT src, std::int64_t n) {
   const hn::ScalableTag<float> df;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(df));

@@ -35,16 +35,11 @@ std::vector<Bf16Products> supported_bf16_products() {
 
 namespace {
 
-// AMX where the CPU has it: on the Sapphire Rapids-class VM of bench/RESULTS.md the seed shape
-// in bf16 ran at 798 GFLOP/s non-causal (3.0x the f32 path, whose speed the widened path
-// matches) and 577 causal (2.8x), 2 threads. Else vdpbf16ps on AMD CPUs, widening on Intel ones:
-// the rate of a 512-bit vdpbf16ps against an fp32 FMA is a property of the core. On the AMD EPYC
-// (Zen 5) VM of bench/RESULTS.md it retires twice the FLOPs of an FMA (bf16 dot peak 1080 against
-// 538 GFLOP/s, 2 threads) and the bf16 seed shape non-causal ran at 677 GFLOP/s against the
-// widened path's 431; on the Sapphire Rapids-class one half of them (~105 against ~215 GFLOP/s per
-// core), and the flash forward at [1, 1024, 8, 128] ran at 0.65-0.7x of the widening path.
-// Decided by the vendor rather than timed at start-up, so that the choice, and with it the
-// rounding of the results, is the same in every process on one machine.
+// AMX where the CPU has it. Else vdpbf16ps on AMD CPUs, widening on Intel ones: the rate of a
+// 512-bit vdpbf16ps against an fp32 FMA is a property of the core, twice the FLOPs of an FMA on
+// Zen 5, half of them on Sapphire Rapids (docs/tuning.md). Decided by the vendor rather than
+// timed at start-up, so that the choice, and with it the rounding of the results, is the same
+// in every process on one machine.
 Bf16Products default_bf16_products() {
   const std::vector<Bf16Products> supported = supported_bf16_products();
   if (const char* setting = std::getenv("FLASHATTN_BF16_PRODUCTS")) {

@@ -22,7 +22,7 @@ std::vector<Bf16Products> supported_bf16_products();
 
 // The way bf16 inputs use now: AMX where supported, else vdpbf16ps on AMD CPUs that have it
 // (Zen 5: twice the FLOPs of an fp32 FMA), else widened (an Intel vdpbf16ps retires half of
-// them; tile_kernels_bf16.cpp has the figures); the environment variable
+// them; docs/tuning.md has the figures); the environment variable
 // FLASHATTN_BF16_PRODUCTS=widened|avx512_bf16|amx picks another supported one (read once), and
 // tests pin one with force_bf16_products (std::nullopt restores the default; not thread-safe
 // against concurrent attention calls).

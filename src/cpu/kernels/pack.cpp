@@ -30,10 +30,9 @@ void pack_rows(float* panels, const void* base, DType dtype, const Strides& stri
 void pack_rows_transposed(float* panels, const void* base, DType dtype, const Strides& strides,
                           std::int64_t b, std::int64_t h, std::int64_t row_begin, std::int64_t rows,
                           std::int64_t rows_padded, std::int64_t head_dim) {
-  // kTileLanes rows at a time, so that each store fills 64 contiguous bytes of one panel row.
-  // Row by row, every store went to another cache line, ~9 cycles per element (the transpose
-  // of K took 7.8% of the forward's time on the seed shape). f16 and bf16 rows are first
-  // widened, kPanelWidth dims at a time, into `widened`.
+  // kTileLanes rows at a time, so that each store fills 64 contiguous bytes of one panel row:
+  // row by row, every store went to another cache line (docs/tuning.md). f16 and bf16 rows are
+  // first widened, kPanelWidth dims at a time, into `widened`.
   float widened[kTileLanes][kPanelWidth];
   const float* sources[kTileLanes];
   std::int64_t offsets[kTileLanes];
@@ -129,8 +128,7 @@ bool pack_rows_transposed_bf16(std::uint16_t* panels, const void* base, const St
 
 // With AVX512-BW, which every CPU with bf16 products has (tile_kernels_bf16.hpp): per pair of
 // rows, 32 dims of each in one register, interleaved by one permute per 16 dims, and the
-// subnormal test on the same registers. Element by element this took ~6% of the bf16 forward
-// on AMX.
+// subnormal test on the same registers; element by element was too slow on AMX (docs/tuning.md).
 __attribute__((target("avx512f,avx512bw"))) bool pack_row_pairs_bf16(
     std::uint16_t* panels, const void* base, const Strides& strides, std::int64_t b, std::int64_t h,
     std::int64_t row_begin, std::int64_t rows, std::int64_t reduction, std::int64_t head_dim,

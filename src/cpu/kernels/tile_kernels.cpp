@@ -4,9 +4,8 @@
 // Both products are register-blocked the same way: R rows x C vectors of accumulators stay in
 // registers while the reduction dimension streams (head_dim for the scores, keys for P·V). Per
 // step that is C vector loads and R broadcasts for R·C FMAs: 6 x 4 on AVX-512 (24 of 32 zmm
-// registers, 10 loads per 24 FMAs), 6 x 2 on AVX2 and SSE (12 of 16 registers). Measured on one
-// core, 256 x 128 x 128 tiles, GFLOP/s of scores / P·V: AVX-512 4 x 4 166 / 166, 6 x 4 188+ / 183;
-// AVX2 4 x 2 102 / 103, 6 x 2 116 / 113.
+// registers, 10 loads per 24 FMAs), 6 x 2 on AVX2 and SSE (12 of 16 registers); 6 rows beat 4
+// on both (docs/tuning.md).
 
 // Highway's order: foreach_target.h first, then highway.h, then the contrib headers.
 // clang-format off
@@ -67,16 +66,15 @@ constexpr float kLog2e = 1.44269504088896341f;
 // 2^0 = 1 exactly is off by 4.3e-7), then 2^n applied. Results below 2^-125 (t < -125) are
 // flushed to 0 on every target, so that 2^n·p never underflows to a denormal; masked -inf gives
 // an exact 0; NaN stays NaN; t = 0 gives exactly 1. Half the operations of Highway's general
-// Exp, which also handles large positive arguments: the 256 x 128 online-softmax tile went from
-// 17.4 to 14.8 us on one AVX-512 core.
+// Exp, which also handles large positive arguments (docs/tuning.md).
 HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
   constexpr float kFlushBelow = -125.0f;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   // AVX-512: vscalefps computes p·2^n in one instruction and, zero-masked, also does the flush:
   // 10 operations per vector, against 17 for the exponent-bit arithmetic below. A lane with
   // t < -125 is never scaled: an underflowing vscalefps takes a microcode assist (~100 cycles)
-  // when denormals are not flushed, and every masked -inf lane did once (the standard path's
-  // causal seed shape fell from 90 to 64 GFLOP/s). The mask is "not t < -125", true for NaN.
+  // when denormals are not flushed, and every masked -inf lane did once (docs/tuning.md). The
+  // mask is "not t < -125", true for NaN.
   const Vec n = hn::Round(t);
   const Vec f = hn::Sub(t, n);
 #else
@@ -84,9 +82,7 @@ HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
   // where the float spacing is 1, so the sum is round(t) + 1.5·2^23 + 127 (ties to even, as
   // roundps) and its low 9 mantissa bits are n + 127, the biased exponent of 2^n, for n in
   // [-127, 128]. 13 operations per vector where the clamp, round, the conversion of n with
-  // Highway's overflow fix-up and the NaN select took 21: one AVX2 core (Zen 3), the online
-  // softmax of a [256 x 128] tile 17.6 -> 13.3 us; the seed shape's forward 2% (non-causal)
-  // and 3.4% (causal) faster, paired runs.
+  // Highway's overflow fix-up and the NaN select took 21 (docs/tuning.md).
   const Vec rounding_shift = hn::Set(tag, 12583039.0f);  // 1.5·2^23 + 127
   const Vec shifted = hn::Add(t, rounding_shift);
   const Vec n = hn::Sub(shifted, rounding_shift);
@@ -115,7 +111,7 @@ HWY_INLINE Vec Exp2Softmax(Tag tag, Vec t) {
 
 // scores[R x C·N] = q[R x D] · k_packed[D x C·N]. Unscaled: with a scale vector live across the
 // loop, GCC ran out of the 32 zmm registers (24 sums, 4 keys, a broadcast) and spilled a key
-// vector: 160 instead of 195 GFLOP/s on one core. The softmax steps apply the scale.
+// vector (docs/tuning.md). The softmax steps apply the scale.
 // The dims go in partial sums of kDimsPerPartialSum (tile_kernels.hpp says why), each read in
 // segments that lie row-major in q: the partial sum's dims for a row-major q, one column panel at
 // a time for a packed one.
@@ -138,11 +134,8 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
           (q.packed_rows > 0 ? q.data + d0 * q.packed_rows - d0 : q.data) + row * ld;
       const std::int64_t d_end = std::min(d0 + segment, sum_end);
       // Unrolled by 8, so that the loop's counter, compare and branch come once per 8 dims
-      // instead of once per 12 FMAs (the 6 x 2 block on AVX2), as P·V's loop (PvBlock). Zen 3,
-      // 2 threads, library builds paired in one process in both orders: the f32 forward 0.95-0.96
-      // of the time (seed shape, causal and non-causal), bf16 and f16 0.93-0.94, the backward
-      // 0.93-0.98. By 4 ran as fast as by 8. (The two kernels alone on a 128 x 80 tile in L2,
-      // paired the same way, ran as fast rolled as unrolled.)
+      // instead of once per 12 FMAs (the 6 x 2 block on AVX2), as P·V's loop (PvBlock)
+      // (docs/tuning.md).
       HWY_UNROLL(8)
       for (std::int64_t d = d0; d < d_end; ++d) {
         Vec keys[C];
@@ -164,9 +157,8 @@ HWY_INLINE void ScoresBlock(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld
 
 // All rows against the key columns [0, width) of one packed panel (head_dim rows of `ld_panel`
 // floats, contiguous: 32 KiB at D = 128). The panel stays in L1 while every row block passes
-// over it. Measured on one AVX-512 core, 64 x 128 x 128 tile: 113 GFLOP/s when each row block
-// streamed a 128-key Kᵀ with 512-byte row stride (set conflicts halve the usable L1), 121 with
-// panels of that strided layout, 170+ with contiguous panels.
+// over it; a strided Kᵀ (rows 512 bytes apart) would lose half of L1 to set conflicts
+// (docs/tuning.md).
 HWY_INLINE void ScoresPanel(Tag tag, float* HWY_RESTRICT scores, std::int64_t ld_scores,
                             const RowsOperand& q, const float* HWY_RESTRICT panel,
                             std::int64_t ld_panel, std::int64_t width, std::int64_t rows,
@@ -223,9 +215,8 @@ void OnlineSoftmaxTile(float* HWY_RESTRICT scores, std::int64_t ld_scores, float
   // Rows go in groups, each of the three steps over the whole group before the next: one row
   // alone is a chain of dependent steps (max, its horizontal reduction, the exp with that max,
   // the sum and its reduction), and a row at a time the tile ran at the chain's pace; a group's
-  // rows overlap. The max and the sum also run as two chains over alternate vectors. One
-  // AVX-512 core, a 64 x 128 tile in L1: 2.20 us a row at a time, 2.09 with the two chains,
-  // 1.51 in groups of 8 rows; the seed shape's forward 2-3.5% faster (alternating runs).
+  // rows overlap. The max and the sum also run as two chains over alternate vectors
+  // (docs/tuning.md).
   constexpr std::int64_t kGroupRows = 8;
   float new_max[kGroupRows], tile_sum[kGroupRows];
   for (std::int64_t first = 0; first < rows; first += kGroupRows) {
@@ -316,9 +307,7 @@ constexpr bool kWidensF16 = false;
 // time as N 32-bit pairs, whose even elements are the pairs shifted left by 16 bits and odd ones
 // the pairs with the low 16 bits cleared. That is 2 operations for 2 vectors where PromoteTo
 // takes a widening shuffle and a shift for each, and the fp32 operand then holds each chunk
-// of 2N dims in bf16 pair order (tile_kernels.hpp). One Zen 3 core, 8 keys x 128 dims in L1,
-// cycles per key, widened -> pairs: 4 rows dot 58 -> 51.5, axpy 50 -> 44; 16 rows dot
-// 220 -> 197, axpy 181 -> 168.
+// of 2N dims in bf16 pair order (tile_kernels.hpp; cycles per key: docs/tuning.md).
 template <class T>
 struct Widened {
   using Element = T;
@@ -363,11 +352,9 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
       for (int c = 0; c < C; ++c) sums[r][c] = hn::MulAdd(weight, values[c], sums[r][c]);
     }
   };
-  // Unrolled as the scores' loop (ScoresBlock says what it gained). The decode path's calls take
-  // 8 keys: its bf16 pairs' loop unrolled keeps up with a hand-written 8-key loop (Zen 3, 4 rows,
-  // 16384 keys, paired runs: that loop took 0.90-0.96 of the rolled one's time, 0.99-1.02 of the
-  // unrolled one's), while its fp32 rows ran 1.03-1.07 of the time unrolled and stay rolled, as
-  // do the f16 ones.
+  // Unrolled as the scores' loop (ScoresBlock says why). The decode path's calls take 8 keys:
+  // its bf16 pairs' loop unrolled keeps up with a hand-written 8-key loop, while its fp32 rows
+  // ran slower unrolled and stay rolled, as do the f16 ones (docs/tuning.md).
   if constexpr (kUnrollKeys) {
     HWY_UNROLL(8)
     for (std::int64_t j = 0; j < keys; ++j) key(j);
@@ -474,9 +461,8 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
 }
 
 // The sum of v's lanes, as a scalar: the halves added down to 128 bits first, then
-// SumOfLanes, whose shuffles on AVX2 and AVX-512 span the whole vector. Zen 3, bf16 decode with
-// 4 rows per KV head: a hand-written 128-bit reduction took 0.92-0.96 of the time with
-// SumOfLanes's, 0.96-1.0 with this.
+// SumOfLanes, whose shuffles on AVX2 and AVX-512 span the whole vector (faster in the bf16
+// decode path: docs/tuning.md).
 template <class D>
 HWY_INLINE float SumOfLanesToScalar(D d, hn::VFromD<D> v) {
 #if HWY_TARGET != HWY_SCALAR
@@ -556,10 +542,8 @@ HWY_INLINE Vec SumsOfEight(Tag tag, const Vec (&v)[8]) {
 // One row against 8 fp32 x vectors: each x vector loaded once and used once, the row kept in a
 // register, 9 loads per 8 FMAs. The 4 x 2 blocks load each row vector twice where the compiler
 // folds the loads into the FMAs (GCC 12 does), 10 loads per 8 FMAs, and end in 8 horizontal sums
-// instead of one SumsOfEight. One Zen 3 core, 4 rows x 8 keys x 128 dims in L1, cycles per key
-// (32 at the FMA rate): 62 -> 41 on contiguous rows, 59.5 -> 54 on rows 4 KiB apart as in a
-// [B, S, 8, 128] cache. Not for bf16 and f16: the 4 x 2 blocks widen each x vector once, these
-// once per row, and the decode path went 3-15% slower on bf16 with them.
+// instead of one SumsOfEight (docs/tuning.md). Not for bf16 and f16: the 4 x 2 blocks widen each
+// x vector once, these once per row, which made the decode path slower on bf16.
 HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float* HWY_RESTRICT row,
                                    const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
@@ -618,10 +602,7 @@ constexpr bool kDecodeUnroll = std::is_same_v<Reader, Bf16Pairs>;
 // Decode: acc += weights · x for unpacked x rows ld_x apart, the P·V blocks of PvTile on them.
 // One or two rows take wider blocks: a block's accumulators are its FMA chains, and the FMA
 // latency needs 8 of them in flight (4 cycles x 2 pipes on Zen 3 and on Sapphire Rapids),
-// which 1 x kBlockVectors or 2 x 2 accumulators are not. One Zen 3 core, 8 keys x 128 dims in
-// L1, rows 1024 elements apart, cycles per key, old and new code alternated in one process:
-// one row (MHA decoding) f32 47-50 -> 17-20, bf16 41-44 -> 33; two rows f32 42-62 -> 35-46,
-// bf16 38-54 -> 33-40.
+// which 1 x kBlockVectors or 2 x 2 accumulators are not (docs/tuning.md).
 template <int R, int C, class Reader>
 HWY_INLINE void AxpyFewRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                             const float* HWY_RESTRICT weights, WeightStrides ps,
@@ -753,9 +734,8 @@ HWY_INLINE void TransposeBlock(Tag tag, Vec (&v)[kLanes]) {
 }
 #endif
 
-// By blocks of kLanes x kLanes in registers rather than element by element: one AVX-512 core,
-// a cached 128 x 128 block of K packed, 1.0-1.1 -> 0.7 cycles per element. In the forward the
-// packing mostly waits for memory: its share of the seed shape's time went from 3.0 to 2.8%.
+// By blocks of kLanes x kLanes in registers rather than element by element: fewer cycles per
+// element, though in the forward the packing mostly waits for memory (docs/tuning.md).
 void TransposeRows(float* HWY_RESTRICT dst, std::int64_t ld_dst, const float* const* rows,
                    std::int64_t count, std::int64_t n) {
   constexpr std::size_t kLanes = HWY_LANES(float);

@@ -39,18 +39,10 @@ inline constexpr std::int64_t kPanelWidth = 64;
 // along the reduced dimension). scores_tile sums at most kDimsPerPartialSum head dims at a time;
 // the P·V kernels add each call's products, summed from zero, to acc (the forward's acc runs
 // through every key of a row, dK and dV through every query row), for the same loads and stores
-// and one more add per vector. Max abs error against the fp64 reference, f32, one chain -> partial
-// sums (the standard path's in brackets), `flashattn demo` with B = 1, S = 64:
-//   head_dim 2048, H = 4            out 3.46e-6 -> 6.0e-7 (7.2e-7); the demo's rule failed before
-//   head_dim 16384, H = 4           out 7.7e-6 -> 9.5e-7 (9.5e-7)
-//   Skv = 262144, D = 128, H = 2    out 2.25e-7 -> 4.3e-8 (2.3e-8)
-// and `flashattn bench --backward`, S = 16384, D = 64, non-causal: out 2.05e-7 -> 3.0e-8
-// (1.9e-8), dK 5.5e-7 -> 1.2e-7, dV 3.8e-7 -> 7.1e-8, dQ 5.2e-8 -> 3.2e-8 (2.6e-8). Speed alike
-// (Zen 3, 2 threads, paired builds in both orders: forward 0.998-1.006 of the time, one first
-// run 1.017 whose rerun read 1.004; backward 0.990-0.998, decode 0.992-1.001). Up to 256 head
-// dims, every head dim in use, the scores are the one chain they were, bit for bit. The bf16
-// products (tile_kernels_bf16.hpp, tile_kernels_amx.hpp) keep their chains: the rounding of their
-// bf16 operands outweighs the sums'. A multiple of kPanelWidth.
+// and one more add per vector. Up to 256 head dims, every head dim in use, the scores are the
+// one chain they were, bit for bit. The bf16 products (tile_kernels_bf16.hpp,
+// tile_kernels_amx.hpp) keep their chains: the rounding of their bf16 operands outweighs the
+// sums'. A multiple of kPanelWidth. Errors before and after, and speed: docs/tuning.md.
 inline constexpr std::int64_t kDimsPerPartialSum = 256;
 static_assert(kDimsPerPartialSum % kPanelWidth == 0);
 

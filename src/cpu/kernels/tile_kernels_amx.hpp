@@ -2,10 +2,10 @@
 
 // bf16 tile products on Intel AMX (Advanced Matrix Extensions, Sapphire Rapids and later): one
 // TDPBF16PS multiplies a 16 x 32 bf16 tile by a 32 x 16 bf16 tile into 16 x 16 fp32
-// accumulators, 8192 multiply-adds per instruction. Measured on the Sapphire Rapids-class VM of
-// bench/RESULTS.md: ~2900 GFLOP/s per core from registers, against ~215 for fp32 FMAs and ~105
-// for vdpbf16ps. Neither GCC's vectorizer nor Highway emits it, so the one kernel is written with
-// the AMX intrinsics in functions compiled for that ISA (DESIGN.md §7).
+// accumulators, 8192 multiply-adds per instruction (per-core rates against fp32 FMAs and
+// vdpbf16ps: docs/tuning.md). Neither GCC's vectorizer nor Highway emits it, so the one kernel is
+// written with the AMX intrinsics in functions compiled for that ISA (docs/design.md,
+// "Dependencies").
 //
 // Operands are bf16 bit patterns. The left operand `a` is row-major [rows x reduction]; the
 // right operand is packed as in tile_kernels_bf16.hpp: column panels of 64, each the pairs of

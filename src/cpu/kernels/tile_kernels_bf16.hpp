@@ -3,7 +3,7 @@
 // bf16 tile products with AVX512-BF16's vdpbf16ps, which multiplies pairs of bf16 and adds both
 // products into one fp32 lane: twice the multiply-adds of an fp32 FMA per instruction. Highway
 // 1.0.3 does not emit it, so these two kernels are written with intrinsics in functions compiled
-// for that ISA (DESIGN.md §7) and used only when the CPU reports avx512bf16.
+// for that ISA (docs/design.md, "Dependencies") and used only when the CPU reports avx512bf16.
 //
 // Operands are bf16 bit patterns (std::uint16_t) packed so that each 32-bit lane holds a pair
 // along the reduction dimension:
