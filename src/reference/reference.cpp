@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "util/convert.hpp"
+#include "flashattn/dtype.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {

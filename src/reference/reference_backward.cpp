@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
-#include "util/convert.hpp"
+#include "flashattn/dtype.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {

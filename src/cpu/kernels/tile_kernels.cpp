@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "util/convert.hpp"
+#include "flashattn/dtype.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::detail::cpu {

@@ -1,0 +1,66 @@
+#pragma once
+
+// Memory hints of the row loops: prefetching rows that lie a page or more apart, and
+// non-temporal (streaming) stores for outputs too large to stay in cache.
+
+#include <cstdint>
+
+#include "flashattn/dtype.hpp"
+
+namespace flashattn::detail {
+
+// dst[0, n) = src[0, n) with non-temporal stores (whole vectors where dst is vector-aligned, 16
+// bytes at the row's ends where it is 16-byte aligned): the lines go to memory without being
+// read first. For outputs too large to stay in cache; the writing thread
+// calls fence_streams() before another thread may read them.
+void stream_row_f32(float* dst, const float* src, std::int64_t n);
+// dst[0, n) = bf16_from_f32(src[0, n)) with non-temporal stores of 16 bytes where dst is 16-byte
+// aligned (on SIMD targets with 8 float lanes or more), plain stores before and after.
+void stream_row_bf16(std::uint16_t* dst, const float* src, std::int64_t n);
+void fence_streams();
+
+// Rows of one head lie a sequence stride apart (H·D elements in [B, S, H, D]), usually 4 KiB
+// or more, and the hardware prefetchers do not follow a stream across 4 KiB pages: each row's
+// first line waited for memory. Loops over rows ask for the row kRowsAhead rows on while
+// handling one, so that those waits overlap.
+inline constexpr std::int64_t kRowsAhead = 8;
+
+// Asks for the n elements at base + offset to be brought into the caches, for reading or (a
+// row the caller will write) for writing; returns at once. Inline: it is called once per row
+// (docs/tuning.md). (Built without -mprfchw, both are prefetcht0: a line that no other
+// core holds arrives exclusive, and the store that follows needs no further request.)
+inline void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64_t n,
+                         bool for_write = false) {
+  constexpr std::int64_t kLineBytes = 64;
+  const std::int64_t element_bytes = static_cast<std::int64_t>(dtype_size(dtype));
+  const char* first = static_cast<const char*>(base) + offset * element_bytes;
+  for (std::int64_t byte = 0; byte < n * element_bytes; byte += kLineBytes) {
+    if (for_write) {
+      __builtin_prefetch(first + byte, 1);
+    } else {
+      __builtin_prefetch(first + byte);
+    }
+  }
+  if (for_write) {
+    __builtin_prefetch(first + n * element_bytes - 1, 1);
+  } else {
+    __builtin_prefetch(first + n * element_bytes - 1);
+  }
+}
+
+// Whether store_row_f32(..., stream) writes with non-temporal stores: f32 and bf16 rows.
+inline bool streams_rows(DType dtype, bool stream) {
+  return stream && (dtype == DType::f32 || dtype == DType::bf16);
+}
+
+// Asks for the row that store_row_f32(dst, dtype, offset, ..., n, stream) (util/convert.hpp) will
+// write, unless that streams it: plain stores read every line they write (write-allocate), and rows
+// lie a page or more apart, so callers ask kRowsAhead rows on, as for loads (docs/tuning.md). A
+// streamed row is read by none of its stores (stream_row_f32 writes even its partial end lines
+// non-temporally where it can).
+inline void prefetch_store_row(void* dst, DType dtype, std::int64_t offset, std::int64_t n,
+                               bool stream) {
+  if (!streams_rows(dtype, stream)) prefetch_row(dst, dtype, offset, n, true);
+}
+
+}  // namespace flashattn::detail
