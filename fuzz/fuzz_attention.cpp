@@ -212,9 +212,9 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
       static_cast<double>(Skv + D + 16) * 0x1p-149 + half_smallest_denormal(p.dtype);
   const double mixing = static_cast<double>(2 * Skv + 16) * kU32;
   // The flash path may round P to the input dtype as the operand of P·V (docs/design.md, "The
-  // contract"; bf16 on AMX does): at most u_in·max|v| more. The bf16 tile instructions flush fp32 intermediates
-  // below 2^-126 (scores' products, P·V products, the accumulator between blocks): at most
-  // (Skv + D + 16)·2^-126 more, absolute.
+  // contract"; bf16 on AMX does): at most u_in·max|v| more. The bf16 tile instructions flush
+  // fp32 intermediates below 2^-126 (scores' products, P·V products, the accumulator between
+  // blocks): at most (Skv + D + 16)·2^-126 more, absolute.
   const double u_p = exact || p.dtype == DType::f32 ? 0.0 : unit_roundoff(p.dtype);
   const double flushed =
       exact || p.dtype != DType::bf16 ? 0.0 : static_cast<double>(Skv + D + 16) * 0x1p-126;
