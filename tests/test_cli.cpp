@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "api/memory.hpp"
 #include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/dtype.hpp"
+#include "flashattn/introspect.hpp"
 #include "npy.hpp"
 
 namespace {
@@ -530,7 +530,7 @@ TEST_F(CliTest, DemoRejectsBadArguments) {
 // memory; causal, so that only the last 4096 query rows see any key and flash takes well under
 // a second.
 TEST_F(CliTest, DemoRunsFlashAloneWhereTheStandardPathCannotFit) {
-  const std::int64_t seqlen_q = flashattn::detail::memory_limit_bytes() / (16 << 10) / 4 * 5;
+  const std::int64_t seqlen_q = flashattn::memory_limit_bytes() / (16 << 10) / 4 * 5;
   if (seqlen_q > (std::int64_t{1} << 24)) GTEST_SKIP() << "more memory than a test should fill";
   const Completed alone =
       run({"demo", "--batch", "1", "--heads", "1", "--seqlen", std::to_string(seqlen_q),

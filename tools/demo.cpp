@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -19,11 +20,10 @@
 #include <string>
 #include <vector>
 
-#include "api/memory.hpp"
-#include "api/params.hpp"
 #include "cli_common.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
+#include "flashattn/introspect.hpp"
 #include "verify.hpp"
 
 namespace flashattn::cli {
@@ -156,7 +156,7 @@ void check_inputs_fit(const DemoOptions& demo, DType dtype, std::int64_t kv_head
   const double bytes = (3.0 * rows + 2.0 * kv_rows) * static_cast<double>(demo.head_dim) *
                            static_cast<double>(dtype_size(dtype)) +
                        2.0 * rows * sizeof(float);
-  const auto limit = static_cast<double>(detail::memory_limit_bytes());
+  const auto limit = static_cast<double>(memory_limit_bytes());
   if (bytes > limit) {
     throw Error(
         "demo: --batch, --heads, --kv-heads, --seqlen, --seqlen-kv, --head-dim: expected "
@@ -171,10 +171,15 @@ void check_inputs_fit(const DemoOptions& demo, DType dtype, std::int64_t kv_head
 std::optional<std::string> standard_refusal(PathRun& standard, const HostTensor& q,
                                             const HostTensor& k, const HostTensor& v,
                                             const AttentionOptions& options) {
-  const detail::AttentionParams params = detail::make_params(
-      "demo", q.view(), k.view(), v.view(), standard.out.view(), standard.lse.data(), options);
-  const std::int64_t needed = detail::scratch_bytes(AttentionImpl::standard, params);
-  const std::int64_t limit = detail::memory_limit_bytes();
+  std::int64_t needed = 0;
+  try {
+    needed = forward_scratch_bytes(AttentionImpl::standard, q.view(), k.view(), v.view(),
+                                   standard.out.view(), standard.lse.data(), options);
+  } catch (const Error& error) {
+    // An invalid problem (--kv-heads not dividing --heads) is reported as the demo's own error.
+    throw Error("demo" + std::string(error.what()).substr(std::strlen("forward_scratch_bytes")));
+  }
+  const std::int64_t limit = memory_limit_bytes();
   if (needed <= limit) return std::nullopt;
   return "its score matrices need " + format_bytes(static_cast<double>(needed)) +
          " of scratch, more than the " + format_bytes(static_cast<double>(limit)) +

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "cache_aligned.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/tensor.hpp"
-#include "util/aligned_vector.hpp"
 
 namespace flashattn::cli {
 
@@ -25,8 +25,8 @@ namespace flashattn::cli {
 struct HostTensor {
   DType dtype = DType::f32;
   std::array<std::int64_t, 4> shape{};
-  detail::AlignedVector<float> f32;
-  detail::AlignedVector<std::uint16_t> bits16;  // f16 or bf16
+  bench::CacheAlignedVector<float> f32;
+  bench::CacheAlignedVector<std::uint16_t> bits16;  // f16 or bf16
 
   HostTensor(DType dtype_, std::array<std::int64_t, 4> shape_);
   std::int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
