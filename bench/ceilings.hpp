@@ -1,9 +1,10 @@
 #pragma once
 
 // The machine's own ceilings, measured on the same OpenMP threads as the attention paths
-// (DESIGN.md §5): the f32 FMA peak, the bf16 dot-product peak (AVX512-BF16 CPUs), OpenBLAS
-// sgemm on attention-shaped products, memory copy bandwidth, and the read bandwidth of given
-// buffers (a decode call's K and V). Each is a Workload; best_rate() times it.
+// (docs/design.md, "How speed is measured"): the f32 FMA peak, the bf16 dot-product peak
+// (AVX512-BF16 CPUs), OpenBLAS sgemm on attention-shaped products, memory copy bandwidth, and the
+// read bandwidth of given buffers (a decode call's K and V). Each is a Workload; best_rate() times
+// it.
 
 #include <cstddef>
 #include <cstdint>

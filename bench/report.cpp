@@ -150,10 +150,8 @@ std::string csv_text(const Machine& machine, const Ceilings& ceilings,
           format("%.3g", path.tolerance.out),
           format("%.3g", path.errors.lse.max_abs),
           format("%.3g", path.tolerance.lse),
-          // Rates and ratios in significant digits, not decimals: in a sanitized build a
-          // ratio against the AMX peak is ~1e-5, which "%.4f" wrote as 0, and the plain-loop
-          // sgemm under ThreadSanitizer on a busy host ran below 0.05 GFLOP/s, which "%.1f"
-          // wrote as 0.
+          // Rates and ratios in significant digits, not decimals: the sanitized builds run so
+          // slowly that fixed decimals wrote some of their rates and ratios as 0.
           optional_number("%.4g", ratio(peak)),
           optional_number("%.4g", ratio(sgemm)),
           path.impl == AttentionImpl::flash ? optional_number("%.4g", ratio(standard)) : "",
@@ -192,8 +190,8 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
               machine.openblas_coretype.empty() ? "" : ", OPENBLAS_CORETYPE=",
               machine.openblas_coretype.c_str());
   if (!machine.openblas_coretype.empty()) {
-    // On the AMD EPYC (Zen 5) VM of bench/RESULTS.md the environment set Haswell (AVX2): sgemm
-    // at D = 128 ran at 241 GFLOP/s against 444 with OpenBLAS's own choice, Cooperlake.
+    // A pinned kernel can run sgemm far slower than OpenBLAS's own choice for this CPU, which
+    // lowers the sgemm ceiling and the standard path alike.
     std::printf(
         "note     OPENBLAS_CORETYPE pins that kernel for the sgemm ceiling and the standard path;\n"
         "         unset it to compare against the kernel OpenBLAS picks for this CPU\n");

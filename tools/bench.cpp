@@ -1,11 +1,11 @@
 // `flashattn bench`: the FlashAttention path and the standard path on the same inputs and the same
 // threads, each verified against the fp64 reference before it is timed, next to the machine's
-// ceilings measured in the same run (DESIGN.md §5). With --backward, each path's backward follows
-// its forward on the same inputs, verified on one (batch, KV head) slice before it is timed.
-// Decode cases (one query position against a long KV cache) come last, timed as K and V bytes
-// read per second against the memory copy ceiling (DESIGN.md §5: decode is memory-bound).
-// Writes one CSV row per case and path, and a plot of GFLOP/s against seqlen (and one of the
-// backward's).
+// ceilings measured in the same run (docs/design.md, "How speed is measured"). With --backward,
+// each path's backward follows its forward on the same inputs, verified on one (batch, KV head)
+// slice before it is timed. Decode cases (one query position against a long KV cache) come last,
+// timed as K and V bytes read per second against the memory copy ceiling (docs/design.md, "How
+// speed is measured": decode is memory-bound). Writes one CSV row per case and path, and a plot of
+// GFLOP/s against seqlen (and one of the backward's).
 //
 // This file holds the command line (flags, their checks, --quick) and the top-level sequence;
 // the cases, the machine and its ceilings, the runs, the CSV and tables, and the plots are the
