@@ -1,9 +1,10 @@
 #pragma once
 
 // The machine's own ceilings, measured on the same OpenMP threads as the attention paths
-// (DESIGN.md §5): the f32 FMA peak, the bf16 dot-product peak (AVX512-BF16 CPUs), OpenBLAS
-// sgemm on attention-shaped products, memory copy bandwidth, and the read bandwidth of given
-// buffers (a decode call's K and V). Each is a Workload; best_rate() times it.
+// (docs/design.md, "How speed is measured"): the f32 FMA peak, the bf16 dot-product peak
+// (AVX512-BF16 CPUs), OpenBLAS sgemm on attention-shaped products, memory copy bandwidth, and the
+// read bandwidth of given buffers (a decode call's K and V). Each is a Workload; best_rate() times
+// it.
 
 #include <cstddef>
 #include <cstdint>
@@ -63,8 +64,8 @@ class Bf16DotPeak final : public Workload {
 // As FmaPeak, with AMX tiles: TDPBF16PS into four independent 16 x 16 fp32 accumulator tiles
 // from operand tiles held in registers (16·16·32 bf16 products per instruction). One unit: 2^12
 // instructions per accumulator per thread.
-// Run only where the library's detail::cpu::amx_supported() holds: it checks the CPU and asks
-// Linux for the tile state, once for the whole process.
+// Run only where flashattn::amx_supported() (flashattn/introspect.hpp) holds: it checks the CPU and
+// asks Linux for the tile state, once for the whole process.
 class AmxPeak final : public Workload {
  public:
   explicit AmxPeak(int threads);

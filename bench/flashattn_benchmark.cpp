@@ -13,10 +13,10 @@
 #include <random>
 #include <vector>
 
+#include "cache_aligned.hpp"
 #include "ceilings.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/dtype.hpp"
-#include "util/aligned_vector.hpp"
 
 namespace {
 
@@ -24,12 +24,12 @@ using flashattn::AttentionImpl;
 using flashattn::DType;
 
 // Inputs in the storage dtype: bf16 as raw bits, rounded from the same normal(0, 1) values; on
-// a 64-byte boundary, as `flashattn bench` allocates them (tools/verify.hpp says why).
+// a 64-byte boundary, as `flashattn bench` allocates them (verify.hpp says why).
 struct Inputs {
   std::array<std::int64_t, 4> shape;
   DType dtype;
-  flashattn::detail::AlignedVector<float> f32;
-  flashattn::detail::AlignedVector<std::uint16_t> bf16;
+  flashattn::bench::CacheAlignedVector<float> f32;
+  flashattn::bench::CacheAlignedVector<std::uint16_t> bf16;
 
   Inputs(std::array<std::int64_t, 4> shape_, DType dtype_) : shape(shape_), dtype(dtype_) {
     const auto count = static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]);

@@ -6,9 +6,9 @@
 // Both builds are loaded into one process (dlopen, RTLD_LOCAL) and their calls alternate on the
 // same inputs, base-new then new-base round by round, so that both see the same stretch of the
 // host's load; the figure is the median over the rounds of new time / base time. Which build is
-// loaded first moves that figure by itself (two copies of one build read 0.95-0.99 in one order
-// on a loaded Zen 3 guest), so the tool runs the pairs twice, in a child process per load order,
-// and reports the geometric mean of the two orders.
+// loaded first moves that figure by itself, even between two copies of one build, so the tool
+// runs the pairs twice, in a child process per load order, and reports the geometric mean of the
+// two orders.
 //
 // This tool must not link the library: the copies it loads export the same symbols, and a
 // linked copy would take their calls to one another (ELF interposition).

@@ -1,13 +1,16 @@
 #pragma once
 
 // Running the `flashattn` command-line tool as a subprocess, shared by the CLI tests: its exit
-// code, stdout and stderr, scratch directories, and the JSON line that `run` prints.
+// code, stdout and stderr, scratch directories, the fixture that gives each test its own, the
+// check of a clean failure, and the JSON line that `run` prints.
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <spawn.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +18,8 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 extern char** environ;
@@ -72,6 +77,64 @@ inline Completed run_cli(const std::vector<std::string>& args,
   completed.err = read_text(err_path);
   return completed;
 }
+
+// A failure as the CLI must fail: nothing on stdout and exactly one line on stderr,
+// "flashattn: error: ...", holding `message`. `command` names the run in the test's messages.
+inline void expect_one_error_line(const Completed& completed, const std::string& command,
+                                  const std::string& message) {
+  EXPECT_EQ(completed.out, "") << command;
+  EXPECT_EQ(completed.err.rfind("flashattn: error: ", 0), 0u) << command << "\n" << completed.err;
+  EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << command << "\n"
+                                                                             << completed.err;
+  EXPECT_NE(completed.err.find(message), std::string::npos)
+      << command << "\nexpected '" << message << "' in: " << completed.err;
+}
+
+// A test of the CLI: a fresh work directory and a directory for the captured stdout and stderr,
+// both under the system's temporary directory, named from `prefix`, removed after the test.
+class CliFixture : public ::testing::Test {
+ protected:
+  explicit CliFixture(std::string prefix) : prefix_(std::move(prefix)) {}
+
+  void SetUp() override {
+    work_ = make_temp_dir(prefix_ + "_");
+    capture_ = make_temp_dir(prefix_ + "_capture_");
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    std::filesystem::remove_all(work_, ignored);
+    std::filesystem::remove_all(capture_, ignored);
+  }
+
+  std::string path(const std::string& name) const { return (work_ / name).string(); }
+
+  // Names in the work directory, hidden ones included, sorted.
+  std::vector<std::string> entries() const {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(work_)) {
+      names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // Every name under the work directory, relative to it, hidden ones included, sorted.
+  std::vector<std::string> files() const {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(work_)) {
+      names.push_back(std::filesystem::relative(entry.path(), work_).string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  Completed run(const std::vector<std::string>& args) const { return run_cli(args, capture_); }
+
+  std::filesystem::path work_, capture_;
+
+ private:
+  std::string prefix_;
+};
 
 // A flat JSON object as `run` prints it: key -> raw value text (strings without their quotes).
 // Throws std::runtime_error on anything else, which fails the calling test.

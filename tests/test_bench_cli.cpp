@@ -84,32 +84,11 @@ std::vector<std::vector<std::string>> parse_csv(const std::string& text) {
   return records;
 }
 
-class BenchCliTest : public ::testing::Test {
+class BenchCliTest : public flashattn::testing::CliFixture {
  protected:
-  void SetUp() override {
-    work_ = flashattn::testing::make_temp_dir("flashattn_bench_");
-    capture_ = flashattn::testing::make_temp_dir("flashattn_bench_capture_");
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(work_, ignored);
-    fs::remove_all(capture_, ignored);
-  }
+  BenchCliTest() : CliFixture("flashattn_bench") {}
 
-  Completed run(const std::vector<std::string>& args) const {
-    return flashattn::testing::run_cli(args, capture_);
-  }
   fs::path results() const { return work_ / "results"; }
-
-  // Every name under the work directory, hidden ones included, sorted.
-  std::vector<std::string> files() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::recursive_directory_iterator(work_)) {
-      names.push_back(fs::relative(entry.path(), work_).string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
 
   // The name of the last CSV in results/ (a run writes one), empty if there is none.
   std::string csv_name() const {
@@ -154,16 +133,9 @@ class BenchCliTest : public ::testing::Test {
     std::string command;
     for (const std::string& arg : args) command += " " + arg;
     EXPECT_EQ(completed.exit_code, exit_code) << command << "\n" << completed.err;
-    EXPECT_EQ(completed.out, "") << command;
-    EXPECT_EQ(completed.err.rfind("flashattn: error: ", 0), 0u) << command << "\n" << completed.err;
-    EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << command << "\n"
-                                                                               << completed.err;
-    EXPECT_NE(completed.err.find(message), std::string::npos)
-        << command << "\nexpected '" << message << "' in: " << completed.err;
+    flashattn::testing::expect_one_error_line(completed, command, message);
     EXPECT_EQ(files(), before) << command;
   }
-
-  fs::path work_, capture_;
 };
 
 TEST_F(BenchCliTest, QuickSweepVerifiesEveryPathAndWritesTheCsv) {

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "api/memory.hpp"
 #include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/dtype.hpp"
+#include "flashattn/introspect.hpp"
 #include "npy.hpp"
 
 namespace {
@@ -31,10 +31,8 @@ using flashattn::AttentionImpl;
 using flashattn::AttentionOptions;
 using flashattn::DType;
 using flashattn::testing::Completed;
-using flashattn::testing::make_temp_dir;
 using flashattn::testing::parse_json_line;
 using flashattn::testing::read_text;
-using flashattn::testing::run_cli;
 using Shape = std::array<std::int64_t, 4>;
 
 // One attention operand: values held in its dtype (f32 or f16), savable as .npy.
@@ -155,31 +153,9 @@ void expect_close_to_reference(const Outputs& tool, const Outputs& reference,
       << lse_error.reference;
 }
 
-class CliTest : public ::testing::Test {
+class CliTest : public flashattn::testing::CliFixture {
  protected:
-  void SetUp() override {
-    work_ = make_temp_dir("flashattn_cli_");
-    capture_ = make_temp_dir("flashattn_cli_capture_");
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(work_, ignored);
-    fs::remove_all(capture_, ignored);
-  }
-
-  std::string path(const std::string& name) const { return (work_ / name).string(); }
-
-  // Names in the work directory, hidden ones included, sorted.
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(work_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
-  Completed run(const std::vector<std::string>& args) const { return run_cli(args, capture_); }
+  CliTest() : CliFixture("flashattn_cli") {}
 
   // Saves q, k, v as q.npy, k.npy, v.npy.
   void save_inputs(const Operand& q, const Operand& k, const Operand& v) const {
@@ -192,8 +168,6 @@ class CliTest : public ::testing::Test {
     return {"run", "--q",         path("q.npy"), "--k",    path("k.npy"),
             "--v", path("v.npy"), "--out",       path(out)};
   }
-
-  fs::path work_, capture_;
 };
 
 TEST_F(CliTest, RunFlashMatchesReferenceAndPrintsOneJsonLine) {
@@ -342,12 +316,7 @@ class CliErrorTest : public CliTest {
     std::string command;
     for (const std::string& arg : args) command += " " + arg;
     EXPECT_GT(completed.exit_code, 0) << command;
-    EXPECT_EQ(completed.out, "") << command;
-    EXPECT_EQ(completed.err.rfind("flashattn: error: ", 0), 0u) << command << "\n" << completed.err;
-    EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << command << "\n"
-                                                                               << completed.err;
-    EXPECT_NE(completed.err.find(message), std::string::npos)
-        << command << "\nexpected '" << message << "' in: " << completed.err;
+    flashattn::testing::expect_one_error_line(completed, command, message);
     EXPECT_EQ(entries(), before) << command;
   }
 
@@ -531,7 +500,7 @@ TEST_F(CliTest, DemoRejectsBadArguments) {
 // memory; causal, so that only the last 4096 query rows see any key and flash takes well under
 // a second.
 TEST_F(CliTest, DemoRunsFlashAloneWhereTheStandardPathCannotFit) {
-  const std::int64_t seqlen_q = flashattn::detail::memory_limit_bytes() / (16 << 10) / 4 * 5;
+  const std::int64_t seqlen_q = flashattn::memory_limit_bytes() / (16 << 10) / 4 * 5;
   if (seqlen_q > (std::int64_t{1} << 24)) GTEST_SKIP() << "more memory than a test should fill";
   const Completed alone =
       run({"demo", "--batch", "1", "--heads", "1", "--seqlen", std::to_string(seqlen_q),

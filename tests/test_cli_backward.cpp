@@ -123,31 +123,9 @@ void expect_close(const std::vector<double>& got, const std::vector<double>& ref
                                     << ", reference " << reference[error.index];
 }
 
-class CliBackwardTest : public ::testing::Test {
+class CliBackwardTest : public CliFixture {
  protected:
-  void SetUp() override {
-    work_ = make_temp_dir("flashattn_cli_backward_");
-    capture_ = make_temp_dir("flashattn_cli_backward_capture_");
-  }
-  void TearDown() override {
-    std::error_code ignored;
-    fs::remove_all(work_, ignored);
-    fs::remove_all(capture_, ignored);
-  }
-
-  std::string path(const std::string& name) const { return (work_ / name).string(); }
-
-  // Names in the work directory, hidden ones included, sorted.
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(work_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
-  Completed run(const std::vector<std::string>& args) const { return run_cli(args, capture_); }
+  CliBackwardTest() : CliFixture("flashattn_cli_backward") {}
 
   void save_inputs(const Problem& p) const {
     save(p.q, path("q.npy"));
@@ -169,8 +147,6 @@ class CliBackwardTest : public ::testing::Test {
     }
     return all;
   }
-
-  fs::path work_, capture_;
 };
 
 class CliBackwardImplTest : public CliBackwardTest,
@@ -295,11 +271,7 @@ class CliBackwardErrorTest : public CliBackwardTest {
     std::string line;
     for (const std::string& arg : command) line += " " + arg;
     EXPECT_EQ(completed.exit_code, exit_code) << line << "\n" << completed.err;
-    EXPECT_EQ(completed.out, "") << line;
-    EXPECT_EQ(completed.err.rfind("flashattn: error: ", 0), 0u) << line << "\n" << completed.err;
-    EXPECT_EQ(std::count(completed.err.begin(), completed.err.end(), '\n'), 1) << completed.err;
-    EXPECT_NE(completed.err.find(message), std::string::npos)
-        << line << "\nexpected '" << message << "' in: " << completed.err;
+    expect_one_error_line(completed, line, message);
     EXPECT_EQ(entries(), before) << line;
   }
 };

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -17,13 +18,13 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "api/memory.hpp"
-#include "api/params.hpp"
 #include "cli_common.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
+#include "flashattn/introspect.hpp"
 #include "verify.hpp"
 
 namespace flashattn::cli {
@@ -156,7 +157,7 @@ void check_inputs_fit(const DemoOptions& demo, DType dtype, std::int64_t kv_head
   const double bytes = (3.0 * rows + 2.0 * kv_rows) * static_cast<double>(demo.head_dim) *
                            static_cast<double>(dtype_size(dtype)) +
                        2.0 * rows * sizeof(float);
-  const auto limit = static_cast<double>(detail::memory_limit_bytes());
+  const auto limit = static_cast<double>(memory_limit_bytes());
   if (bytes > limit) {
     throw Error(
         "demo: --batch, --heads, --kv-heads, --seqlen, --seqlen-kv, --head-dim: expected "
@@ -171,39 +172,55 @@ void check_inputs_fit(const DemoOptions& demo, DType dtype, std::int64_t kv_head
 std::optional<std::string> standard_refusal(PathRun& standard, const HostTensor& q,
                                             const HostTensor& k, const HostTensor& v,
                                             const AttentionOptions& options) {
-  const detail::AttentionParams params = detail::make_params(
-      "demo", q.view(), k.view(), v.view(), standard.out.view(), standard.lse.data(), options);
-  const std::int64_t needed = detail::scratch_bytes(AttentionImpl::standard, params);
-  const std::int64_t limit = detail::memory_limit_bytes();
+  std::int64_t needed = 0;
+  try {
+    needed = forward_scratch_bytes(AttentionImpl::standard, q.view(), k.view(), v.view(),
+                                   standard.out.view(), standard.lse.data(), options);
+  } catch (const Error& error) {
+    // An invalid problem (--kv-heads not dividing --heads) is reported as the demo's own error.
+    throw Error("demo" + std::string(error.what()).substr(std::strlen("forward_scratch_bytes")));
+  }
+  const std::int64_t limit = memory_limit_bytes();
   if (needed <= limit) return std::nullopt;
   return "its score matrices need " + format_bytes(static_cast<double>(needed)) +
          " of scratch, more than the " + format_bytes(static_cast<double>(limit)) +
          " of this machine";
 }
 
-int run_demo(const DemoOptions& demo) {
-  const DType dtype = parse_dtype(demo.dtype);
-  const std::int64_t kv_heads = demo.kv_heads > 0 ? demo.kv_heads : demo.heads;
-  const std::int64_t seqlen_kv = demo.seqlen_kv > 0 ? demo.seqlen_kv : demo.seqlen;
-  check_inputs_fit(demo, dtype, kv_heads, seqlen_kv);
+// The problem's dtype and the K/V sizes that default to the query's.
+struct DemoShape {
+  DType dtype = DType::f32;
+  std::int64_t kv_heads = 0, seqlen_kv = 0;
+};
+
+DemoShape resolve_shape(const DemoOptions& demo) {
+  return {.dtype = parse_dtype(demo.dtype),
+          .kv_heads = demo.kv_heads > 0 ? demo.kv_heads : demo.heads,
+          .seqlen_kv = demo.seqlen_kv > 0 ? demo.seqlen_kv : demo.seqlen};
+}
+
+AttentionOptions attention_options(const DemoOptions& demo) {
   AttentionOptions options;
   options.causal = demo.causal;
   const std::array<std::int64_t, 2> window = *parse_window(demo.window);  // checked when parsed
   options.window_left = window[0];
   options.window_right = window[1];
   options.num_threads = demo.threads;
-  const double flops =
-      attention_flops(demo.batch, demo.heads, demo.seqlen, seqlen_kv, demo.head_dim, options);
+  return options;
+}
 
+// The lines above the table: the shape, the threads and inputs, how the timing is taken.
+void print_problem(const DemoOptions& demo, const DemoShape& shape, const AttentionOptions& options,
+                   double flops) {
   std::printf(
       "flashattn demo: exact attention, the standard path against the FlashAttention path\n");
   std::printf(
       "shape    batch %lld, heads %lld (kv heads %lld), seqlen %lld (kv %lld), head_dim %lld, %s, "
       "%s\n",
       static_cast<long long>(demo.batch), static_cast<long long>(demo.heads),
-      static_cast<long long>(kv_heads), static_cast<long long>(demo.seqlen),
-      static_cast<long long>(seqlen_kv), static_cast<long long>(demo.head_dim),
-      mask_text(options).c_str(), dtype_name(dtype));
+      static_cast<long long>(shape.kv_heads), static_cast<long long>(demo.seqlen),
+      static_cast<long long>(shape.seqlen_kv), static_cast<long long>(demo.head_dim),
+      mask_text(options).c_str(), dtype_name(shape.dtype));
   std::printf(
       "threads  %d (OpenMP: max threads %d, %d processors); inputs normal(0, 1), seed %llu\n",
       resolved_threads(demo.threads), omp_get_max_threads(), omp_get_num_procs(),
@@ -213,27 +230,32 @@ int run_demo(const DemoOptions& demo) {
       "time\n\n",
       demo.repeat, flops * 1e-9);
   std::fflush(stdout);
+}
 
-  std::mt19937_64 rng(demo.seed);
-  const HostTensor q =
-      random_tensor(dtype, {demo.batch, demo.seqlen, demo.heads, demo.head_dim}, rng);
-  const HostTensor k = random_tensor(dtype, {demo.batch, seqlen_kv, kv_heads, demo.head_dim}, rng);
-  const HostTensor v = random_tensor(dtype, {demo.batch, seqlen_kv, kv_heads, demo.head_dim}, rng);
+// Both paths' runs; the standard path's is empty, with the reason, where it cannot fit.
+struct DemoRuns {
+  PathRun standard, flash;
+  std::optional<std::string> standard_skipped;
+};
 
-  warm_up_runtime(dtype, demo.head_dim, options);
+DemoRuns run_paths(const HostTensor& q, const HostTensor& k, const HostTensor& v,
+                   const AttentionOptions& options, int repeat) {
+  warm_up_runtime(q.dtype, q.shape[3], options);
   PathRun standard = make_path(AttentionImpl::standard, q);
-  const std::optional<std::string> standard_skipped = standard_refusal(standard, q, k, v, options);
-  if (!standard_skipped) run_path(standard, q, k, v, options, demo.repeat);
+  std::optional<std::string> standard_skipped = standard_refusal(standard, q, k, v, options);
+  if (!standard_skipped) run_path(standard, q, k, v, options, repeat);
   PathRun flash = make_path(AttentionImpl::flash, q);
-  run_path(flash, q, k, v, options, demo.repeat);
+  run_path(flash, q, k, v, options, repeat);
+  return {std::move(standard), std::move(flash), std::move(standard_skipped)};
+}
 
-  // K and V each read once per call: what bounds decoding (a few query rows per KV head).
-  const double kv_bytes = 2.0 * static_cast<double>(k.numel()) * dtype_size(dtype);
+// The table of times, rates and memory, and the lines that explain its columns.
+void print_timings(const DemoRuns& runs, double flops, double kv_bytes) {
   std::printf("%-10s %12s %10s %10s %14s %16s\n", "path", "time (ms)", "GFLOP/s", "K+V GB/s",
               "score buffer", "peak extra RSS");
-  for (const PathRun* run : {&standard, &flash}) {
-    if (run == &standard && standard_skipped) {
-      std::printf("%-10s skipped: %s\n", impl_name(run->impl), standard_skipped->c_str());
+  for (const PathRun* run : {&runs.standard, &runs.flash}) {
+    if (run == &runs.standard && runs.standard_skipped) {
+      std::printf("%-10s skipped: %s\n", impl_name(run->impl), runs.standard_skipped->c_str());
       continue;
     }
     const double seconds = run->seconds;
@@ -251,28 +273,38 @@ int run_demo(const DemoOptions& demo) {
       "score buffer: score_buffer_bytes(); peak extra RSS: rise of the peak resident set "
       "during the first call%s\n",
       format_bytes(kv_bytes).c_str(),
-      flash.peak_extra_bytes ? "" : " (n/a: /proc/self/clear_refs is not writable here)");
+      runs.flash.peak_extra_bytes ? "" : " (n/a: /proc/self/clear_refs is not writable here)");
+}
 
-  if (!standard_skipped) {
-    if (flash.seconds > 0.0) {
-      std::printf("flash is %.2fx the speed of standard\n", standard.seconds / flash.seconds);
-    }
-    Difference out_difference, lse_difference;
-    for (std::int64_t i = 0; i < q.numel(); ++i)
-      out_difference.add(flash.out.at(i), standard.out.at(i));
-    for (std::size_t i = 0; i < flash.lse.size(); ++i)
-      lse_difference.add(flash.lse[i], standard.lse[i]);
-    std::printf(
-        "\nflash vs standard, whole tensors (relative diff = max |flash - standard| / max "
-        "|standard|):\n");
-    std::printf("  out  max abs diff %.3g, max rel diff %.3g\n", out_difference.max_abs,
-                out_difference.relative());
-    std::printf("  lse  max abs diff %.3g, max rel diff %.3g\n", lse_difference.max_abs,
-                lse_difference.relative());
+// Where both paths ran: flash's speed-up and the two paths' differences over whole tensors.
+void print_flash_vs_standard(const DemoRuns& runs) {
+  const PathRun &standard = runs.standard, &flash = runs.flash;
+  if (flash.seconds > 0.0) {
+    std::printf("flash is %.2fx the speed of standard\n", standard.seconds / flash.seconds);
   }
+  Difference out_difference, lse_difference;
+  for (std::int64_t i = 0; i < flash.out.numel(); ++i)
+    out_difference.add(flash.out.at(i), standard.out.at(i));
+  for (std::size_t i = 0; i < flash.lse.size(); ++i)
+    lse_difference.add(flash.lse[i], standard.lse[i]);
+  std::printf(
+      "\nflash vs standard, whole tensors (relative diff = max |flash - standard| / max "
+      "|standard|):\n");
+  std::printf("  out  max abs diff %.3g, max rel diff %.3g\n", out_difference.max_abs,
+              out_difference.relative());
+  std::printf("  lse  max abs diff %.3g, max rel diff %.3g\n", lse_difference.max_abs,
+              lse_difference.relative());
+}
 
-  const ReferenceRows reference =
-      reference_rows(q, k, v, options, sample_rows(demo.seqlen, demo.check_rows, rng));
+// Checks both paths against the fp64 reference on `rows` of every (batch, head), prints the
+// errors, the rule and the verdict; true when flash is within its tolerance.
+bool check_against_reference(const DemoRuns& runs, const HostTensor& q, const HostTensor& k,
+                             const HostTensor& v, const AttentionOptions& options,
+                             const std::vector<std::int64_t>& rows) {
+  const PathRun &standard = runs.standard, &flash = runs.flash;
+  const std::optional<std::string>& standard_skipped = runs.standard_skipped;
+  const DType dtype = q.dtype;
+  const ReferenceRows reference = reference_rows(q, k, v, options, rows);
   const PathErrors flash_errors = errors_against(reference, flash.out, flash.lse);
   const auto row_count = static_cast<long long>(reference.rows.size());
   std::printf(
@@ -321,7 +353,31 @@ int run_demo(const DemoOptions& demo) {
               flash_errors.out.max_abs, flash_errors.out.max_abs <= tolerance.out ? "<=" : ">",
               tolerance.out, flash_errors.lse.max_abs,
               flash_errors.lse.max_abs <= tolerance.lse ? "<=" : ">", tolerance.lse);
-  return agree ? kExitOk : kExitMismatch;
+  return agree;
+}
+
+int run_demo(const DemoOptions& demo) {
+  const DemoShape shape = resolve_shape(demo);
+  check_inputs_fit(demo, shape.dtype, shape.kv_heads, shape.seqlen_kv);
+  const AttentionOptions options = attention_options(demo);
+  const double flops =
+      attention_flops(demo.batch, demo.heads, demo.seqlen, shape.seqlen_kv, demo.head_dim, options);
+  print_problem(demo, shape, options, flops);
+
+  std::mt19937_64 rng(demo.seed);
+  const std::array<std::int64_t, 4> kv_dims = {demo.batch, shape.seqlen_kv, shape.kv_heads,
+                                               demo.head_dim};
+  const HostTensor q =
+      random_tensor(shape.dtype, {demo.batch, demo.seqlen, demo.heads, demo.head_dim}, rng);
+  const HostTensor k = random_tensor(shape.dtype, kv_dims, rng);
+  const HostTensor v = random_tensor(shape.dtype, kv_dims, rng);
+  const DemoRuns runs = run_paths(q, k, v, options, demo.repeat);
+
+  // K and V each read once per call: what bounds decoding (a few query rows per KV head).
+  print_timings(runs, flops, 2.0 * static_cast<double>(k.numel()) * dtype_size(shape.dtype));
+  if (!runs.standard_skipped) print_flash_vs_standard(runs);
+  const std::vector<std::int64_t> rows = sample_rows(demo.seqlen, demo.check_rows, rng);
+  return check_against_reference(runs, q, k, v, options, rows) ? kExitOk : kExitMismatch;
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
+#include "flashattn/introspect.hpp"
 #include "flashattn/mha.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"

@@ -26,8 +26,8 @@
 
 namespace flashattn::cli {
 
-// The default budget, 2^34 backward FLOPs (2.5 x the forward's): about 6 s of the fp64 reference
-// on one core of the bench machine of 2026-11-30, so the default sweep runs it up to seqlen 4096.
+// The default budget, 2^34 backward FLOPs (2.5 x the forward's): seconds of the one-thread fp64
+// reference, so the default sweep runs it up to seqlen 4096.
 constexpr double kReferenceBackwardBudgetFlops = 17179869184.0;
 
 // The forward's inputs and outputs and dO, whole, as the timed backward sees them.

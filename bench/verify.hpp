@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "cache_aligned.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/tensor.hpp"
-#include "util/aligned_vector.hpp"
 
 namespace flashattn::cli {
 
@@ -20,13 +20,13 @@ namespace flashattn::cli {
 // touches every page, so later memory measurements see only what the library allocates.
 // Storage starts on a 64-byte boundary, as a framework's tensors do: a large std::vector's
 // data lies 16 bytes past one (glibc's mmap chunk header), and then every other 32-byte load
-// of an f32 row straddles two cache lines, which cost f32 decoding with 4 query rows per KV
-// head 9% of its speed from memory and 22% from cache (Zen 3, paired runs; README says so).
+// of an f32 row straddles two cache lines, which slows f32 decoding from memory and from cache
+// alike.
 struct HostTensor {
   DType dtype = DType::f32;
   std::array<std::int64_t, 4> shape{};
-  detail::AlignedVector<float> f32;
-  detail::AlignedVector<std::uint16_t> bits16;  // f16 or bf16
+  bench::CacheAlignedVector<float> f32;
+  bench::CacheAlignedVector<std::uint16_t> bits16;  // f16 or bf16
 
   HostTensor(DType dtype_, std::array<std::int64_t, 4> shape_);
   std::int64_t numel() const { return shape[0] * shape[1] * shape[2] * shape[3]; }
@@ -104,11 +104,11 @@ struct Tolerance {
   }
 };
 
-// DESIGN.md §4, for a fast path: both paths see the same rounded inputs, so the fast path may
-// lose at most a small multiple of the standard path's own error, plus a floor for when that
-// error happens to be ~0: one ulp of the storage dtype at the largest |v| for out (outputs are
-// convex combinations of v rows), four fp32 ulps of the largest |lse| for lse (it is always
-// fp32).
+// docs/design.md, "How correctness is checked", for a fast path: both paths see the same rounded
+// inputs, so the fast path may lose at most a small multiple of the standard path's own error, plus
+// a floor for when that error happens to be ~0: one ulp of the storage dtype at the largest |v| for
+// out (outputs are convex combinations of v rows), four fp32 ulps of the largest |lse| for lse (it
+// is always fp32).
 Tolerance tolerance_from_standard(const PathErrors& standard, DType dtype, double max_abs_v);
 
 // For the standard path itself, which has no baseline to be compared with: a first-order
