@@ -73,7 +73,9 @@ struct Build {
 };
 
 Build load(const std::string& path) {
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  // A name without a slash would send dlopen to the library search path, not to this file.
+  const std::string file = path.find('/') == std::string::npos ? "./" + path : path;
+  void* handle = dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!handle) throw std::runtime_error("cannot load " + path + ": " + dlerror());
   auto symbol = [&](const char* name) {
     void* address = dlsym(handle, name);
