@@ -24,4 +24,7 @@ void reference_backward(const BackwardParams& params);
 void standard_backward(const BackwardParams& params);
 void flash_backward(const BackwardParams& params);
 
+// Merges two partial states into params.out and params.lse (cpu/merge_states.cpp).
+void merge_states(const MergeParams& params);
+
 }  // namespace flashattn::detail

@@ -7,6 +7,7 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "api/fail.hpp"
@@ -310,6 +311,111 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
   params.dq_strides = strides_of(dq.strides);
   params.dk_strides = strides_of(dk.strides);
   params.dv_strides = strides_of(dv.strides);
+  return params;
+}
+
+MergeParams make_merge_params(const char* caller, const ConstTensorView& out_a, const float* lse_a,
+                              const ConstTensorView& out_b, const float* lse_b,
+                              const TensorView& out, float* lse, int num_threads) {
+  check_view(caller, "out_a", out_a);
+  check_view(caller, "out_b", out_b);
+  check_view(caller, "out", out);
+  for (const auto& [name, dtype] : {std::pair{"out_a", out_a.dtype}, {"out_b", out_b.dtype}}) {
+    if (dtype != DType::f32) {
+      fail(caller, name, ": expected dtype f32 (partial states are fp32), got ", dtype_name(dtype));
+    }
+  }
+  for (const auto& [name, shape] : {std::pair{"out_b", out_b.shape}, {"out", out.shape}}) {
+    if (shape != out_a.shape) {
+      fail(caller, name, ": expected shape ", shape_string(out_a.shape), " (as out_a), got ",
+           shape_string(shape));
+    }
+  }
+  if (out_a.shape[3] == 0) fail(caller, "out_a: expected head_dim >= 1, got 0");
+  if (num_threads < 0 || num_threads > kMaxThreads) {
+    fail(caller, "num_threads: expected 0..", kMaxThreads, " (0 = all), got ", num_threads);
+  }
+  const std::int64_t batch = out_a.shape[0], seqlen = out_a.shape[1], heads = out_a.shape[2];
+  // B·H·S <= numel(out_a), which byte_span bounds; only the 4-byte element can overflow.
+  const ByteSpan a_span = byte_span(caller, "out_a", out_a);
+  const ByteSpan b_span = byte_span(caller, "out_b", out_b);
+  const ByteSpan out_span = byte_span(caller, "out", out);
+  const std::int64_t rows = batch * heads * seqlen;
+  std::int64_t lse_bytes = 0;
+  if (__builtin_mul_overflow(rows, static_cast<std::int64_t>(sizeof(float)), &lse_bytes)) {
+    fail(caller, "lse_a: ", rows, " fp32 values overflow a 64-bit byte count");
+  }
+  auto lse_span = [&](const char* name, const float* values) {
+    if (values == nullptr) {
+      if (rows > 0 && name != std::string_view("lse")) {
+        fail(caller, name, ": expected the logsumexp [", batch, ", ", heads, ", ", seqlen,
+             "], got null");
+      }
+      return ByteSpan{};
+    }
+    const auto begin = reinterpret_cast<std::uintptr_t>(values);
+    std::uintptr_t end = 0;
+    if (__builtin_add_overflow(begin, static_cast<std::uintptr_t>(lse_bytes), &end)) {
+      fail(caller, name, ": ", lse_bytes, " bytes from address ", values,
+           " wrap around the address space");
+    }
+    return ByteSpan{begin, end};
+  };
+  const ByteSpan lse_a_span = lse_span("lse_a", lse_a);
+  const ByteSpan lse_b_span = lse_span("lse_b", lse_b);
+  const ByteSpan merged_lse_span = lse_span("lse", lse);
+
+  // Each output element depends only on the inputs at its own index, so an output may be one of
+  // the inputs itself (the same view), and nothing else it overlaps.
+  if (self_overlapping(out)) {
+    fail(caller, "out: expected strides that give every element its own address, got strides ",
+         shape_string(out.strides), " for shape ", shape_string(out.shape));
+  }
+  auto same_view = [&](const ConstTensorView& input) {
+    return out.dtype == DType::f32 && out.data == input.data && out.strides == input.strides;
+  };
+  const std::pair<const char*, ByteSpan> out_inputs[] = {
+      {"out_a", same_view(out_a) ? ByteSpan{} : a_span},
+      {"out_b", same_view(out_b) ? ByteSpan{} : b_span},
+      {"lse_a", lse_a_span},
+      {"lse_b", lse_b_span},
+      {"lse", merged_lse_span}};
+  for (const auto& [name, span] : out_inputs) {
+    if (out_span.overlaps(span)) {
+      fail(caller, "out: expected memory disjoint from ", name,
+           " (or out_a or out_b itself), got overlapping buffers");
+    }
+  }
+  if (lse != nullptr) {
+    const std::pair<const char*, ByteSpan> lse_inputs[] = {
+        {"lse_a", lse == lse_a ? ByteSpan{} : lse_a_span},
+        {"lse_b", lse == lse_b ? ByteSpan{} : lse_b_span},
+        {"out_a", a_span},
+        {"out_b", b_span}};
+    for (const auto& [name, span] : lse_inputs) {
+      if (merged_lse_span.overlaps(span)) {
+        fail(caller, "lse: expected memory disjoint from ", name,
+             " (or lse_a or lse_b itself), got overlapping buffers");
+      }
+    }
+  }
+
+  MergeParams params;
+  params.out_a = static_cast<const float*>(out_a.data);
+  params.out_b = static_cast<const float*>(out_b.data);
+  params.lse_a = lse_a;
+  params.lse_b = lse_b;
+  params.out = out.data;
+  params.lse = lse;
+  params.out_dtype = out.dtype;
+  params.batch = batch;
+  params.seqlen = seqlen;
+  params.heads = heads;
+  params.head_dim = out_a.shape[3];
+  params.a_strides = strides_of(out_a.strides);
+  params.b_strides = strides_of(out_b.strides);
+  params.out_strides = strides_of(out.strides);
+  params.num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   return params;
 }
 

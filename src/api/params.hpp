@@ -89,10 +89,33 @@ struct BackwardParams {
   Strides dout_strides, dq_strides, dk_strides, dv_strides;
 };
 
+// Two partial attention states and where their merge goes (flashattn/merge.hpp): fp32 outputs
+// [batch, seqlen, heads, head_dim] with their lse [batch, heads, seqlen]; `out` in out_dtype.
+struct MergeParams {
+  const float* out_a = nullptr;
+  const float* out_b = nullptr;
+  const float* lse_a = nullptr;
+  const float* lse_b = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // or null
+  DType out_dtype = DType::f32;
+  std::int64_t batch = 0, seqlen = 0, heads = 0, head_dim = 0;
+  Strides a_strides, b_strides, out_strides;
+  int num_threads = 1;  // resolved: >= 1
+
+  std::int64_t lse_index(std::int64_t b, std::int64_t h, std::int64_t row) const {
+    return (b * heads + h) * seqlen + row;
+  }
+};
+
 // Validates the call and resolves defaults (scale, threads). `caller` prefixes every message.
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
                             const AttentionOptions& options);
+
+MergeParams make_merge_params(const char* caller, const ConstTensorView& out_a, const float* lse_a,
+                              const ConstTensorView& out_b, const float* lse_b,
+                              const TensorView& out, float* lse, int num_threads);
 
 BackwardParams make_backward_params(const char* caller, const ConstTensorView& dout,
                                     const ConstTensorView& q, const ConstTensorView& k,
