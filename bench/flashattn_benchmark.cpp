@@ -1,7 +1,7 @@
 // Google Benchmark microbenchmarks for developers (not run by the tests): the flash and standard
-// paths at a few shapes, decoding against a KV cache, and the ceilings they are measured
-// against, each with a FLOP/s or bytes/s counter. All use every OpenMP thread, so they report
-// wall time (UseRealTime). For the verified, recorded comparison use `flashattn bench`.
+// paths at a few shapes, decoding against a KV cache, merging states, and the ceilings they are
+// measured against, each with a FLOP/s or bytes/s counter. All use every OpenMP thread, so they
+// report wall time (UseRealTime). For the verified, recorded comparison use `flashattn bench`.
 //
 //   ./flashattn_benchmark --benchmark_filter='Attention/flash'
 
@@ -17,6 +17,7 @@
 #include "ceilings.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/dtype.hpp"
+#include "flashattn/merge.hpp"
 
 namespace {
 
@@ -122,6 +123,41 @@ void DecodeShapes(benchmark::internal::Benchmark* benchmark) {
 
 BENCHMARK(BM_Decode<DType::f32>)->Name("Decode/flash/f32")->Apply(DecodeShapes);
 BENCHMARK(BM_Decode<DType::bf16>)->Name("Decode/flash/bf16")->Apply(DecodeShapes);
+
+// merge_attention_states of two fp32 states into a third of kDtype, in bytes moved per second
+// (both states and lses read, the output and its lse written), against BM_MemoryCopy: the merge
+// reads and writes each byte once. Args: seqlen, heads; batch 1, head_dim 128.
+template <DType kDtype>
+void BM_MergeStates(benchmark::State& state) {
+  const std::array<std::int64_t, 4> shape = {1, state.range(0), state.range(1), 128};
+  Inputs out_a(shape, DType::f32), out_b(shape, DType::f32), out(shape, kDtype);
+  const std::int64_t rows = shape[1] * shape[2];
+  std::vector<float> lse_a(static_cast<std::size_t>(rows), 0.5f), lse(lse_a.size());
+  std::vector<float> lse_b(lse_a.size(), -0.25f);
+  for (auto _ : state) {
+    flashattn::merge_attention_states(
+        flashattn::contiguous_view(out_a.data(), DType::f32, shape), lse_a.data(),
+        flashattn::contiguous_view(out_b.data(), DType::f32, shape), lse_b.data(),
+        flashattn::contiguous_view(out.data(), kDtype, shape), lse.data());
+    benchmark::ClobberMemory();
+  }
+  const double elements = static_cast<double>(rows * shape[3]);
+  state.counters["bytes/s"] = benchmark::Counter(
+      elements * (8.0 + static_cast<double>(flashattn::dtype_size(kDtype))) + 12.0 * rows,
+      benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_MergeStates<DType::f32>)
+    ->Name("MergeStates/f32")
+    ->ArgNames({"S", "H"})
+    ->Args({16384, 32})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MergeStates<DType::bf16>)
+    ->Name("MergeStates/bf16")
+    ->ArgNames({"S", "H"})
+    ->Args({16384, 32})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // One unit of a ceiling workload per iteration, counted as FLOP/s or bytes/s.
 template <class Workload, class... Args>
