@@ -401,6 +401,7 @@ BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scrat
 
 // out[rows x keys_padded] = A·Bᵀ of a row block against the K/V block, S = Q·Kᵀ or dP = dO·Vᵀ:
 // the bf16 rows a_bf16 against b_bf16 (Bᵀ packed in bf16), or the fp32 panels a against b_t.
+// a_bf16 is null for an fp32 pair: the bf16 copies exist only with bf16 products.
 void score_product(const AttentionParams& p, const BackwardTiles& tiles, float* out,
                    const KeyBlock& kv, const BlockPair& pair, const std::uint16_t* a_bf16,
                    const std::uint16_t* b_bf16, const float* a, const float* b_t) {
@@ -420,8 +421,8 @@ void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Sc
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
   score_product(p, tiles, t.probabilities.data(), kv, pair,
-                queries.q_bf16(task.slot, pair.g, pair.n), t.k_bf16.data(), pair.q,
-                t.k_packed_t.data());
+                pair.bf16 ? queries.q_bf16(task.slot, pair.g, pair.n) : nullptr, t.k_bf16.data(),
+                pair.q, t.k_packed_t.data());
   for (std::int64_t i = 0; i < pair.rows; ++i) {
     float* s = t.probabilities.data() + i * ld_s;
     mask_invisible(s, p.key_range(pair.row_begin + i), kv.begin, kv.keys);
@@ -455,8 +456,9 @@ void score_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, S
                          const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
-  score_product(p, tiles, t.dscores.data(), kv, pair, queries.dout_bf16(task.slot, pair.g, pair.n),
-                t.v_bf16.data(), pair.dout, t.v_packed_t.data());
+  score_product(p, tiles, t.dscores.data(), kv, pair,
+                pair.bf16 ? queries.dout_bf16(task.slot, pair.g, pair.n) : nullptr, t.v_bf16.data(),
+                pair.dout, t.v_packed_t.data());
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                              queries.delta(task.slot, pair.g, pair.n), p.scale, pair.rows,
                              kv.keys_padded);
