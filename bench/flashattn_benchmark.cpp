@@ -150,12 +150,14 @@ BENCHMARK(BM_MergeStates<DType::f32>)
     ->Name("MergeStates/f32")
     ->ArgNames({"S", "H"})
     ->Args({16384, 32})
+    ->Args({524288, 1})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MergeStates<DType::bf16>)
     ->Name("MergeStates/bf16")
     ->ArgNames({"S", "H"})
     ->Args({16384, 32})
+    ->Args({524288, 1})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
