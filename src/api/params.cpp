@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -374,49 +375,47 @@ MergeParams make_merge_params(const char* caller, const ConstTensorView& out_a, 
   auto same_view = [&](const ConstTensorView& input) {
     return out.dtype == DType::f32 && out.data == input.data && out.strides == input.strides;
   };
-  const std::pair<const char*, ByteSpan> out_inputs[] = {
-      {"out_a", same_view(out_a) ? ByteSpan{} : a_span},
-      {"out_b", same_view(out_b) ? ByteSpan{} : b_span},
-      {"lse_a", lse_a_span},
-      {"lse_b", lse_b_span},
-      {"lse", merged_lse_span}};
-  for (const auto& [name, span] : out_inputs) {
-    if (out_span.overlaps(span)) {
-      fail(caller, "out: expected memory disjoint from ", name,
-           " (or out_a or out_b itself), got overlapping buffers");
-    }
-  }
-  if (lse != nullptr) {
-    const std::pair<const char*, ByteSpan> lse_inputs[] = {
-        {"lse_a", lse == lse_a ? ByteSpan{} : lse_a_span},
-        {"lse_b", lse == lse_b ? ByteSpan{} : lse_b_span},
-        {"out_a", a_span},
-        {"out_b", b_span}};
-    for (const auto& [name, span] : lse_inputs) {
-      if (merged_lse_span.overlaps(span)) {
-        fail(caller, "lse: expected memory disjoint from ", name,
-             " (or lse_a or lse_b itself), got overlapping buffers");
+  // Refuses `output` (its span) overlapping any of `inputs`, an input it may be itself passed as
+  // an empty span.
+  auto refuse_overlaps = [&](const char* output, const ByteSpan& span,
+                             std::initializer_list<std::pair<const char*, ByteSpan>> inputs,
+                             const char* allowed) {
+    for (const auto& [name, input] : inputs) {
+      if (span.overlaps(input)) {
+        fail(caller, output, ": expected memory disjoint from ", name, " (or ", allowed,
+             " itself), got overlapping buffers");
       }
     }
-  }
+  };
+  refuse_overlaps("out", out_span,
+                  {{"out_a", same_view(out_a) ? ByteSpan{} : a_span},
+                   {"out_b", same_view(out_b) ? ByteSpan{} : b_span},
+                   {"lse_a", lse_a_span},
+                   {"lse_b", lse_b_span},
+                   {"lse", merged_lse_span}},
+                  "out_a or out_b");
+  refuse_overlaps("lse", merged_lse_span,
+                  {{"lse_a", lse == lse_a ? ByteSpan{} : lse_a_span},
+                   {"lse_b", lse == lse_b ? ByteSpan{} : lse_b_span},
+                   {"out_a", a_span},
+                   {"out_b", b_span}},
+                  "lse_a or lse_b");
 
-  MergeParams params;
-  params.out_a = static_cast<const float*>(out_a.data);
-  params.out_b = static_cast<const float*>(out_b.data);
-  params.lse_a = lse_a;
-  params.lse_b = lse_b;
-  params.out = out.data;
-  params.lse = lse;
-  params.out_dtype = out.dtype;
-  params.batch = batch;
-  params.seqlen = seqlen;
-  params.heads = heads;
-  params.head_dim = out_a.shape[3];
-  params.a_strides = strides_of(out_a.strides);
-  params.b_strides = strides_of(out_b.strides);
-  params.out_strides = strides_of(out.strides);
-  params.num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
-  return params;
+  return {.out_a = static_cast<const float*>(out_a.data),
+          .out_b = static_cast<const float*>(out_b.data),
+          .lse_a = lse_a,
+          .lse_b = lse_b,
+          .out = out.data,
+          .lse = lse,
+          .out_dtype = out.dtype,
+          .batch = batch,
+          .seqlen = seqlen,
+          .heads = heads,
+          .head_dim = out_a.shape[3],
+          .a_strides = strides_of(out_a.strides),
+          .b_strides = strides_of(out_b.strides),
+          .out_strides = strides_of(out.strides),
+          .num_threads = num_threads > 0 ? num_threads : omp_get_max_threads()};
 }
 
 }  // namespace detail
