@@ -5,6 +5,7 @@
 #include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/introspect.hpp"
+#include "flashattn/kvcache.hpp"
 #include "flashattn/merge.hpp"
 #include "flashattn/mha.hpp"
 #include "flashattn/options.hpp"

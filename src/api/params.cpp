@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "api/fail.hpp"
@@ -128,6 +129,44 @@ Strides strides_of(const std::array<std::int64_t, 4>& strides) {
   return {strides[0], strides[1], strides[2]};
 }
 
+// Checks the options that every forward shares; returns the softmax scale.
+float checked_scale(const char* caller, const AttentionOptions& options, std::int64_t head_dim) {
+  float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  if (options.softmax_scale) {
+    scale = *options.softmax_scale;
+    if (!std::isfinite(scale) || scale <= 0.0f) {
+      fail(caller, "softmax_scale: expected a finite value > 0, got ", scale);
+    }
+  }
+  if (options.window_left < -1) {
+    fail(caller, "window_left: expected >= -1 (-1 = unbounded), got ", options.window_left);
+  }
+  if (options.window_right < -1) {
+    fail(caller, "window_right: expected >= -1 (-1 = unbounded), got ", options.window_right);
+  }
+  if (options.num_threads < 0 || options.num_threads > kMaxThreads) {
+    fail(caller, "num_threads: expected 0..", kMaxThreads, " (0 = all), got ", options.num_threads);
+  }
+  return scale;
+}
+
+// The span of `count` fp32 values at `values` (empty for null), or an Error naming `name`.
+ByteSpan float_span(const char* caller, const char* name, const float* values,
+                    std::int64_t count) {
+  if (values == nullptr) return {};
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(count, static_cast<std::int64_t>(sizeof(float)), &bytes)) {
+    fail(caller, name, ": ", count, " fp32 values overflow a 64-bit byte count");
+  }
+  const auto begin = reinterpret_cast<std::uintptr_t>(values);
+  std::uintptr_t end = 0;
+  if (__builtin_add_overflow(begin, static_cast<std::uintptr_t>(bytes), &end)) {
+    fail(caller, name, ": ", bytes, " bytes from address ", values,
+         " wrap around the address space");
+  }
+  return {begin, end};
+}
+
 }  // namespace
 
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
@@ -167,22 +206,7 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
     fail(caller, "k: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ", heads_kv);
   }
 
-  float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  if (options.softmax_scale) {
-    scale = *options.softmax_scale;
-    if (!std::isfinite(scale) || scale <= 0.0f) {
-      fail(caller, "softmax_scale: expected a finite value > 0, got ", scale);
-    }
-  }
-  if (options.window_left < -1) {
-    fail(caller, "window_left: expected >= -1 (-1 = unbounded), got ", options.window_left);
-  }
-  if (options.window_right < -1) {
-    fail(caller, "window_right: expected >= -1 (-1 = unbounded), got ", options.window_right);
-  }
-  if (options.num_threads < 0 || options.num_threads > kMaxThreads) {
-    fail(caller, "num_threads: expected 0..", kMaxThreads, " (0 = all), got ", options.num_threads);
-  }
+  const float scale = checked_scale(caller, options, head_dim);
 
   const ByteSpan out_span = byte_span(caller, "out", out);
   if (self_overlapping(out)) {
@@ -218,6 +242,7 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   params.out = out.data;
   params.lse = lse;
   params.dtype = q.dtype;
+  params.q_dtype = q.dtype;
   params.batch = batch;
   params.seqlen_q = seqlen_q;
   params.seqlen_kv = seqlen_kv;
@@ -312,6 +337,235 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
   params.dq_strides = strides_of(dq.strides);
   params.dk_strides = strides_of(dk.strides);
   params.dv_strides = strides_of(dv.strides);
+  return params;
+}
+
+KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
+                                  const KVCacheView& cache, const std::int32_t* cache_seqlens,
+                                  const NewKeysValues& new_kv, const TensorView& out, float* lse,
+                                  const AttentionOptions& options) {
+  const ConstTensorView k_cache = cache.k, v_cache = cache.v;
+  check_view(caller, "q", q);
+  check_view(caller, "out", out);
+  check_view(caller, "k_cache", k_cache);
+  check_view(caller, "v_cache", v_cache);
+  const bool paged = cache.block_table != nullptr;
+
+  if (out.dtype != q.dtype) {
+    fail(caller, "out: expected dtype ", dtype_name(q.dtype), " (as q), got ",
+         dtype_name(out.dtype));
+  }
+  if (v_cache.dtype != k_cache.dtype) {
+    fail(caller, "v_cache: expected dtype ", dtype_name(k_cache.dtype), " (as k_cache), got ",
+         dtype_name(v_cache.dtype));
+  }
+  const DType cache_dtype = k_cache.dtype;
+  if (cache_dtype != q.dtype && q.dtype != DType::f32) {
+    fail(caller, "k_cache: expected dtype ", dtype_name(q.dtype), " (as q; only an f32 q takes a ",
+         "cache of another dtype), got ", dtype_name(cache_dtype));
+  }
+
+  const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
+                     head_dim = q.shape[3];
+  const std::int64_t heads_kv = k_cache.shape[2];
+  if (head_dim == 0) fail(caller, "q: expected head_dim >= 1, got 0");
+  if (heads_q == 0) fail(caller, "q: expected heads_q >= 1, got 0");
+  if (heads_kv == 0) fail(caller, "k_cache: expected heads_kv >= 1, got 0");
+  if (heads_q % heads_kv != 0) {
+    fail(caller, "k_cache: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ",
+         heads_kv);
+  }
+  if (k_cache.shape[3] != head_dim) {
+    fail(caller, "k_cache: expected head_dim ", head_dim, " (as q), got ", k_cache.shape[3]);
+  }
+  if (v_cache.shape != k_cache.shape) {
+    fail(caller, "v_cache: expected shape ", shape_string(k_cache.shape), " (as k_cache), got ",
+         shape_string(v_cache.shape));
+  }
+  if (out.shape != q.shape) {
+    fail(caller, "out: expected shape ", shape_string(q.shape), " (as q), got ",
+         shape_string(out.shape));
+  }
+
+  // Capacity of every sequence.
+  std::int64_t capacity = 0;
+  const std::int64_t page_size = k_cache.shape[1], num_pages = k_cache.shape[0];
+  if (paged) {
+    if (page_size == 0) fail(caller, "k_cache: expected page_size (dim 1) >= 1, got 0");
+    if (cache.pages_per_sequence < 0) {
+      fail(caller, "pages_per_sequence: expected >= 0, got ", cache.pages_per_sequence);
+    }
+    if (__builtin_mul_overflow(cache.pages_per_sequence, page_size, &capacity) ||
+        capacity > kMaxDim) {
+      fail(caller, "pages_per_sequence: ", cache.pages_per_sequence, " pages of ", page_size,
+           " rows exceed 2^61 rows per sequence");
+    }
+  } else {
+    if (k_cache.shape[0] != batch) {
+      fail(caller, "k_cache: expected batch ", batch, " (as q; or a block_table for a paged ",
+           "cache), got ", k_cache.shape[0]);
+    }
+    if (cache.pages_per_sequence != 0) {
+      fail(caller, "pages_per_sequence: expected 0 without a block_table, got ",
+           cache.pages_per_sequence);
+    }
+    capacity = k_cache.shape[1];
+  }
+
+  // The rows to append.
+  const bool appending = new_kv.k.data != nullptr || new_kv.v.data != nullptr ||
+                         new_kv.k.shape != std::array<std::int64_t, 4>{} ||
+                         new_kv.v.shape != std::array<std::int64_t, 4>{};
+  std::int64_t seqlen_new = 0;
+  if (appending) {
+    check_view(caller, "k_new", new_kv.k);
+    check_view(caller, "v_new", new_kv.v);
+    const std::array<std::int64_t, 4> expected{batch, new_kv.k.shape[1], heads_kv, head_dim};
+    if (new_kv.k.shape != expected) {
+      fail(caller, "k_new: expected shape [", batch, ", Snew, ", heads_kv, ", ", head_dim,
+           "], got ", shape_string(new_kv.k.shape));
+    }
+    if (new_kv.v.shape != new_kv.k.shape) {
+      fail(caller, "v_new: expected shape ", shape_string(new_kv.k.shape), " (as k_new), got ",
+           shape_string(new_kv.v.shape));
+    }
+    if (new_kv.k.dtype != cache_dtype && new_kv.k.dtype != q.dtype) {
+      fail(caller, "k_new: expected dtype ", dtype_name(cache_dtype), " (as the cache) or ",
+           dtype_name(q.dtype), " (as q), got ", dtype_name(new_kv.k.dtype));
+    }
+    if (new_kv.v.dtype != new_kv.k.dtype) {
+      fail(caller, "v_new: expected dtype ", dtype_name(new_kv.k.dtype), " (as k_new), got ",
+           dtype_name(new_kv.v.dtype));
+    }
+    seqlen_new = new_kv.k.shape[1];
+  }
+
+  const float scale = checked_scale(caller, options, head_dim);
+
+  // Every sequence's length, and for a paged cache the pages it reads and writes.
+  if (batch > 0 && cache_seqlens == nullptr) {
+    fail(caller, "cache_seqlens: expected ", batch, " int32 lengths, got null");
+  }
+  std::vector<std::int64_t> kv_lengths(static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t cached = cache_seqlens[b];
+    if (cached < 0) fail(caller, "cache_seqlens[", b, "]: expected >= 0, got ", cached);
+    if (cached > capacity - seqlen_new) {
+      fail(caller, "cache_seqlens[", b, "]: expected at most ", capacity - seqlen_new,
+           " (capacity ", capacity, " minus ", seqlen_new, " new rows), got ", cached);
+    }
+    kv_lengths[b] = cached + seqlen_new;
+  }
+  if (paged) {
+    // Written pages and the (sequence, table column) that writes each.
+    std::unordered_map<std::int32_t, std::pair<std::int64_t, std::int64_t>> writers;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t pages = (kv_lengths[b] + page_size - 1) / page_size;
+      const std::int64_t first_written = cache_seqlens[b] / page_size;
+      for (std::int64_t i = 0; i < pages; ++i) {
+        const std::int32_t page = cache.block_table[b * cache.pages_per_sequence + i];
+        if (page < 0 || page >= num_pages) {
+          fail(caller, "block_table[", b, ", ", i, "]: expected a page in [0, ", num_pages,
+               "), got ", page);
+        }
+        if (seqlen_new == 0 || i < first_written) continue;
+        const auto [writer, inserted] = writers.try_emplace(page, b, i);
+        if (!inserted) {
+          fail(caller, "block_table[", b, ", ", i, "]: page ", page,
+               " receives new rows here and at block_table[", writer->second.first, ", ",
+               writer->second.second, "]; a page written in a call must belong to one place");
+        }
+      }
+    }
+  }
+
+  // Memory: out and lse are written, and so is the cache when rows are appended.
+  const ByteSpan out_span = byte_span(caller, "out", out);
+  if (self_overlapping(out)) {
+    fail(caller, "out: expected strides that give every element its own address, got strides ",
+         shape_string(out.strides), " for shape ", shape_string(out.shape));
+  }
+  const ByteSpan q_span = byte_span(caller, "q", q);
+  const ByteSpan k_cache_span = byte_span(caller, "k_cache", k_cache);
+  const ByteSpan v_cache_span = byte_span(caller, "v_cache", v_cache);
+  const ByteSpan k_new_span = appending ? byte_span(caller, "k_new", new_kv.k) : ByteSpan{};
+  const ByteSpan v_new_span = appending ? byte_span(caller, "v_new", new_kv.v) : ByteSpan{};
+  const ByteSpan lse_span = float_span(caller, "lse", lse, batch * heads_q * seqlen_q);
+  const std::pair<const char*, ByteSpan> spans[] = {
+      {"q", q_span},         {"k_cache", k_cache_span}, {"v_cache", v_cache_span},
+      {"k_new", k_new_span}, {"v_new", v_new_span},     {"out", out_span},
+      {"lse", lse_span}};
+  auto refuse_overlaps = [&](const char* name, const ByteSpan& span,
+                             std::initializer_list<const char*> allowed) {
+    for (const auto& [other, other_span] : spans) {
+      if (other == std::string_view(name)) continue;
+      if (std::find_if(allowed.begin(), allowed.end(), [&](const char* a) {
+            return other == std::string_view(a);
+          }) != allowed.end()) {
+        continue;
+      }
+      if (span.overlaps(other_span)) {
+        fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+  };
+  refuse_overlaps("out", out_span, {});
+  refuse_overlaps("lse", lse_span, {});
+  // q is only read, but a cache overlapping it is a caller's mistake worth naming.
+  refuse_overlaps("k_cache", k_cache_span, {"v_cache", "k_new", "v_new"});
+  refuse_overlaps("v_cache", v_cache_span, {"k_cache", "k_new", "v_new"});
+  if (seqlen_new > 0) {
+    refuse_overlaps("k_cache", k_cache_span, {});
+    refuse_overlaps("v_cache", v_cache_span, {});
+    for (const auto& [name, view] : {std::pair{"k_cache", &cache.k}, {"v_cache", &cache.v}}) {
+      if (self_overlapping(*view)) {
+        fail(caller, name, ": expected strides that give every element its own address (rows ",
+             "are appended), got strides ", shape_string(view->strides), " for shape ",
+             shape_string(view->shape));
+      }
+    }
+  }
+
+  KVCacheParams params;
+  AttentionParams& a = params.attention;
+  a.q = q.data;
+  a.k = k_cache.data;
+  a.v = v_cache.data;
+  a.out = out.data;
+  a.lse = lse;
+  a.dtype = cache_dtype;
+  a.q_dtype = q.dtype;
+  a.batch = batch;
+  a.seqlen_q = seqlen_q;
+  a.seqlen_kv = capacity;
+  a.heads_q = heads_q;
+  a.heads_kv = heads_kv;
+  a.head_dim = head_dim;
+  a.q_strides = strides_of(q.strides);
+  a.k_strides = strides_of(k_cache.strides);
+  a.v_strides = strides_of(v_cache.strides);
+  a.out_strides = strides_of(out.strides);
+  a.scale = scale;
+  a.causal = options.causal;
+  a.window_left = cap_window(options.window_left, seqlen_q, capacity);
+  a.window_right = cap_window(options.window_right, seqlen_q, capacity);
+  a.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  if (paged) {
+    a.block_table = cache.block_table;
+    a.block_table_stride = cache.pages_per_sequence;
+    a.page_size = page_size;
+  }
+  params.kv_lengths = std::move(kv_lengths);
+  a.kv_lengths = params.kv_lengths.data();
+  params.cache_seqlens = cache_seqlens;
+  params.k_new = new_kv.k.data;
+  params.v_new = new_kv.v.data;
+  params.new_dtype = new_kv.k.dtype;
+  params.k_new_strides = strides_of(new_kv.k.strides);
+  params.v_new_strides = strides_of(new_kv.v.strides);
+  params.seqlen_new = seqlen_new;
+  params.k_cache = cache.k.data;
+  params.v_cache = cache.v.data;
   return params;
 }
 

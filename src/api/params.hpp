@@ -7,7 +7,11 @@
 #include <cstdint>
 #include <limits>
 
+#include <utility>
+#include <vector>
+
 #include "flashattn/attention.hpp"
+#include "flashattn/kvcache.hpp"
 
 namespace flashattn::detail {
 
@@ -53,17 +57,49 @@ struct AttentionParams {
   std::int64_t window_left = -1, window_right = -1;
   int num_threads = 1;  // resolved: >= 1
 
+  // A serving batch's KV cache (flashattn/kvcache.hpp), which only the decode path
+  // (cpu/flash_decode.cpp) is handed; every other backend sees these at their defaults.
+  //   q_dtype       q and out; `dtype` is then that of k and v (f32 q with a 16-bit cache)
+  //   kv_lengths    [batch]: batch entry b's keys are its first kv_lengths[b] (<= seqlen_kv)
+  //   block_table   [batch, block_table_stride]: key j of entry b is row j % page_size of page
+  //                 block_table[b, j / page_size], the page being k's (v's) batch index
+  DType q_dtype = DType::f32;
+  const std::int64_t* kv_lengths = nullptr;
+  const std::int32_t* block_table = nullptr;
+  std::int64_t block_table_stride = 0, page_size = 0;
+
   std::int64_t group_size() const { return heads_q / heads_kv; }
   std::int64_t kv_head(std::int64_t head_q) const { return head_q / group_size(); }
   std::int64_t lse_index(std::int64_t b, std::int64_t h, std::int64_t row) const {
     return (b * heads_q + h) * seqlen_q + row;
   }
 
+  std::int64_t kv_length(std::int64_t b) const { return kv_lengths ? kv_lengths[b] : seqlen_kv; }
+
+  // Element offset of key j of batch entry b, KV head h, in k or v (strides s).
+  std::int64_t kv_offset(const Strides& s, std::int64_t b, std::int64_t j, std::int64_t h) const {
+    if (block_table == nullptr) return s.offset(b, j, h);
+    return s.offset(block_table[b * block_table_stride + j / page_size], j % page_size, h);
+  }
+
+  // Keys from key j on that lie s.seq apart in memory: up to the end of j's page.
+  std::int64_t contiguous_keys(std::int64_t j) const {
+    return block_table == nullptr ? std::numeric_limits<std::int64_t>::max()
+                                  : page_size - j % page_size;
+  }
+
   // The mask as an interval per row, aligned to the bottom-right corner: row i sits on the
   // diagonal key i + seqlen_kv - seqlen_q.
-  KeyRange key_range(std::int64_t row) const {
-    const std::int64_t diagonal = row + seqlen_kv - seqlen_q;
-    std::int64_t end = seqlen_kv;
+  KeyRange key_range(std::int64_t row) const { return key_range_for_length(row, seqlen_kv); }
+
+  // The same for batch entry b of a serving batch, on its own diagonal.
+  KeyRange entry_key_range(std::int64_t b, std::int64_t row) const {
+    return key_range_for_length(row, kv_length(b));
+  }
+
+  KeyRange key_range_for_length(std::int64_t row, std::int64_t length) const {
+    const std::int64_t diagonal = row + length - seqlen_q;
+    std::int64_t end = length;
     if (causal) end = std::min(end, diagonal + 1);
     if (window_right >= 0) end = std::min(end, diagonal + window_right + 1);
     std::int64_t begin = 0;
@@ -108,10 +144,53 @@ struct MergeParams {
   }
 };
 
+// A call of kvcache_attention_forward (flashattn/kvcache.hpp): the attention over the cache as
+// the decode path takes it (seqlen_kv the capacity, per-entry lengths, a block table for a paged
+// cache, q_dtype possibly f32 over a 16-bit cache), and the rows to append first. Move-only:
+// attention.kv_lengths points into kv_lengths.
+struct KVCacheParams {
+  AttentionParams attention;
+  std::vector<std::int64_t> kv_lengths;  // [batch] cache_seqlens + seqlen_new
+  const std::int32_t* cache_seqlens = nullptr;
+  // Appended rows [batch, seqlen_new, heads_kv, head_dim] of new_dtype, written to the cache.
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  DType new_dtype = DType::f32;
+  Strides k_new_strides, v_new_strides;
+  std::int64_t seqlen_new = 0;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+
+  KVCacheParams() = default;
+  KVCacheParams(const KVCacheParams&) = delete;
+  KVCacheParams& operator=(const KVCacheParams&) = delete;
+  KVCacheParams(KVCacheParams&& other) noexcept { *this = std::move(other); }
+  KVCacheParams& operator=(KVCacheParams&& other) noexcept {
+    attention = other.attention;
+    kv_lengths = std::move(other.kv_lengths);
+    attention.kv_lengths = kv_lengths.data();
+    cache_seqlens = other.cache_seqlens;
+    k_new = other.k_new;
+    v_new = other.v_new;
+    new_dtype = other.new_dtype;
+    k_new_strides = other.k_new_strides;
+    v_new_strides = other.v_new_strides;
+    seqlen_new = other.seqlen_new;
+    k_cache = other.k_cache;
+    v_cache = other.v_cache;
+    return *this;
+  }
+};
+
 // Validates the call and resolves defaults (scale, threads). `caller` prefixes every message.
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
                             const AttentionOptions& options);
+
+KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
+                                  const KVCacheView& cache, const std::int32_t* cache_seqlens,
+                                  const NewKeysValues& new_kv, const TensorView& out, float* lse,
+                                  const AttentionOptions& options);
 
 MergeParams make_merge_params(const char* caller, const ConstTensorView& out_a, const float* lse_a,
                               const ConstTensorView& out_b, const float* lse_b,

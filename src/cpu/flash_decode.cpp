@@ -17,6 +17,10 @@
 // so a non-finite value reaches only the rows that see it. (Read rates against the tiled
 // forward: docs/tuning.md.)
 //
+// A serving batch (flashattn/kvcache.hpp) runs here too: each batch entry has its own key count
+// and chunks, and its K/V rows may lie in pages (AttentionParams::kv_offset); the key groups and
+// chunks are those of a dense cache holding the same rows, so the results are the same bit for bit.
+//
 // Threads take (batch, key chunk) tasks; each chunk keeps its own m, l and acc for every row of
 // its batch entry, and a last pass merges each row's chunks in chunk order:
 //   m = max_c m_c,  l = Σ_c l_c·w_c,  out = Σ_c acc_c·w_c / l,  w_c = exp(scale·(m_c - m)).
@@ -31,7 +35,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"
@@ -62,13 +68,24 @@ constexpr std::int64_t kMaxBf16PairRows = 8;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-// How one call is cut up: a function of the shape only.
+// The key chunks of one batch entry.
+struct EntryChunks {
+  KeyRange keys;                // the keys some row of the entry sees
+  std::int64_t chunks = 1;      // key chunks
+  std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of kTileLanes
+  std::int64_t first = 0;       // the entry's first chunk among all entries'
+
+  KeyRange chunk(std::int64_t c) const {
+    return {keys.begin + c * chunk_keys, std::min(keys.begin + (c + 1) * chunk_keys, keys.end)};
+  }
+};
+
+// How one call is cut up: a function of the shape (and of a serving batch's lengths) only.
 struct DecodePlan {
   std::int64_t rows = 0;        // query rows per KV head: row r = gi·seqlen_q + position
   std::int64_t block_keys = 0;  // Bk, keys per score tile
-  KeyRange keys;                // the keys some row sees
-  std::int64_t chunks = 1;      // key chunks per batch entry
-  std::int64_t chunk_keys = 0;  // keys per chunk, a multiple of kTileLanes
+  std::vector<EntryChunks> entries;
+  std::int64_t total_chunks = 0;
   // bf16 rows read as they are (head_dim a whole number of vectors) whose products take them
   // in bf16 pairs (cpu::dot_rows_bf16_pairs): the query rows and accumulators are then kept in
   // bf16 pair order. Faster up to kMaxBf16PairRows rows per KV head, slower beyond them
@@ -87,19 +104,28 @@ DecodePlan decode_plan(const AttentionParams& p) {
   plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
                                    cpu::kTileLanes * cpu::kTileLanes,
                                cpu::kTileLanes, std::int64_t{256});
-  if (p.seqlen_q > 0) plan.keys = p.key_range(0, p.seqlen_q);
-  const std::int64_t visible = plan.keys.empty() ? 0 : plan.keys.end - plan.keys.begin;
-  if (visible == 0) return plan;
   const std::int64_t max_chunks = std::max<std::int64_t>(1, kMaxChunks / p.batch);
-  const std::int64_t chunks =
-      std::clamp(ceil_div(visible, kMinChunkKeys), std::int64_t{1}, max_chunks);
-  plan.chunk_keys = ceil_div(ceil_div(visible, chunks), cpu::kTileLanes) * cpu::kTileLanes;
-  plan.chunks = ceil_div(visible, plan.chunk_keys);
+  plan.entries.resize(static_cast<std::size_t>(p.batch));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    EntryChunks& entry = plan.entries[b];
+    entry.first = plan.total_chunks;
+    if (p.seqlen_q > 0) {
+      entry.keys = {p.entry_key_range(b, 0).begin, p.entry_key_range(b, p.seqlen_q - 1).end};
+    }
+    const std::int64_t visible = entry.keys.empty() ? 0 : entry.keys.end - entry.keys.begin;
+    if (visible > 0) {
+      const std::int64_t chunks =
+          std::clamp(ceil_div(visible, kMinChunkKeys), std::int64_t{1}, max_chunks);
+      entry.chunk_keys = ceil_div(ceil_div(visible, chunks), cpu::kTileLanes) * cpu::kTileLanes;
+      entry.chunks = ceil_div(visible, entry.chunk_keys);
+    }
+    plan.total_chunks += entry.chunks;
+  }
   return plan;
 }
 
 // Each chunk's running statistics and accumulator for every row of its batch entry: row
-// (h·rows + r) of chunk c of batch entry b is slot ((b·chunks + c)·Hkv + h)·rows + r.
+// (h·rows + r) of chunk c of batch entry b is slot ((first_b + c)·Hkv + h)·rows + r.
 struct ChunkResults {
   AlignedVector<float> max, sum, acc;  // acc: Dp floats per slot
 };
@@ -107,7 +133,8 @@ struct ChunkResults {
 struct Scratch {
   AlignedVector<float> q;       // [Hkv·rows x Dp] the batch entry's query rows
   AlignedVector<float> scores;  // [Hkv·rows x Bk]
-  AlignedVector<float> inputs;  // [kKeyGroup x Dp] K or V rows, widened, zeros past head_dim
+  // [kKeyGroup x Dp] K or V rows: widened, zeros past head_dim, or copied across a page end
+  AlignedVector<float> inputs;
 };
 
 // The query positions that see key j: [first, last). Key ranges are monotone in the position
@@ -124,7 +151,9 @@ Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int6
 
 // Rows (b, j .. j + count, h) of K or V, Dp elements of `dtype` each, `ld` elements apart: the
 // input itself where head_dim is a whole number of vectors (the kernels widen bf16 and f16 in
-// registers), otherwise widened to fp32 into `buffer` (floats past head_dim stay 0).
+// registers), otherwise widened to fp32 into `buffer` (floats past head_dim stay 0). Rows that
+// cross a page of a paged cache are copied into `buffer` as they are, so that the products see
+// the same groups of keys, and give the same sums, as on a dense cache.
 struct InputRows {
   const void* data;
   DType dtype;
@@ -133,13 +162,21 @@ struct InputRows {
 InputRows input_rows(const AttentionParams& p, const void* base, const Strides& strides,
                      std::int64_t b, std::int64_t j, std::int64_t count, std::int64_t h,
                      std::int64_t Dp, float* buffer) {
+  const auto element_bytes = static_cast<std::int64_t>(dtype_size(p.dtype));
+  const auto* bytes = static_cast<const char*>(base);
+  if (p.head_dim == Dp && count <= p.contiguous_keys(j)) {
+    return {bytes + p.kv_offset(strides, b, j, h) * element_bytes, p.dtype, strides.seq};
+  }
   if (p.head_dim == Dp) {
-    return {static_cast<const char*>(base) +
-                strides.offset(b, j, h) * static_cast<std::int64_t>(dtype_size(p.dtype)),
-            p.dtype, strides.seq};
+    for (std::int64_t i = 0; i < count; ++i) {
+      std::memcpy(reinterpret_cast<char*>(buffer) + i * Dp * element_bytes,
+                  bytes + p.kv_offset(strides, b, j + i, h) * element_bytes,
+                  static_cast<std::size_t>(Dp * element_bytes));
+    }
+    return {buffer, p.dtype, Dp};
   }
   for (std::int64_t i = 0; i < count; ++i) {
-    load_row_f32(buffer + i * Dp, base, p.dtype, strides.offset(b, j + i, h), p.head_dim);
+    load_row_f32(buffer + i * Dp, base, p.dtype, p.kv_offset(strides, b, j + i, h), p.head_dim);
   }
   return {buffer, DType::f32, Dp};
 }
@@ -152,7 +189,7 @@ class KeyWalk {
           std::int64_t chunk_end)
       : p_(p), plan_(plan), t_(t), b_(b), chunk_end_(chunk_end) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
-      ranges_[position] = p.key_range(position);
+      ranges_[position] = p.entry_key_range(b, position);
     }
   }
 
@@ -207,7 +244,8 @@ class KeyWalk {
     const bool last_head = h + 1 == p_.heads_kv;
     const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
     for (std::int64_t i = 0; i < count && next_key + i < chunk_end_; ++i) {
-      prefetch_row(base, p_.dtype, strides.offset(b_, next_key + i, next_head), p_.head_dim);
+      prefetch_row(base, p_.dtype, p_.kv_offset(strides, b_, next_key + i, next_head),
+                   p_.head_dim);
     }
   }
 
@@ -246,13 +284,10 @@ struct ChunkState {
 ChunkState start_chunk(const AttentionParams& p, const DecodePlan& plan, ChunkResults& results,
                        std::int64_t b, std::int64_t chunk) {
   const std::int64_t slots = p.heads_kv * plan.rows, Dp = cpu::pad_to_lanes(p.head_dim);
-  const std::int64_t slot = (b * plan.chunks + chunk) * slots;
-  const ChunkState state{
-      results.max.data() + slot,
-      results.sum.data() + slot,
-      results.acc.data() + slot * Dp,
-      {plan.keys.begin + chunk * plan.chunk_keys,
-       std::min(plan.keys.begin + (chunk + 1) * plan.chunk_keys, plan.keys.end)}};
+  const EntryChunks& entry = plan.entries[b];
+  const std::int64_t slot = (entry.first + chunk) * slots;
+  const ChunkState state{results.max.data() + slot, results.sum.data() + slot,
+                         results.acc.data() + slot * Dp, entry.chunk(chunk)};
   std::fill_n(state.row_max, slots, kNegativeInfinity);
   std::fill_n(state.row_sum, slots, 0.0f);
   std::fill_n(state.acc, slots * Dp, 0.0f);
@@ -267,8 +302,8 @@ void load_query_rows(const AttentionParams& p, const DecodePlan& plan, Scratch& 
       float* q_row = t.q.data() + (h * rows + r) * Dp;
       // In pair order by way of the input rows' buffer, which bf16 pairs leave unused.
       float* loaded = plan.bf16_pairs ? t.inputs.data() : q_row;
-      load_row_f32(loaded, p.q, p.dtype, p.q_strides.offset(b, r % Sq, h * p.group_size() + r / Sq),
-                   p.head_dim);
+      load_row_f32(loaded, p.q, p.q_dtype,
+                   p.q_strides.offset(b, r % Sq, h * p.group_size() + r / Sq), p.head_dim);
       if (plan.bf16_pairs) cpu::to_bf16_pair_order(q_row, loaded, Dp);
     }
   }
@@ -350,15 +385,16 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
 void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkResults& results,
                   float* buffer, std::int64_t b, std::int64_t h) {
   const std::int64_t rows = plan.rows, heads = p.heads_kv, Sq = p.seqlen_q;
+  const EntryChunks& entry = plan.entries[b];
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t position = r % Sq, head = h * p.group_size() + r / Sq;
     auto slot = [&](std::int64_t chunk) {
-      return ((b * plan.chunks + chunk) * heads + h) * rows + r;
+      return ((entry.first + chunk) * heads + h) * rows + r;
     };
     // A NaN chunk max (a NaN score) is passed over here; its NaN sum makes the row NaN below.
     float max = kNegativeInfinity;
-    for (std::int64_t chunk = 0; chunk < plan.chunks; ++chunk) {
+    for (std::int64_t chunk = 0; chunk < entry.chunks; ++chunk) {
       max = results.max[slot(chunk)] > max ? results.max[slot(chunk)] : max;
     }
     float sum = 0.0f;
@@ -366,7 +402,7 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     std::fill_n(out_row, Dp, 0.0f);
     // A chunk whose max is -inf gets weight 0 (or 1, when every chunk's is): not skipped, since
     // its l is NaN where a NaN score hid from the max, and 0·NaN keeps the row NaN.
-    for (std::int64_t chunk = 0; chunk < plan.chunks; ++chunk) {
+    for (std::int64_t chunk = 0; chunk < entry.chunks; ++chunk) {
       const float chunk_max = results.max[slot(chunk)];
       const float weight = chunk_max == max ? 1.0f : std::exp(p.scale * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weight;
@@ -375,14 +411,15 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     }
     // As the tiled forward's epilogue: rows that see no key get 0 and -inf; a row whose scores
     // are all -inf gets 0/0.
-    const bool no_key_seen = p.key_range(position).empty();
+    const bool no_key_seen = p.entry_key_range(b, position).empty();
     const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
     for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= inverse_sum;
     if (plan.bf16_pairs) {
       cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
       out_row = buffer + Dp;
     }
-    store_row_f32(p.out, p.dtype, p.out_strides.offset(b, position, head), out_row, p.head_dim);
+    store_row_f32(p.out, p.q_dtype, p.out_strides.offset(b, position, head), out_row,
+                  p.head_dim);
     if (p.lse) {
       const float shift = max == kNegativeInfinity ? 0.0f : p.scale * max;
       p.lse[p.lse_index(b, head, position)] =
@@ -406,7 +443,7 @@ std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
   const DecodePlan plan = decode_plan(p);
   const __int128 Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
   const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + kKeyGroup * Dp;
-  const __int128 shared = static_cast<__int128>(p.batch) * plan.chunks * slots_per_entry * (Dp + 2);
+  const __int128 shared = static_cast<__int128>(plan.total_chunks) * slots_per_entry * (Dp + 2);
   const __int128 bytes = (p.num_threads * per_thread + shared) * 4;
   return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
                                                           : static_cast<std::int64_t>(bytes);
@@ -416,18 +453,24 @@ void flash_decode(const AttentionParams& p) {
   if (p.batch == 0) return;
   const DecodePlan plan = decode_plan(p);
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
-  const std::int64_t slots = p.batch * plan.chunks * slots_per_entry;
+  const std::int64_t slots = plan.total_chunks * slots_per_entry;
   ChunkResults results{AlignedVector<float>(slots), AlignedVector<float>(slots),
                        AlignedVector<float>(slots * Dp)};
   parallel_tasks(
-      p.num_threads, p.batch * plan.chunks,
+      p.num_threads, plan.total_chunks,
       [&] {
         return Scratch{AlignedVector<float>(slots_per_entry * Dp),
                        AlignedVector<float>(slots_per_entry * plan.block_keys),
                        AlignedVector<float>(kKeyGroup * Dp)};
       },
       [&](Scratch& t, std::int64_t task) {
-        decode_chunk(p, plan, t, results, task / plan.chunks, task % plan.chunks);
+        // The entry whose chunks hold this task: the last whose first chunk is <= task.
+        const auto entry = std::upper_bound(plan.entries.begin(), plan.entries.end(), task,
+                                            [](std::int64_t value, const EntryChunks& e) {
+                                              return value < e.first;
+                                            }) -
+                           1;
+        decode_chunk(p, plan, t, results, entry - plan.entries.begin(), task - entry->first);
       });
   parallel_tasks(
       p.num_threads, p.batch * p.heads_kv, [&] { return AlignedVector<float>(2 * Dp); },

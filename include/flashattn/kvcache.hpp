@@ -1,0 +1,65 @@
+#pragma once
+
+// Attention against a serving batch's KV cache (as FlashAttention's flash_attn_with_kvcache):
+// every sequence of the batch has its own length, new K/V rows are appended in place before the
+// new queries attend, and the cache is either dense or paged (vLLM's block tables).
+//
+// A step of decoding, for each sequence b of the batch:
+//   1. the Snew new rows k_new[b], v_new[b] are written at positions
+//      cache_seqlens[b] .. cache_seqlens[b] + Snew − 1 of sequence b's cache;
+//   2. q[b] (Sq rows) attends to the sequence's first L_b = cache_seqlens[b] + Snew keys, the
+//      causal mask and window aligned to the bottom-right corner of that sequence (query row i
+//      sees key j <= i + L_b − Sq), exactly as attention_forward on a dense [1, L_b] cache.
+// cache_seqlens is read, never changed: the caller adds Snew to it after the call.
+
+#include <cstdint>
+
+#include "flashattn/attention.hpp"
+#include "flashattn/options.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn {
+
+// The cache of one layer.
+//   dense (block_table null):  k, v [batch, capacity, heads_kv, head_dim]; sequence b's key j is
+//                              row (b, j)
+//   paged (block_table set):   k, v [num_pages, page_size, heads_kv, head_dim], page_size >= 1;
+//                              block_table int32 [batch, pages_per_sequence] row-major: sequence
+//                              b's key j is row j % page_size of page block_table[b, j / page_size]
+// Any element strides with the last dim contiguous. The capacity of a sequence is `capacity`
+// (dense) or pages_per_sequence · page_size (paged). Only the block-table entries that cover a
+// sequence's L_b keys are read (and must lie in [0, num_pages)); the rest may hold anything.
+// Pages may be shared between sequences (a common prompt prefix) but not written by two
+// sequences, nor twice by one, in the same call.
+struct KVCacheView {
+  TensorView k, v;
+  const std::int32_t* block_table = nullptr;
+  std::int64_t pages_per_sequence = 0;
+};
+
+// The new rows to append, [batch, Snew, heads_kv, head_dim], in the cache's dtype or in q's
+// (then rounded to the cache's, to nearest even). Leave both empty (the default) to append
+// nothing.
+struct NewKeysValues {
+  ConstTensorView k, v;
+};
+
+// q    [batch, Sq, heads_q, head_dim], Sq >= 1 (decode, speculative decode, chunked prefill)
+// out  [batch, Sq, heads_q, head_dim] in q's dtype; must not overlap any other argument
+// lse  fp32 contiguous [batch, heads_q, Sq], or null
+// cache_seqlens int32 [batch], each >= 0 and with Snew at most the sequence's capacity
+// dtypes (q, cache): (f32, f32), (f16, f16), (bf16, bf16), and f32 q with an f16 or bf16
+// cache (the 16-bit values widen exactly; products and softmax in fp32). Others are refused.
+// options: scale, causal, window and threads as for attention_forward.
+// impl: flash reads the cache where it lies for up to 32 query rows per KV head (decode, any
+// page size); beyond that, and for the standard and reference paths, each sequence's rows are
+// first gathered into a contiguous buffer (in q's dtype) that the dense path reads. A dense and
+// a paged cache holding the same rows give the same results bit for bit.
+// Invalid arguments raise flashattn::Error before anything is written, the cache included.
+void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cache,
+                               const std::int32_t* cache_seqlens, const NewKeysValues& new_kv,
+                               const TensorView& out, float* lse,
+                               const AttentionOptions& options = {},
+                               AttentionImpl impl = AttentionImpl::flash);
+
+}  // namespace flashattn
