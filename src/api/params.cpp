@@ -496,15 +496,12 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
       {"k_new", k_new_span}, {"v_new", v_new_span},     {"out", out_span},
       {"lse", lse_span}};
   auto refuse_overlaps = [&](const char* name, const ByteSpan& span,
-                             std::initializer_list<const char*> allowed) {
+                             std::initializer_list<std::string_view> allowed) {
     for (const auto& [other, other_span] : spans) {
-      if (other == std::string_view(name)) continue;
-      if (std::find_if(allowed.begin(), allowed.end(), [&](const char* a) {
-            return other == std::string_view(a);
-          }) != allowed.end()) {
-        continue;
-      }
-      if (span.overlaps(other_span)) {
+      const std::string_view other_name = other;
+      const bool skipped = other_name == name ||
+                           std::find(allowed.begin(), allowed.end(), other_name) != allowed.end();
+      if (!skipped && span.overlaps(other_span)) {
         fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
       }
     }
