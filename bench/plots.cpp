@@ -190,6 +190,33 @@ std::string decode_plot_script(const fs::path& png, const Machine& machine,
   return script + "plot " + plots + "\n";
 }
 
+std::string serving_plot_script(const fs::path& png, const Machine& machine, double copy_gbps,
+                                const std::vector<GbpsPoint>& points, const std::string& xlabel) {
+  std::map<std::string, PlotLine> lines;
+  for (const GbpsPoint& point : points) {
+    PlotLine& line = lines[point.line];
+    line.title = point.line;
+    line.dash = point.dash;
+    line.colour = point.colour;
+    line.points.emplace_back(point.x, point.gbps);
+  }
+  char title[512];
+  std::snprintf(title, sizeof(title), "flashattn serve-bench, %s, %s (%s), %d threads, %s",
+                machine.date.c_str(), machine.cpu_model.c_str(), machine.host.c_str(),
+                machine.threads, machine.simd_target.c_str());
+  std::string script = plot_preamble(png) + "set title " + gnuplot_string(title) + "\n" +
+                       "set xlabel " + gnuplot_string(xlabel) + "\n" +
+                       "set ylabel 'GB/s of K and V read (log scale)'\n"
+                       "set logscale xy 2\n"
+                       "set format x '%.0f'\n"
+                       "set format y '%.1f'\n"
+                       "set grid\n"
+                       "set key outside right top\n";
+  std::string plots = plot_lines(lines, script);
+  plots += plot_ceiling(copy_gbps, "memory copy (read + written)", "rgb 'black'");
+  return script + "plot " + plots + "\n";
+}
+
 std::optional<fs::path> find_on_path(const std::string& program) {
   const char* path = std::getenv("PATH");
   if (path == nullptr) return std::nullopt;

@@ -2,6 +2,7 @@
 
 // The plots of `flashattn bench`: gnuplot scripts with their data inline, and running gnuplot.
 
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -29,6 +30,21 @@ std::string plot_script(const std::filesystem::path& png, const Machine& machine
 // ceiling.
 std::string decode_plot_script(const std::filesystem::path& png, const Machine& machine,
                                const Ceilings& ceilings, const std::vector<CaseResult>& results);
+
+// One point of a line of `flashattn serve-bench`'s plot: GB/s of K and V read at x (a KV cache
+// length), the line's dash type and colour (gnuplot's line type).
+struct GbpsPoint {
+  std::string line;
+  int dash = 1, colour = 1;
+  std::int64_t x = 0;
+  double gbps = 0.0;
+};
+
+// A gnuplot script that draws `points` as lines of GB/s against x (log-log), with the memory
+// copy ceiling.
+std::string serving_plot_script(const std::filesystem::path& png, const Machine& machine,
+                                double copy_gbps, const std::vector<GbpsPoint>& points,
+                                const std::string& xlabel);
 
 // `program` in the first directory of PATH that has it executable, or nothing.
 std::optional<std::filesystem::path> find_on_path(const std::string& program);

@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   const Action demo = add_demo_command(app);
   const Action run = add_run_command(app);
   const Action bench = add_bench_command(app);
+  const Action serve_bench = add_serve_bench_command(app);
 
   try {
     app.parse(argc, argv);
@@ -41,11 +42,13 @@ int main(int argc, char** argv) {
   }
 
   if (app.get_subcommands().empty()) {
-    std::cerr << "flashattn: error: expected a subcommand, demo, run or bench (see --help)\n";
+    std::cerr << "flashattn: error: expected a subcommand, demo, run, bench or serve-bench (see "
+                 "--help)\n";
     return kExitUsage;
   }
   try {
     if (app.got_subcommand("demo")) return demo();
+    if (app.got_subcommand("serve-bench")) return serve_bench();
     return app.got_subcommand("bench") ? bench() : run();
   } catch (const std::exception& error) {
     std::cerr << "flashattn: error: " << one_line(error.what()) << '\n';

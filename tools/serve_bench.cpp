@@ -1,0 +1,629 @@
+// `flashattn serve-bench`: decode steps of a CPU inference server on kvcache_attention_forward.
+//
+// Part 1, the server: N requests of lengths drawn log-uniform from [--min-len, --max-len] share
+// a paged KV cache whose pages lie in shuffled order (as an allocator that has served for a
+// while leaves them). Each step appends one token per request and attends with one query row
+// per request. The first step is verified against the fp64 reference on sampled requests; then
+// --steps steps are timed, each after a plain read of the cache's pages on the same threads:
+// tokens/s, GB/s of K and V read, and that over the read's GB/s in the same round (ratio_read,
+// the median over the rounds).
+//
+// Part 2, one sequence: a single request (B = 1) at each --single-seqlens length and cache
+// dtype, in a dense and a paged cache holding the same rows; the two must agree bit for bit and
+// match the reference, then are timed in rounds of (read dense, dense, paged, read paged): each
+// one's GB/s, ratio_read, and paged over dense.
+//
+// Writes <out-dir>/<date>-<host>-serve.csv and, with gnuplot, -serve.png (part 2's GB/s against
+// the cache length, and the reads).
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "atomic_file.hpp"
+#include "ceilings.hpp"
+#include "cli_common.hpp"
+#include "flashattn/flashattn.hpp"
+#include "machine.hpp"
+#include "plots.hpp"
+#include "report.hpp"
+#include "timing.hpp"
+
+namespace flashattn::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ServeOptions {
+  int requests = 32;
+  std::int64_t min_len = 512, max_len = 32768;
+  int steps = 16;
+  std::int64_t page_size = 16;
+  std::int64_t heads_q = 32, heads_kv = 8, head_dim = 128;
+  std::string q_dtype = "f32", cache_dtype = "bf16";
+  std::vector<std::int64_t> single_seqlens = {4096, 16384, 65536};
+  std::vector<std::string> single_dtypes = {"f32", "bf16", "f16"};
+  bool no_single = false;
+  int check_requests = 4;
+  int threads = 0;
+  std::uint64_t seed = 42;
+  std::string out_dir = "bench/results";
+  bool no_plot = false;
+  bool quick = false;
+};
+
+DType dtype_from(const std::string& name) {
+  return name == "bf16" ? DType::bf16 : name == "f16" ? DType::f16 : DType::f32;
+}
+
+// Fills `count` elements of `dtype` at `data` with values uniform in [-1, 1) from a counter
+// hash (splitmix64) of `seed` and the index: fast enough for gigabytes, on every thread.
+void fill_uniform(void* data, DType dtype, std::int64_t count, std::uint64_t seed) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < count; ++i) {
+    std::uint64_t z = seed + static_cast<std::uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    store_f32(data, dtype, i, static_cast<float>(z >> 40) * 0x1p-23f - 1.0f);
+  }
+}
+
+// An owned [d0, d1, d2, d3] buffer of one dtype, cache-line aligned.
+struct Buffer {
+  DType dtype;
+  std::array<std::int64_t, 4> shape;
+  std::unique_ptr<std::byte[], void (*)(std::byte*)> bytes;
+
+  Buffer(DType type, std::array<std::int64_t, 4> dims)
+      : dtype(type),
+        shape(dims),
+        bytes(static_cast<std::byte*>(
+                  ::operator new(std::max<std::size_t>(size(), 1), std::align_val_t{64})),
+              [](std::byte* p) { ::operator delete(p, std::align_val_t{64}); }) {}
+  std::size_t size() const {
+    return static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]) *
+           dtype_size(dtype);
+  }
+  TensorView view() { return contiguous_view(bytes.get(), dtype, shape); }
+  std::span<const std::byte> span() const { return {bytes.get(), size()}; }
+};
+
+// A batch of sequences and their K/V cache, dense [B, capacity, Hkv, D] or in pages of
+// page_size rows handed out in shuffled order; `room` rows past each length for appends.
+struct Cache {
+  std::vector<std::int32_t> lengths;
+  std::int64_t page_size = 0;  // 0: dense
+  std::int64_t pages_per_sequence = 0;
+  std::vector<std::int32_t> block_table;
+  Buffer k, v;
+
+  static std::array<std::int64_t, 4> shape(const std::vector<std::int32_t>& lengths,
+                                           std::int64_t room, std::int64_t page_size,
+                                           std::int64_t heads_kv, std::int64_t head_dim) {
+    const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end()) + room;
+    if (page_size == 0) {
+      return {static_cast<std::int64_t>(lengths.size()), longest, heads_kv, head_dim};
+    }
+    std::int64_t pages = 0;
+    for (const std::int32_t length : lengths) pages += (length + room + page_size - 1) / page_size;
+    return {pages, page_size, heads_kv, head_dim};
+  }
+
+  Cache(std::vector<std::int32_t> initial, std::int64_t room, std::int64_t page, DType dtype,
+        std::int64_t heads_kv, std::int64_t head_dim, std::mt19937_64& rng)
+      : lengths(std::move(initial)),
+        page_size(page),
+        k(dtype, shape(lengths, room, page, heads_kv, head_dim)),
+        v(dtype, shape(lengths, room, page, heads_kv, head_dim)) {
+    if (page_size > 0) {
+      const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end()) + room;
+      pages_per_sequence = (longest + page_size - 1) / page_size;
+      std::vector<std::int32_t> order(static_cast<std::size_t>(k.shape[0]));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      // Each sequence takes the pages it needs from the shuffled pool; the rest of its row of
+      // the table is never read and stays 0.
+      block_table.assign(lengths.size() * static_cast<std::size_t>(pages_per_sequence), 0);
+      std::size_t next = 0;
+      for (std::size_t b = 0; b < lengths.size(); ++b) {
+        const std::int64_t pages = (lengths[b] + room + page_size - 1) / page_size;
+        for (std::int64_t i = 0; i < pages; ++i) {
+          block_table[b * pages_per_sequence + i] = order[next++];
+        }
+      }
+    }
+  }
+
+  KVCacheView view() {
+    if (page_size == 0) return {k.view(), v.view()};
+    return {k.view(), v.view(), block_table.data(), pages_per_sequence};
+  }
+
+  // Element offset of row j of sequence b, KV head h, in k or v.
+  std::int64_t offset(std::int64_t b, std::int64_t j, std::int64_t h) const {
+    const auto& s = k.shape;
+    if (page_size == 0) return ((b * s[1] + j) * s[2] + h) * s[3];
+    return ((block_table[b * pages_per_sequence + j / page_size] * s[1] + j % page_size) * s[2] +
+            h) *
+           s[3];
+  }
+
+  // Sequence b's first `rows` rows of K and V into [1, rows, Hkv, D] f32 buffers.
+  void gather(std::int64_t b, std::int64_t rows, Buffer& keys, Buffer& values) const {
+    const std::int64_t heads = k.shape[2], D = k.shape[3];
+    for (std::int64_t j = 0; j < rows; ++j) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t d = 0; d < D; ++d) {
+          const std::int64_t to = (j * heads + h) * D + d;
+          store_f32(keys.bytes.get(), DType::f32, to,
+                    load_f32(k.bytes.get(), k.dtype, offset(b, j, h) + d));
+          store_f32(values.bytes.get(), DType::f32, to,
+                    load_f32(v.bytes.get(), v.dtype, offset(b, j, h) + d));
+        }
+      }
+    }
+  }
+
+  // Bytes of K and V that attending to the current lengths reads.
+  double kv_bytes() const {
+    const double row = static_cast<double>(k.shape[2] * k.shape[3] * dtype_size(k.dtype)) * 2.0;
+    return row * std::accumulate(lengths.begin(), lengths.end(), 0.0);
+  }
+};
+
+// One query row per sequence, and one new K/V row per sequence to append.
+struct Step {
+  Buffer q, out, k_new, v_new;
+  std::vector<float> lse;
+  Step(std::int64_t batch, const ServeOptions& o, std::uint64_t seed)
+      : q(dtype_from(o.q_dtype), {batch, 1, o.heads_q, o.head_dim}),
+        out(dtype_from(o.q_dtype), {batch, 1, o.heads_q, o.head_dim}),
+        k_new(dtype_from(o.q_dtype), {batch, 1, o.heads_kv, o.head_dim}),
+        v_new(dtype_from(o.q_dtype), {batch, 1, o.heads_kv, o.head_dim}),
+        lse(static_cast<std::size_t>(batch * o.heads_q)) {
+    fill_uniform(q.bytes.get(), q.dtype, static_cast<std::int64_t>(q.size() / dtype_size(q.dtype)),
+                 seed);
+    fill_uniform(k_new.bytes.get(), k_new.dtype,
+                 static_cast<std::int64_t>(k_new.size() / dtype_size(k_new.dtype)), seed + 1);
+    fill_uniform(v_new.bytes.get(), v_new.dtype,
+                 static_cast<std::int64_t>(v_new.size() / dtype_size(v_new.dtype)), seed + 2);
+  }
+
+  // Attends with (append) or without appending; the caller advances the lengths after an append.
+  void run(Cache& cache, bool append, int threads) {
+    AttentionOptions options;
+    options.num_threads = threads;
+    NewKeysValues new_kv;
+    if (append) new_kv = {k_new.view(), v_new.view()};
+    kvcache_attention_forward(q.view(), cache.view(), cache.lengths.data(), new_kv, out.view(),
+                              lse.data(), options);
+  }
+};
+
+// The largest error of sequence b's output rows against the fp64 reference over its first
+// cache.lengths[b] keys, and the tolerance it must stay in (tests/test_kvcache.cpp's bound).
+struct Check {
+  double error = 0.0, tolerance = 0.0;
+  bool passed() const { return error <= tolerance; }
+};
+
+Check check_sequence(const Cache& cache, const Step& step, std::int64_t b, int threads) {
+  const std::int64_t L = cache.lengths[b], Hq = step.q.shape[2], D = step.q.shape[3];
+  const std::int64_t Hkv = cache.k.shape[2];
+  Buffer keys(DType::f32, {1, L, Hkv, D}), values(DType::f32, {1, L, Hkv, D});
+  Buffer q(DType::f32, {1, 1, Hq, D}), want(DType::f32, {1, 1, Hq, D});
+  cache.gather(b, L, keys, values);
+  double max_q = 0.0, max_k = 0.0, max_v = 0.0;
+  for (std::int64_t i = 0; i < Hq * D; ++i) {
+    const float x = load_f32(step.q.bytes.get(), step.q.dtype, b * Hq * D + i);
+    store_f32(q.bytes.get(), DType::f32, i, x);
+    max_q = std::max(max_q, std::abs(static_cast<double>(x)));
+  }
+  for (std::int64_t i = 0; i < L * Hkv * D; ++i) {
+    max_k = std::max(max_k, std::abs(static_cast<double>(load_f32(keys.bytes.get(), DType::f32, i))));
+    max_v =
+        std::max(max_v, std::abs(static_cast<double>(load_f32(values.bytes.get(), DType::f32, i))));
+  }
+  AttentionOptions options;
+  options.num_threads = threads;
+  reference_attention_forward(q.view(), keys.view(), values.view(), want.view(), nullptr, options);
+  Check check;
+  for (std::int64_t i = 0; i < Hq * D; ++i) {
+    const double got = load_f32(step.out.bytes.get(), step.out.dtype, b * Hq * D + i);
+    const double error = std::abs(got - load_f32(want.bytes.get(), DType::f32, i));
+    check.error = std::isnan(got) ? INFINITY : std::max(check.error, error);
+  }
+  const double u32 = 0x1p-24, scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double u_q = step.q.dtype == DType::f32 ? 0.0 : step.q.dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
+  check.tolerance = u32 * max_v *
+                        (4.0 * scale * static_cast<double>(D) * max_q * max_k +
+                         2.0 * static_cast<double>(L) + 16.0) +
+                    2.0 * u_q * max_v;
+  return check;
+}
+
+// Progress on stderr: a bar redrawn in place on a terminal, a line per quarter elsewhere.
+class Progress {
+ public:
+  Progress(std::string what, int total)
+      : what_(std::move(what)), total_(total), terminal_(::isatty(STDERR_FILENO) != 0) {}
+  void update(int done) {
+    if (terminal_) {
+      const int width = 30, filled = total_ > 0 ? done * width / total_ : width;
+      std::fprintf(stderr, "\r%s [%s%s] %d/%d", what_.c_str(), std::string(filled, '#').c_str(),
+                   std::string(width - filled, ' ').c_str(), done, total_);
+      if (done == total_) std::fprintf(stderr, "\n");
+    } else if (done == total_ || (total_ >= 4 && done % (total_ / 4) == 0 && done > 0)) {
+      std::fprintf(stderr, "%s: %d/%d\n", what_.c_str(), done, total_);
+    }
+  }
+
+ private:
+  std::string what_;
+  int total_;
+  bool terminal_;
+};
+
+struct Row {
+  std::string part, cache, cache_dtype;
+  std::int64_t requests = 0, kv_tokens = 0;
+  double seconds = 0.0, kv_gbps = 0.0, read_gbps = 0.0, ratio_read = 0.0;
+  std::optional<double> paged_over_dense;
+  Check check;
+};
+
+std::vector<std::int32_t> draw_lengths(const ServeOptions& o, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> uniform(std::log(static_cast<double>(o.min_len)),
+                                                 std::log(static_cast<double>(o.max_len)));
+  std::vector<std::int32_t> lengths;
+  for (int i = 0; i < o.requests; ++i) {
+    lengths.push_back(static_cast<std::int32_t>(std::llround(std::exp(uniform(rng)))));
+  }
+  return lengths;
+}
+
+// Part 1: the ragged batch on a paged cache.
+Row serve(const ServeOptions& o, int threads, std::mt19937_64& rng, bool& verified) {
+  const DType cache_dtype = dtype_from(o.cache_dtype);
+  Cache cache(draw_lengths(o, rng), o.steps + 1, o.page_size, cache_dtype, o.heads_kv,
+              o.head_dim, rng);
+  std::fprintf(stderr, "flashattn serve-bench: filling %.2f GB of paged K/V\n",
+               static_cast<double>(2 * cache.k.size()) * 1e-9);
+  fill_uniform(cache.k.bytes.get(), cache_dtype,
+               static_cast<std::int64_t>(cache.k.size() / dtype_size(cache_dtype)), o.seed + 10);
+  fill_uniform(cache.v.bytes.get(), cache_dtype,
+               static_cast<std::int64_t>(cache.v.size() / dtype_size(cache_dtype)), o.seed + 11);
+  Step step(o.requests, o, o.seed + 20);
+
+  // Verified: the first step, appending, on sampled requests (the shortest, the longest, and
+  // others spread over the batch).
+  step.run(cache, true, threads);
+  for (auto& length : cache.lengths) ++length;
+  std::vector<std::int64_t> order(cache.lengths.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](auto a, auto b) { return cache.lengths[a] < cache.lengths[b]; });
+  Row row;
+  row.part = "serve";
+  row.cache = "paged";
+  row.cache_dtype = o.cache_dtype;
+  row.requests = o.requests;
+  const int checks = std::min<int>(o.check_requests, o.requests);
+  for (int i = 0; i < checks; ++i) {
+    const std::int64_t b = order[checks == 1 ? 0 : i * (order.size() - 1) / (checks - 1)];
+    const Check check = check_sequence(cache, step, b, threads);
+    if (!check.passed() || check.error / std::max(check.tolerance, 1e-300) >
+                               row.check.error / std::max(row.check.tolerance, 1e-300)) {
+      row.check = check;
+    }
+    verified = verified && check.passed();
+  }
+  if (!verified) return row;
+
+  bench::MemoryRead read(threads, {cache.k.span(), cache.v.span()});
+  Progress progress("flashattn serve-bench: decode steps", o.steps);
+  double bytes = 0.0;
+  int done = 0;
+  const PairedSeconds times = paired_median_seconds(
+      o.steps, [&] { read.run(1); },
+      [&] {
+        bytes += cache.kv_bytes();
+        step.run(cache, true, threads);
+        for (auto& length : cache.lengths) ++length;
+        progress.update(++done);
+      });
+  bytes /= o.steps;
+  row.kv_tokens = static_cast<std::int64_t>(bytes / (2.0 * o.heads_kv * o.head_dim *
+                                                     static_cast<double>(dtype_size(cache_dtype))));
+  row.seconds = times.second;
+  row.kv_gbps = bytes / times.second * 1e-9;
+  row.read_gbps = read.work_per_unit() / times.first * 1e-9;
+  row.ratio_read = bytes / read.work_per_unit() / times.second_over_first;
+  return row;
+}
+
+// Part 2: one sequence of `length` rows, dense and paged.
+std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_name, std::int64_t length,
+                        int threads, int repeat, std::mt19937_64& rng, bool& verified) {
+  const DType dtype = dtype_from(cache_dtype_name);
+  const std::vector<std::int32_t> lengths = {static_cast<std::int32_t>(length)};
+  Cache dense(lengths, 0, 0, dtype, o.heads_kv, o.head_dim, rng);
+  Cache paged(lengths, 0, o.page_size, dtype, o.heads_kv, o.head_dim, rng);
+  fill_uniform(dense.k.bytes.get(), dtype, static_cast<std::int64_t>(dense.k.size() / dtype_size(dtype)),
+               o.seed + 30);
+  fill_uniform(dense.v.bytes.get(), dtype, static_cast<std::int64_t>(dense.v.size() / dtype_size(dtype)),
+               o.seed + 31);
+  const std::size_t row_bytes = static_cast<std::size_t>(o.head_dim) * dtype_size(dtype);
+  for (std::int64_t j = 0; j < length; ++j) {
+    for (std::int64_t h = 0; h < o.heads_kv; ++h) {
+      const std::size_t from = static_cast<std::size_t>(dense.offset(0, j, h)) * dtype_size(dtype);
+      const std::size_t to = static_cast<std::size_t>(paged.offset(0, j, h)) * dtype_size(dtype);
+      std::memcpy(paged.k.bytes.get() + to, dense.k.bytes.get() + from, row_bytes);
+      std::memcpy(paged.v.bytes.get() + to, dense.v.bytes.get() + from, row_bytes);
+    }
+  }
+  Step dense_step(1, o, o.seed + 40), paged_step(1, o, o.seed + 40);
+  dense_step.run(dense, false, threads);
+  paged_step.run(paged, false, threads);
+  const bool same = std::memcmp(dense_step.out.bytes.get(), paged_step.out.bytes.get(),
+                                dense_step.out.size()) == 0;
+  Row dense_row;
+  dense_row.part = "single";
+  dense_row.cache = "dense";
+  dense_row.cache_dtype = cache_dtype_name;
+  dense_row.requests = 1;
+  dense_row.kv_tokens = length;
+  dense_row.check = check_sequence(dense, dense_step, 0, threads);
+  if (!same) dense_row.check.error = INFINITY;  // dense and paged must agree bit for bit
+  Row paged_row = dense_row;
+  paged_row.cache = "paged";
+  verified = verified && dense_row.check.passed();
+  if (!dense_row.check.passed()) return {dense_row, paged_row};
+
+  bench::MemoryRead read_dense(threads, {dense.k.span(), dense.v.span()});
+  bench::MemoryRead read_paged(threads, {paged.k.span(), paged.v.span()});
+  const RoundSeconds times = round_robin_seconds(
+      repeat, {[&] { read_dense.run(1); }, [&] { dense_step.run(dense, false, threads); },
+               [&] { paged_step.run(paged, false, threads); }, [&] { read_paged.run(1); }});
+  const double bytes = dense.kv_bytes();
+  dense_row.seconds = times.median[1];
+  dense_row.kv_gbps = bytes / times.median[1] * 1e-9;
+  dense_row.read_gbps = read_dense.work_per_unit() / times.median[0] * 1e-9;
+  dense_row.ratio_read = bytes / read_dense.work_per_unit() / times.over_previous[1];
+  paged_row.seconds = times.median[2];
+  paged_row.kv_gbps = bytes / times.median[2] * 1e-9;
+  paged_row.read_gbps = read_paged.work_per_unit() / times.median[3] * 1e-9;
+  paged_row.ratio_read = bytes / read_paged.work_per_unit() * times.over_previous[3];
+  paged_row.paged_over_dense = 1.0 / times.over_previous[2];
+  return {dense_row, paged_row};
+}
+
+std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_gbps,
+                     const Row& row) {
+  std::ostringstream line;
+  line << machine.date << ',' << machine.host << ',' << machine.threads << ',' << row.part << ','
+       << row.cache << ',' << o.q_dtype << ',' << row.cache_dtype << ',' << row.requests << ','
+       << row.kv_tokens << ',' << o.page_size << ',' << o.heads_q << ',' << o.heads_kv << ','
+       << o.head_dim << ',' << format("%.6g", row.seconds) << ','
+       << format("%.1f", row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0)
+       << ',' << format("%.3f", row.kv_gbps) << ',' << format("%.3f", row.read_gbps) << ','
+       << format("%.3f", row.ratio_read) << ','
+       << optional_number("%.3f", row.paged_over_dense) << ',' << format("%.3f", copy_gbps) << ','
+       << (row.check.passed() ? "yes" : "no") << ',' << format("%.3g", row.check.error) << ','
+       << format("%.3g", row.check.tolerance) << '\n';
+  return line.str();
+}
+
+void print_row(const Row& row) {
+  std::printf("%-7s %-6s %-5s %8lld %11lld %9.3f %9.1f %8.2f %8.2f %6.2f %8s %s (error %.2g, "
+              "tolerance %.2g)\n",
+              row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
+              static_cast<long long>(row.requests), static_cast<long long>(row.kv_tokens),
+              row.seconds * 1e3,
+              row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0,
+              row.kv_gbps, row.read_gbps, row.ratio_read,
+              row.paged_over_dense ? format("%.3f", *row.paged_over_dense).c_str() : "",
+              row.check.passed() ? "verified" : "FAILED", row.check.error, row.check.tolerance);
+}
+
+int run_serve_bench(ServeOptions o, const CLI::App& command) {
+  if (o.quick) {
+    auto unset = [&](const char* name) { return command.count(name) == 0; };
+    if (unset("--requests")) o.requests = 4;
+    if (unset("--min-len")) o.min_len = 40;
+    if (unset("--max-len")) o.max_len = 600;
+    if (unset("--steps")) o.steps = 3;
+    if (unset("--single-seqlens")) o.single_seqlens = {300};
+  }
+  if (o.min_len > o.max_len) {
+    throw Error("--min-len: expected at most --max-len = " + std::to_string(o.max_len) +
+                ", got " + std::to_string(o.min_len));
+  }
+  if (o.heads_q % o.heads_kv != 0) {
+    throw Error("--heads-kv: expected a divisor of --heads-q = " + std::to_string(o.heads_q) +
+                ", got " + std::to_string(o.heads_kv));
+  }
+  if (o.q_dtype != "f32" && o.q_dtype != o.cache_dtype) {
+    throw Error("--cache-dtype: expected " + o.q_dtype + " (as --q-dtype; only an f32 q takes " +
+                "another cache dtype), got " + o.cache_dtype);
+  }
+  const int threads = resolved_threads(o.threads);
+  const fs::path out_dir = o.out_dir;
+  std::error_code error;
+  fs::create_directories(out_dir, error);
+  if (error) throw Error("--out-dir: cannot create " + out_dir.string() + ": " + error.message());
+  const Machine machine = describe_machine(threads);
+  const std::string stem = machine.date + "-" + file_name_safe(machine.host) +
+                           (o.quick ? "-quick" : "") + "-serve";
+  AtomicFile csv(out_dir / (stem + ".csv"));
+  std::unique_ptr<AtomicFile> png;
+  std::optional<fs::path> gnuplot;
+  std::string no_plot_reason;
+  if (o.no_plot) {
+    no_plot_reason = "--no-plot";
+  } else if (o.no_single) {
+    no_plot_reason = "--no-single (the plot shows the single-sequence sweep)";
+  } else if (gnuplot = find_on_path("gnuplot"); !gnuplot) {
+    no_plot_reason = "gnuplot is not on PATH; install gnuplot-nox (scripts/install-deps.sh)";
+  } else {
+    png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
+  }
+
+  std::fprintf(stderr, "flashattn serve-bench: measuring the memory copy ceiling\n");
+  bench::MemoryCopy copy(threads, o.quick ? std::size_t{16} << 20 : bench::default_copy_bytes());
+  const double copy_gbps = bench::best_rate(copy, o.quick ? 0.01 : 0.25, o.quick ? 2 : 5) * 1e-9;
+  std::printf("flashattn serve-bench on %s (%s), %d threads, %s\n", machine.cpu_model.c_str(),
+              machine.host.c_str(), threads, machine.simd_target.c_str());
+  std::printf("memory copy %.1f GB/s (read + written); Hq %lld, Hkv %lld, D %lld, q %s, page %lld\n\n",
+              copy_gbps, static_cast<long long>(o.heads_q), static_cast<long long>(o.heads_kv),
+              static_cast<long long>(o.head_dim), o.q_dtype.c_str(),
+              static_cast<long long>(o.page_size));
+  std::printf("%-7s %-6s %-5s %8s %11s %9s %9s %8s %8s %6s %8s\n", "part", "cache", "dtype",
+              "requests", "KV tokens", "step ms", "tokens/s", "GB/s", "read", "/read",
+              "paged/dense");
+
+  std::mt19937_64 rng(o.seed);
+  bool verified = true;
+  std::vector<Row> rows;
+  rows.push_back(serve(o, threads, rng, verified));
+  print_row(rows.back());
+  if (!o.no_single) {
+    const int cases = static_cast<int>(o.single_dtypes.size() * o.single_seqlens.size());
+    int done = 0;
+    Progress progress("flashattn serve-bench: single-sequence cases", cases);
+    for (const std::string& dtype : o.single_dtypes) {
+      if (o.q_dtype != "f32" && dtype != o.q_dtype) continue;
+      for (const std::int64_t length : o.single_seqlens) {
+        for (const Row& row : single(o, dtype, length, threads, o.quick ? 3 : 15, rng, verified)) {
+          rows.push_back(row);
+          print_row(row);
+        }
+        progress.update(++done);
+      }
+    }
+  }
+
+  std::string text =
+      "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
+      "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,"
+      "paged_over_dense,copy_gbps,verified,max_error,tolerance\n";
+  for (const Row& row : rows) text += csv_line(machine, o, copy_gbps, row);
+  csv.append(text);
+  csv.commit();
+  std::printf("\nwrote %s\n", fs::absolute(csv.path()).lexically_normal().c_str());
+  if (png) {
+    std::vector<GbpsPoint> points;
+    for (const Row& row : rows) {
+      if (row.part != "single" || row.seconds == 0.0) continue;
+      const int colour = 1 + static_cast<int>(dtype_from(row.cache_dtype));
+      points.push_back({row.cache + " " + row.cache_dtype, row.cache == "paged" ? 1 : 2, colour,
+                        row.kv_tokens, row.kv_gbps});
+      if (row.cache == "dense") {
+        points.push_back({"read of K and V, " + row.cache_dtype, 3, colour, row.kv_tokens,
+                          row.read_gbps});
+      }
+    }
+    const std::string xlabel = "KV cache length (one sequence, one query row, Hq = " +
+                               std::to_string(o.heads_q) + ", Hkv = " +
+                               std::to_string(o.heads_kv) + ", D = " + std::to_string(o.head_dim) +
+                               ", q " + o.q_dtype + ", pages of " + std::to_string(o.page_size) +
+                               ")";
+    const std::optional<std::string> failure = run_gnuplot(
+        *gnuplot, serving_plot_script(png->temp_path(), machine, copy_gbps, points, xlabel));
+    if (!failure && fs::file_size(png->temp_path(), error) > 0 && !error) {
+      png->commit();
+      std::printf("wrote %s\n", fs::absolute(png->path()).lexically_normal().c_str());
+    } else {
+      png->discard();
+      no_plot_reason = failure.value_or("gnuplot wrote an empty file");
+    }
+  }
+  if (!no_plot_reason.empty()) std::printf("no plot: %s\n", no_plot_reason.c_str());
+  if (!verified) {
+    std::printf("verification FAILED: the failing part was not timed (verified = no)\n");
+    return kExitMismatch;
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Action add_serve_bench_command(CLI::App& app) {
+  auto options = std::make_shared<ServeOptions>();
+  CLI::App* command = app.add_subcommand(
+      "serve-bench", "Decode steps of an inference server: ragged batch, paged KV cache");
+  command->footer(
+      "Part 1, the server: --requests sequences of lengths log-uniform in [--min-len, --max-len]\n"
+      "share a paged KV cache (pages of --page-size rows, handed out in shuffled order). Each\n"
+      "step appends one token per request (kvcache_attention_forward with new K/V rows) and\n"
+      "attends with one query row per request. The first step is verified against the fp64\n"
+      "reference on --check-requests requests (the shortest, the longest, others between); then\n"
+      "--steps steps are timed, each after a plain read of the cache's pages on the same threads.\n"
+      "Reported: step time (median), tokens/s (requests per step time), GB/s of K and V read\n"
+      "(each cached byte once per step), the read's GB/s, and /read: the median over the rounds\n"
+      "of the step's GB/s over the read's.\n"
+      "Part 2, one sequence: per --single-dtypes cache dtype and --single-seqlens length, one\n"
+      "query row against a dense and a paged cache holding the same rows: both verified (and\n"
+      "bitwise equal), then timed in rounds of (read dense, dense, paged, read paged): GB/s,\n"
+      "/read, and paged/dense, the median over the rounds of the dense call's time over the\n"
+      "paged call's.\n"
+      "Writes <out-dir>/<YYYY-MM-DD>-<host>-serve.csv (-quick-serve.csv with --quick) and, with\n"
+      "gnuplot, -serve.png (part 2's GB/s against the length). Progress goes to stderr.\n"
+      "Exit codes: 0 verified, 1 invalid arguments or unwritable output, 2 bad command line,\n"
+      "3 a part failed verification (then not timed).");
+  command->option_defaults()->always_capture_default();
+  command->add_option("--requests", options->requests, "Requests in the batch")
+      ->check(CLI::Range(1, 1 << 16));
+  command->add_option("--min-len", options->min_len, "Shortest cached length")
+      ->check(CLI::Range(1, 1 << 24));
+  command->add_option("--max-len", options->max_len, "Longest cached length")
+      ->check(CLI::Range(1, 1 << 24));
+  command->add_option("--steps", options->steps, "Timed decode steps")
+      ->check(CLI::Range(1, 100000));
+  command->add_option("--page-size", options->page_size, "Rows per page")
+      ->check(CLI::Range(1, 1 << 20));
+  command->add_option("--heads-q", options->heads_q, "Query heads")->check(CLI::Range(1, 1024));
+  command->add_option("--heads-kv", options->heads_kv, "KV heads")->check(CLI::Range(1, 1024));
+  command->add_option("--head-dim", options->head_dim, "Head dimension")
+      ->check(CLI::Range(1, 1024));
+  command->add_option("--q-dtype", options->q_dtype, "dtype of q, out and the new rows")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  command->add_option("--cache-dtype", options->cache_dtype, "dtype of the KV cache")
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  command->add_option("--single-seqlens", options->single_seqlens,
+                      "Lengths of part 2's single sequence")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 24));
+  command->add_option("--single-dtypes", options->single_dtypes, "Cache dtypes of part 2")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  command->add_flag("--no-single", options->no_single, "Leave out part 2");
+  command->add_option("--check-requests", options->check_requests,
+                      "Requests of the first step checked against the fp64 reference")
+      ->check(CLI::Range(1, 1 << 16));
+  add_threads_option(command, &options->threads);
+  command->add_option("--seed", options->seed, "Random seed of the lengths, pages and values");
+  command->add_option("--out-dir", options->out_dir, "Directory of the CSV and the plot");
+  command->add_flag("--no-plot", options->no_plot, "Write the CSV only");
+  command->add_flag("--quick", options->quick,
+                    "A tiny run for tests and smoke runs (4 requests of 40..600 rows, 3 steps, "
+                    "part 2 at 300 rows); options given explicitly still win");
+  return [options, command] { return run_serve_bench(*options, *command); };
+}
+
+}  // namespace flashattn::cli
