@@ -1,0 +1,133 @@
+// `flashattn serve-bench`, run as a subprocess on its --quick sizes: both parts verify, the CSV
+// has a row per part and cache, the plot is whole or said to be missing; bad arguments fail with
+// one line and leave no file. No assertion is about time.
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli_test_support.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using flashattn::testing::Completed;
+
+const char* const kHeader =
+    "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
+    "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,paged_over_dense,"
+    "copy_gbps,verified,max_error,tolerance";
+
+class ServeBenchCliTest : public flashattn::testing::CliFixture {
+ protected:
+  ServeBenchCliTest() : CliFixture("flashattn_serve_bench") {}
+
+  fs::path results() const { return work_ / "results"; }
+
+  // The CSV's rows as header -> field (no field of this CSV holds a comma).
+  std::vector<std::map<std::string, std::string>> read_rows() const {
+    std::vector<fs::path> csvs;
+    for (const auto& entry : fs::directory_iterator(results())) {
+      if (entry.path().extension() == ".csv") csvs.push_back(entry.path());
+    }
+    EXPECT_EQ(csvs.size(), 1u);
+    if (csvs.empty()) return {};
+    std::istringstream text(flashattn::testing::read_text(csvs[0]));
+    std::string line;
+    std::getline(text, line);
+    EXPECT_EQ(line, kHeader);
+    const auto split = [](const std::string& record) {
+      std::vector<std::string> fields;
+      std::stringstream stream(record);
+      std::string field;
+      while (std::getline(stream, field, ',')) fields.push_back(field);
+      if (!record.empty() && record.back() == ',') fields.emplace_back();
+      return fields;
+    };
+    const std::vector<std::string> names = split(kHeader);
+    std::vector<std::map<std::string, std::string>> rows;
+    while (std::getline(text, line)) {
+      const std::vector<std::string> fields = split(line);
+      EXPECT_EQ(fields.size(), names.size()) << line;
+      std::map<std::string, std::string> row;
+      for (std::size_t i = 0; i < names.size() && i < fields.size(); ++i) row[names[i]] = fields[i];
+      rows.push_back(row);
+    }
+    return rows;
+  }
+};
+
+TEST_F(ServeBenchCliTest, QuickRunVerifiesBothPartsAndWritesTheCsv) {
+  const Completed completed = run({"serve-bench", "--quick", "--single-dtypes", "f32,bf16",
+                                   "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 5u);  // serve, then dense and paged per single dtype
+  EXPECT_EQ(rows[0].at("part"), "serve");
+  EXPECT_EQ(rows[0].at("cache"), "paged");
+  EXPECT_EQ(rows[0].at("cache_dtype"), "bf16");
+  EXPECT_EQ(rows[0].at("requests"), "4");
+  for (std::size_t i = 1; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i].at("part"), "single");
+    EXPECT_EQ(rows[i].at("cache"), i % 2 ? "dense" : "paged");
+    EXPECT_EQ(rows[i].at("kv_tokens"), "300");
+    EXPECT_EQ(rows[i].at("paged_over_dense").empty(), i % 2 == 1) << i;
+  }
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.at("verified"), "yes");
+    EXPECT_LE(std::stod(row.at("max_error")), std::stod(row.at("tolerance")));
+    EXPECT_GT(std::stod(row.at("kv_gbps")), 0.0);
+    EXPECT_GT(std::stod(row.at("read_gbps")), 0.0);
+    EXPECT_GT(std::stod(row.at("tokens_per_s")), 0.0);
+  }
+  bool plot = false;
+  for (const auto& entry : fs::directory_iterator(results())) {
+    if (entry.path().extension() == ".png") {
+      plot = true;
+      EXPECT_GT(fs::file_size(entry.path()), 0u);
+    }
+  }
+  if (!plot) {
+    EXPECT_NE(completed.out.find("no plot: gnuplot is not on PATH"), std::string::npos)
+        << completed.out;
+  }
+}
+
+TEST_F(ServeBenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
+  const auto expect_clean_failure = [&](std::vector<std::string> args, int code,
+                                        const std::string& message) {
+    args.insert(args.begin(), {"serve-bench", "--quick", "--out-dir", results().string()});
+    const Completed completed = run(args);
+    EXPECT_EQ(completed.exit_code, code) << completed.err;
+    flashattn::testing::expect_one_error_line(completed, args[4], message);
+    EXPECT_FALSE(fs::exists(results())) << args[4];
+  };
+  expect_clean_failure({"--requests", "0"}, 2, "--requests");
+  expect_clean_failure({"--page-size", "0"}, 2, "--page-size");
+  expect_clean_failure({"--cache-dtype", "f64"}, 2, "--cache-dtype");
+  expect_clean_failure({"--min-len", "700", "--max-len", "600"}, 1,
+                       "--min-len: expected at most --max-len = 600, got 700");
+  expect_clean_failure({"--heads-q", "6", "--heads-kv", "4"}, 1,
+                       "--heads-kv: expected a divisor of --heads-q = 6, got 4");
+  expect_clean_failure({"--q-dtype", "bf16", "--cache-dtype", "f16"}, 1,
+                       "--cache-dtype: expected bf16");
+  expect_clean_failure({"--single-seqlens", "0"}, 2, "--single-seqlens");
+}
+
+TEST_F(ServeBenchCliTest, HelpSaysWhatIsMeasured) {
+  const Completed completed = run({"serve-bench", "--help"});
+  EXPECT_EQ(completed.exit_code, 0);
+  for (const char* text : {"--requests", "--min-len", "--max-len", "--page-size", "--steps",
+                           "--cache-dtype", "--single-seqlens", "log-uniform", "paged/dense",
+                           "fp64", "shuffled"}) {
+    EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
+  }
+  EXPECT_TRUE(files().empty());
+}
+
+}  // namespace
