@@ -10,3 +10,4 @@
 #include "flashattn/mha.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
+#include "flashattn/varlen.hpp"

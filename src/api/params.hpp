@@ -46,7 +46,7 @@ struct AttentionParams {
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  float* lse = nullptr;  // contiguous [batch, heads_q, seqlen_q], or null
+  float* lse = nullptr;  // [batch, heads_q, seqlen_q] (see lse_head_stride), or null
   DType dtype = DType::f32;
 
   std::int64_t batch = 0, seqlen_q = 0, seqlen_kv = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
@@ -70,8 +70,12 @@ struct AttentionParams {
 
   std::int64_t group_size() const { return heads_q / heads_kv; }
   std::int64_t kv_head(std::int64_t head_q) const { return head_q / group_size(); }
+  // Floats from one query head's lse to the next: -1 for seqlen_q (contiguous), the packed
+  // total for a sequence of a varlen batch (flashattn/varlen.hpp: lse [heads_q, total_q]).
+  std::int64_t lse_head_stride = -1;
+
   std::int64_t lse_index(std::int64_t b, std::int64_t h, std::int64_t row) const {
-    return (b * heads_q + h) * seqlen_q + row;
+    return (b * heads_q + h) * (lse_head_stride < 0 ? seqlen_q : lse_head_stride) + row;
   }
 
   std::int64_t kv_length(std::int64_t b) const { return kv_lengths ? kv_lengths[b] : seqlen_kv; }

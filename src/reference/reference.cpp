@@ -74,7 +74,7 @@ void reference_forward_f64(const AttentionParams& p, double* out_f64, double* ls
     const std::int64_t b = task / p.heads_q, h = task % p.heads_q;
     for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
       double* out_row = out_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
-      double* lse = lse_f64 ? lse_f64 + p.lse_index(b, h, row) : nullptr;
+      double* lse = lse_f64 ? lse_f64 + (b * p.heads_q + h) * p.seqlen_q + row : nullptr;
       reference_row(p, b, h, row, buffers, out_row, lse);
     }
   };
@@ -98,7 +98,15 @@ void reference_forward(const AttentionParams& p) {
       }
     }
   }
-  for (std::size_t i = 0; i < lse.size(); ++i) p.lse[i] = static_cast<float>(lse[i]);
+  if (p.lse == nullptr) return;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+        p.lse[p.lse_index(b, h, row)] =
+            static_cast<float>(lse[static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + row)]);
+      }
+    }
+  }
 }
 
 }  // namespace flashattn::detail
