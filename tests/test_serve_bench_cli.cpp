@@ -1,4 +1,4 @@
-// `flashattn serve-bench`, run as a subprocess on its --quick sizes: both parts verify, the CSV
+// `flashattn serve-bench`, run as a subprocess on its --quick sizes: every part verifies, the CSV
 // has a row per part and cache, the plot is whole or said to be missing; bad arguments fail with
 // one line and leave no file. No assertion is about time.
 
@@ -21,7 +21,7 @@ using flashattn::testing::Completed;
 const char* const kHeader =
     "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
     "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,paged_over_dense,"
-    "copy_gbps,verified,max_error,tolerance";
+    "copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,varlen_over_padded";
 
 class ServeBenchCliTest : public flashattn::testing::CliFixture {
  protected:
@@ -62,25 +62,34 @@ class ServeBenchCliTest : public flashattn::testing::CliFixture {
   }
 };
 
-TEST_F(ServeBenchCliTest, QuickRunVerifiesBothPartsAndWritesTheCsv) {
+TEST_F(ServeBenchCliTest, QuickRunVerifiesEveryPartAndWritesTheCsv) {
   const Completed completed = run({"serve-bench", "--quick", "--single-dtypes", "f32,bf16",
                                    "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
   const auto rows = read_rows();
-  ASSERT_EQ(rows.size(), 5u);  // serve, then dense and paged per single dtype
+  ASSERT_EQ(rows.size(), 7u);  // serve, dense and paged per single dtype, varlen and padded
   EXPECT_EQ(rows[0].at("part"), "serve");
   EXPECT_EQ(rows[0].at("cache"), "paged");
   EXPECT_EQ(rows[0].at("cache_dtype"), "bf16");
   EXPECT_EQ(rows[0].at("requests"), "4");
-  for (std::size_t i = 1; i < rows.size(); ++i) {
+  for (std::size_t i = 1; i < 5; ++i) {
     EXPECT_EQ(rows[i].at("part"), "single");
     EXPECT_EQ(rows[i].at("cache"), i % 2 ? "dense" : "paged");
     EXPECT_EQ(rows[i].at("kv_tokens"), "300");
     EXPECT_EQ(rows[i].at("paged_over_dense").empty(), i % 2 == 1) << i;
   }
+  for (std::size_t i = 5; i < 7; ++i) {
+    EXPECT_EQ(rows[i].at("part"), "prefill");
+    EXPECT_EQ(rows[i].at("cache"), i == 5 ? "varlen" : "padded");
+    EXPECT_EQ(rows[i].at("requests"), "3");
+    EXPECT_GT(std::stod(rows[i].at("real_gflops")), 0.0);
+    EXPECT_GT(std::stod(rows[i].at("computed_gflops")), 0.0);
+    EXPECT_EQ(rows[i].at("varlen_over_padded").empty(), i == 6);
+  }
   for (const auto& row : rows) {
     EXPECT_EQ(row.at("verified"), "yes");
     EXPECT_LE(std::stod(row.at("max_error")), std::stod(row.at("tolerance")));
+    if (row.at("part") == "prefill") continue;
     EXPECT_GT(std::stod(row.at("kv_gbps")), 0.0);
     EXPECT_GT(std::stod(row.at("read_gbps")), 0.0);
     EXPECT_GT(std::stod(row.at("tokens_per_s")), 0.0);
@@ -117,6 +126,8 @@ TEST_F(ServeBenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   expect_clean_failure({"--q-dtype", "bf16", "--cache-dtype", "f16"}, 1,
                        "--cache-dtype: expected bf16");
   expect_clean_failure({"--single-seqlens", "0"}, 2, "--single-seqlens");
+  expect_clean_failure({"--prefill-min", "300", "--prefill-max", "200"}, 1,
+                       "--prefill-min: expected at most --prefill-max = 200, got 300");
 }
 
 TEST_F(ServeBenchCliTest, HelpSaysWhatIsMeasured) {
@@ -124,7 +135,7 @@ TEST_F(ServeBenchCliTest, HelpSaysWhatIsMeasured) {
   EXPECT_EQ(completed.exit_code, 0);
   for (const char* text : {"--requests", "--min-len", "--max-len", "--page-size", "--steps",
                            "--cache-dtype", "--single-seqlens", "log-uniform", "paged/dense",
-                           "fp64", "shuffled"}) {
+                           "fp64", "shuffled", "--prefill-sequences", "varlen/padded"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

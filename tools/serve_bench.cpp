@@ -13,6 +13,9 @@
 // match the reference, then are timed in rounds of (read dense, dense, paged, read paged): each
 // one's GB/s, ratio_read, and paged over dense.
 //
+// Part 3, prefill: a causal ragged batch packed (varlen) against the same batch padded to its
+// longest sequence: GFLOP/s of the real FLOPs, and of what each computed.
+//
 // Writes <out-dir>/<date>-<host>-serve.csv and, with gnuplot, -serve.png (part 2's GB/s against
 // the cache length, and the reads).
 
@@ -32,6 +35,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "atomic_file.hpp"
@@ -58,6 +62,9 @@ struct ServeOptions {
   std::vector<std::int64_t> single_seqlens = {4096, 16384, 65536};
   std::vector<std::string> single_dtypes = {"f32", "bf16", "f16"};
   bool no_single = false;
+  int prefill_sequences = 8;
+  std::int64_t prefill_min = 128, prefill_max = 4096;
+  bool no_prefill = false;
   int check_requests = 4;
   int threads = 0;
   std::uint64_t seed = 42;
@@ -281,6 +288,9 @@ class Progress {
 
 struct Row {
   std::string part, cache, cache_dtype;
+  // Part 3: GFLOP/s of the real (unpadded) causal FLOPs, of the FLOPs the call computed (the
+  // padded batch's include its padding), and varlen's real over the padded batch's computed.
+  std::optional<double> real_gflops, computed_gflops, varlen_over_padded;
   std::int64_t requests = 0, kv_tokens = 0;
   double seconds = 0.0, kv_gbps = 0.0, read_gbps = 0.0, ratio_read = 0.0;
   std::optional<double> paged_over_dense;
@@ -413,6 +423,131 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
   return {dense_row, paged_row};
 }
 
+// Part 3: a causal prefill of sequences of lengths log-uniform in [prefill_min, prefill_max],
+// packed (varlen_attention_forward) and padded to the longest (attention_forward on
+// [B, longest, H, D]: with Sq = Skv the causal mask keeps every real row on its own real keys).
+// Both are verified on sampled rows against the fp64 reference, then timed in alternation.
+std::vector<Row> prefill(const ServeOptions& o, int threads, std::mt19937_64& rng,
+                         bool& verified) {
+  const DType dtype = dtype_from(o.q_dtype);
+  std::uniform_real_distribution<double> uniform(std::log(static_cast<double>(o.prefill_min)),
+                                                 std::log(static_cast<double>(o.prefill_max)));
+  std::vector<std::int32_t> lengths, offsets = {0};
+  for (int i = 0; i < o.prefill_sequences; ++i) {
+    lengths.push_back(static_cast<std::int32_t>(std::llround(std::exp(uniform(rng)))));
+    offsets.push_back(offsets.back() + lengths.back());
+  }
+  const std::int64_t B = o.prefill_sequences, total = offsets.back();
+  const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  const std::int64_t Hq = o.heads_q, Hkv = o.heads_kv, D = o.head_dim;
+  Buffer q(dtype, {1, total, Hq, D}), k(dtype, {1, total, Hkv, D}), v(dtype, {1, total, Hkv, D});
+  Buffer out(dtype, {1, total, Hq, D});
+  Buffer padded_q(dtype, {B, longest, Hq, D}), padded_k(dtype, {B, longest, Hkv, D});
+  Buffer padded_v(dtype, {B, longest, Hkv, D}), padded_out(dtype, {B, longest, Hq, D});
+  fill_uniform(q.bytes.get(), dtype, total * Hq * D, o.seed + 50);
+  fill_uniform(k.bytes.get(), dtype, total * Hkv * D, o.seed + 51);
+  fill_uniform(v.bytes.get(), dtype, total * Hkv * D, o.seed + 52);
+  // The padded batch: each sequence's rows first, zeros after.
+  const std::size_t element = dtype_size(dtype);
+  for (Buffer* buffer : {&padded_q, &padded_k, &padded_v}) std::memset(buffer->bytes.get(), 0, buffer->size());
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (const auto& [from, to, heads] :
+         {std::tuple{&q, &padded_q, Hq}, std::tuple{&k, &padded_k, Hkv},
+          std::tuple{&v, &padded_v, Hkv}}) {
+      std::memcpy(to->bytes.get() + b * longest * heads * D * element,
+                  from->bytes.get() + offsets[b] * heads * D * element,
+                  static_cast<std::size_t>(lengths[b] * heads * D) * element);
+    }
+  }
+  AttentionOptions options;
+  options.causal = true;
+  options.num_threads = threads;
+  auto run_varlen = [&] {
+    varlen_attention_forward(AttentionImpl::flash, q.view(), k.view(), v.view(), offsets.data(),
+                             offsets.data(), B, out.view(), nullptr, options);
+  };
+  auto run_padded = [&] {
+    attention_forward(AttentionImpl::flash, padded_q.view(), padded_k.view(), padded_v.view(),
+                      padded_out.view(), nullptr, options);
+  };
+  run_varlen();
+  run_padded();
+
+  // Sampled rows (each sequence's first, middle and last) against the reference: row i of a
+  // causal sequence is one query against keys 0 .. i.
+  Row varlen_row;
+  varlen_row.part = "prefill";
+  varlen_row.cache = "varlen";
+  varlen_row.cache_dtype = o.q_dtype;
+  varlen_row.requests = B;
+  varlen_row.kv_tokens = total;
+  Row padded_row = varlen_row;
+  padded_row.cache = "padded";
+  padded_row.kv_tokens = B * longest;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t length = lengths[b];
+    for (const std::int64_t i : {std::int64_t{0}, length / 2, length - 1}) {
+      const std::int64_t keys = i + 1, row = offsets[b] + i;
+      Buffer q_row(DType::f32, {1, 1, Hq, D}), want(DType::f32, {1, 1, Hq, D});
+      Buffer k_rows(DType::f32, {1, keys, Hkv, D}), v_rows(DType::f32, {1, keys, Hkv, D});
+      double max_q = 0.0, max_k = 0.0, max_v = 0.0;
+      for (std::int64_t x = 0; x < Hq * D; ++x) {
+        const float value = load_f32(q.bytes.get(), dtype, row * Hq * D + x);
+        store_f32(q_row.bytes.get(), DType::f32, x, value);
+        max_q = std::max(max_q, std::abs(static_cast<double>(value)));
+      }
+      for (std::int64_t x = 0; x < keys * Hkv * D; ++x) {
+        const float kx = load_f32(k.bytes.get(), dtype, offsets[b] * Hkv * D + x);
+        const float vx = load_f32(v.bytes.get(), dtype, offsets[b] * Hkv * D + x);
+        store_f32(k_rows.bytes.get(), DType::f32, x, kx);
+        store_f32(v_rows.bytes.get(), DType::f32, x, vx);
+        max_k = std::max(max_k, std::abs(static_cast<double>(kx)));
+        max_v = std::max(max_v, std::abs(static_cast<double>(vx)));
+      }
+      AttentionOptions reference_options;
+      reference_options.num_threads = threads;
+      reference_attention_forward(q_row.view(), k_rows.view(), v_rows.view(), want.view(), nullptr,
+                                  reference_options);
+      const double u = dtype == DType::f32 ? 0.0 : dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
+      const double tolerance = 0x1p-24 * max_v *
+                                   (4.0 / std::sqrt(static_cast<double>(D)) *
+                                        static_cast<double>(D) * max_q * max_k +
+                                    2.0 * static_cast<double>(keys) + 16.0) +
+                               2.0 * u * max_v;
+      for (auto [row_ptr, check, index] :
+           {std::tuple{out.bytes.get(), &varlen_row.check, row},
+            std::tuple{padded_out.bytes.get(), &padded_row.check, b * longest + i}}) {
+        for (std::int64_t x = 0; x < Hq * D; ++x) {
+          const double got = load_f32(row_ptr, dtype, index * Hq * D + x);
+          const double error = std::isnan(got)
+                                   ? INFINITY
+                                   : std::abs(got - load_f32(want.bytes.get(), DType::f32, x));
+          if (error / tolerance > check->error / std::max(check->tolerance, 1e-300)) {
+            *check = {error, tolerance};
+          }
+        }
+      }
+    }
+  }
+  verified = verified && varlen_row.check.passed() && padded_row.check.passed();
+  if (!varlen_row.check.passed() || !padded_row.check.passed()) return {varlen_row, padded_row};
+
+  double real_flops = 0.0;
+  for (const std::int32_t length : lengths) {
+    real_flops += attention_flops(1, Hq, length, length, D, options);
+  }
+  const double padded_flops = attention_flops(B, Hq, longest, longest, D, options);
+  const PairedSeconds times = paired_median_seconds(o.quick ? 1 : 3, run_padded, run_varlen);
+  varlen_row.seconds = times.second;
+  varlen_row.real_gflops = varlen_row.computed_gflops = real_flops / times.second * 1e-9;
+  padded_row.seconds = times.first;
+  padded_row.real_gflops = real_flops / times.first * 1e-9;
+  padded_row.computed_gflops = padded_flops / times.first * 1e-9;
+  // (real / t_varlen) / (padded / t_padded), with the paired ratio of the times.
+  varlen_row.varlen_over_padded = real_flops / padded_flops / times.second_over_first;
+  return {varlen_row, padded_row};
+}
+
 std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_gbps,
                      const Row& row) {
   std::ostringstream line;
@@ -425,7 +560,10 @@ std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_
        << format("%.3f", row.ratio_read) << ','
        << optional_number("%.3f", row.paged_over_dense) << ',' << format("%.3f", copy_gbps) << ','
        << (row.check.passed() ? "yes" : "no") << ',' << format("%.3g", row.check.error) << ','
-       << format("%.3g", row.check.tolerance) << '\n';
+       << format("%.3g", row.check.tolerance) << ','
+       << optional_number("%.2f", row.real_gflops) << ','
+       << optional_number("%.2f", row.computed_gflops) << ','
+       << optional_number("%.3f", row.varlen_over_padded) << '\n';
   return line.str();
 }
 
@@ -449,10 +587,17 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
     if (unset("--max-len")) o.max_len = 600;
     if (unset("--steps")) o.steps = 3;
     if (unset("--single-seqlens")) o.single_seqlens = {300};
+    if (unset("--prefill-sequences")) o.prefill_sequences = 3;
+    if (unset("--prefill-min")) o.prefill_min = 16;
+    if (unset("--prefill-max")) o.prefill_max = 200;
   }
   if (o.min_len > o.max_len) {
     throw Error("--min-len: expected at most --max-len = " + std::to_string(o.max_len) +
                 ", got " + std::to_string(o.min_len));
+  }
+  if (o.prefill_min > o.prefill_max) {
+    throw Error("--prefill-min: expected at most --prefill-max = " +
+                std::to_string(o.prefill_max) + ", got " + std::to_string(o.prefill_min));
   }
   if (o.heads_q % o.heads_kv != 0) {
     throw Error("--heads-kv: expected a divisor of --heads-q = " + std::to_string(o.heads_q) +
@@ -518,10 +663,29 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
     }
   }
 
+  if (!o.no_prefill) {
+    std::printf("\n%-7s %-6s %-5s %8s %11s %9s %11s %14s %14s\n", "part", "batch", "dtype",
+                "seqs", "rows", "ms", "real GF/s", "computed GF/s", "varlen/padded");
+    std::fprintf(stderr, "flashattn serve-bench: prefill, packed and padded\n");
+    for (const Row& row : prefill(o, threads, rng, verified)) {
+      rows.push_back(row);
+      std::printf("%-7s %-6s %-5s %8lld %11lld %9.1f %11s %14s %14s %s (error %.2g, tolerance "
+                  "%.2g)\n",
+                  row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
+                  static_cast<long long>(row.requests), static_cast<long long>(row.kv_tokens),
+                  row.seconds * 1e3, optional_number("%.1f", row.real_gflops).c_str(),
+                  optional_number("%.1f", row.computed_gflops).c_str(),
+                  optional_number("%.3f", row.varlen_over_padded).c_str(),
+                  row.check.passed() ? "verified" : "FAILED", row.check.error,
+                  row.check.tolerance);
+    }
+  }
+
   std::string text =
       "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
       "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,"
-      "paged_over_dense,copy_gbps,verified,max_error,tolerance\n";
+      "paged_over_dense,copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,"
+      "varlen_over_padded\n";
   for (const Row& row : rows) text += csv_line(machine, o, copy_gbps, row);
   csv.append(text);
   csv.commit();
@@ -582,6 +746,12 @@ Action add_serve_bench_command(CLI::App& app) {
       "bitwise equal), then timed in rounds of (read dense, dense, paged, read paged): GB/s,\n"
       "/read, and paged/dense, the median over the rounds of the dense call's time over the\n"
       "paged call's.\n"
+      "Part 3, prefill: --prefill-sequences causal sequences of lengths log-uniform in\n"
+      "[--prefill-min, --prefill-max] in --q-dtype, packed (varlen_attention_forward) and padded\n"
+      "to the longest (attention_forward on [B, longest, H, D]); both verified on each\n"
+      "sequence's first, middle and last rows, then timed in alternation (median of 3): real\n"
+      "GF/s counts the unpadded causal FLOPs, computed GF/s what the call computed (padding\n"
+      "included), varlen/padded is varlen's real over the padded batch's computed GF/s.\n"
       "Writes <out-dir>/<YYYY-MM-DD>-<host>-serve.csv (-quick-serve.csv with --quick) and, with\n"
       "gnuplot, -serve.png (part 2's GB/s against the length). Progress goes to stderr.\n"
       "Exit codes: 0 verified, 1 invalid arguments or unwritable output, 2 bad command line,\n"
@@ -613,6 +783,14 @@ Action add_serve_bench_command(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   command->add_flag("--no-single", options->no_single, "Leave out part 2");
+  command->add_option("--prefill-sequences", options->prefill_sequences,
+                      "Sequences of part 3's prefill")
+      ->check(CLI::Range(1, 4096));
+  command->add_option("--prefill-min", options->prefill_min, "Shortest prefill sequence")
+      ->check(CLI::Range(1, 1 << 20));
+  command->add_option("--prefill-max", options->prefill_max, "Longest prefill sequence")
+      ->check(CLI::Range(1, 1 << 20));
+  command->add_flag("--no-prefill", options->no_prefill, "Leave out part 3");
   command->add_option("--check-requests", options->check_requests,
                       "Requests of the first step checked against the fp64 reference")
       ->check(CLI::Range(1, 1 << 16));
