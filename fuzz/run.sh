@@ -11,7 +11,7 @@ build="$(cd "${1:-$root/build/fuzz}" && pwd)"
 seconds="${2:-60}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/flashattn-fuzz.XXXXXX")"
 status=0
-for target in npy attention backward kvcache; do
+for target in npy attention backward kvcache varlen; do
   if [ ! -x "$build/fuzz/fuzz_$target" ]; then
     echo "fuzz/run.sh: no $build/fuzz/fuzz_$target (cmake --preset fuzz && cmake --build --preset fuzz)"
     exit 2
