@@ -550,15 +550,21 @@ std::vector<Row> prefill(const ServeOptions& o, int threads, std::mt19937_64& rn
 
 std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_gbps,
                      const Row& row) {
+  // Decode columns mean nothing for the prefill rows, and GFLOP/s nothing for decode: empty.
+  const bool decode = row.part != "prefill";
+  const auto decode_number = [&](const char* pattern, double value) {
+    return decode ? format(pattern, value) : std::string();
+  };
   std::ostringstream line;
   line << machine.date << ',' << machine.host << ',' << machine.threads << ',' << row.part << ','
        << row.cache << ',' << o.q_dtype << ',' << row.cache_dtype << ',' << row.requests << ','
        << row.kv_tokens << ',' << o.page_size << ',' << o.heads_q << ',' << o.heads_kv << ','
        << o.head_dim << ',' << format("%.6g", row.seconds) << ','
-       << format("%.1f", row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0)
-       << ',' << format("%.3f", row.kv_gbps) << ',' << format("%.3f", row.read_gbps) << ','
-       << format("%.3f", row.ratio_read) << ','
-       << optional_number("%.3f", row.paged_over_dense) << ',' << format("%.3f", copy_gbps) << ','
+       << decode_number("%.1f",
+                        row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0)
+       << ',' << decode_number("%.3f", row.kv_gbps) << ','
+       << decode_number("%.3f", row.read_gbps) << ',' << decode_number("%.3f", row.ratio_read)
+       << ',' << optional_number("%.3f", row.paged_over_dense) << ',' << format("%.3f", copy_gbps) << ','
        << (row.check.passed() ? "yes" : "no") << ',' << format("%.3g", row.check.error) << ','
        << format("%.3g", row.check.tolerance) << ','
        << optional_number("%.2f", row.real_gflops) << ','
