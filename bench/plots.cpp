@@ -56,6 +56,15 @@ std::string plot_title(const char* what, const Machine& machine) {
   return "set title " + gnuplot_string(title) + "\n";
 }
 
+// The y axis, scales and key of the plots of K/V bandwidth against the cache length.
+constexpr const char* kv_bandwidth_axes =
+    "set ylabel 'GB/s of K and V read (log scale)'\n"
+    "set logscale xy 2\n"
+    "set format x '%.0f'\n"
+    "set format y '%.1f'\n"
+    "set grid\n"
+    "set key outside right top\n";
+
 // A line of a plot: its title, dash type, colour (gnuplot's line type; 0: the next one in
 // turn) and points (x, y), the data inline as $series<index>.
 struct PlotLine {
@@ -178,13 +187,8 @@ std::string decode_plot_script(const fs::path& png, const Machine& machine,
                 "= %lld)'\n",
                 static_cast<long long>(kDecodeHeadsQ), static_cast<long long>(kDecodeHeadsKv),
                 static_cast<long long>(kDecodeHeadDim));
-  std::string script = plot_preamble(png) + plot_title(" decode", machine) + xlabel +
-                       "set ylabel 'GB/s of K and V read (log scale)'\n"
-                       "set logscale xy 2\n"
-                       "set format x '%.0f'\n"
-                       "set format y '%.1f'\n"
-                       "set grid\n"
-                       "set key outside right top\n";
+  std::string script =
+      plot_preamble(png) + plot_title(" decode", machine) + xlabel + kv_bandwidth_axes;
   std::string plots = plot_lines(lines, script);
   plots += plot_ceiling(ceilings.copy_gbps, "memory copy (read + written)", "rgb 'black'");
   return script + "plot " + plots + "\n";
@@ -205,13 +209,7 @@ std::string serving_plot_script(const fs::path& png, const Machine& machine, dou
                 machine.date.c_str(), machine.cpu_model.c_str(), machine.host.c_str(),
                 machine.threads, machine.simd_target.c_str());
   std::string script = plot_preamble(png) + "set title " + gnuplot_string(title) + "\n" +
-                       "set xlabel " + gnuplot_string(xlabel) + "\n" +
-                       "set ylabel 'GB/s of K and V read (log scale)'\n"
-                       "set logscale xy 2\n"
-                       "set format x '%.0f'\n"
-                       "set format y '%.1f'\n"
-                       "set grid\n"
-                       "set key outside right top\n";
+                       "set xlabel " + gnuplot_string(xlabel) + "\n" + kv_bandwidth_axes;
   std::string plots = plot_lines(lines, script);
   plots += plot_ceiling(copy_gbps, "memory copy (read + written)", "rgb 'black'");
   return script + "plot " + plots + "\n";

@@ -129,6 +129,38 @@ Strides strides_of(const std::array<std::int64_t, 4>& strides) {
   return {strides[0], strides[1], strides[2]};
 }
 
+// The parameters of checked views and options: k's dtype for k and v, q's for q and out; each
+// sequence `seqlen_kv` keys long (a KV cache's capacity), the windows capped by it.
+AttentionParams checked_params(const ConstTensorView& q, const ConstTensorView& k,
+                               const ConstTensorView& v, const TensorView& out, float* lse,
+                               const AttentionOptions& options, float scale,
+                               std::int64_t seqlen_kv) {
+  AttentionParams params;
+  params.q = q.data;
+  params.k = k.data;
+  params.v = v.data;
+  params.out = out.data;
+  params.lse = lse;
+  params.dtype = k.dtype;
+  params.q_dtype = q.dtype;
+  params.batch = q.shape[0];
+  params.seqlen_q = q.shape[1];
+  params.seqlen_kv = seqlen_kv;
+  params.heads_q = q.shape[2];
+  params.heads_kv = k.shape[2];
+  params.head_dim = q.shape[3];
+  params.q_strides = strides_of(q.strides);
+  params.k_strides = strides_of(k.strides);
+  params.v_strides = strides_of(v.strides);
+  params.out_strides = strides_of(out.strides);
+  params.scale = scale;
+  params.causal = options.causal;
+  params.window_left = cap_window(options.window_left, params.seqlen_q, seqlen_kv);
+  params.window_right = cap_window(options.window_right, params.seqlen_q, seqlen_kv);
+  params.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  return params;
+}
+
 // Checks the options that every forward shares; returns the softmax scale.
 float checked_scale(const char* caller, const AttentionOptions& options, std::int64_t head_dim) {
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -235,30 +267,7 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
     }
   }
 
-  AttentionParams params;
-  params.q = q.data;
-  params.k = k.data;
-  params.v = v.data;
-  params.out = out.data;
-  params.lse = lse;
-  params.dtype = q.dtype;
-  params.q_dtype = q.dtype;
-  params.batch = batch;
-  params.seqlen_q = seqlen_q;
-  params.seqlen_kv = seqlen_kv;
-  params.heads_q = heads_q;
-  params.heads_kv = heads_kv;
-  params.head_dim = head_dim;
-  params.q_strides = strides_of(q.strides);
-  params.k_strides = strides_of(k.strides);
-  params.v_strides = strides_of(v.strides);
-  params.out_strides = strides_of(out.strides);
-  params.scale = scale;
-  params.causal = options.causal;
-  params.window_left = cap_window(options.window_left, seqlen_q, seqlen_kv);
-  params.window_right = cap_window(options.window_right, seqlen_q, seqlen_kv);
-  params.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
-  return params;
+  return checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
 }
 
 BackwardParams make_backward_params(const char* caller, const ConstTensorView& dout,
@@ -525,28 +534,7 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
 
   KVCacheParams params;
   AttentionParams& a = params.attention;
-  a.q = q.data;
-  a.k = k_cache.data;
-  a.v = v_cache.data;
-  a.out = out.data;
-  a.lse = lse;
-  a.dtype = cache_dtype;
-  a.q_dtype = q.dtype;
-  a.batch = batch;
-  a.seqlen_q = seqlen_q;
-  a.seqlen_kv = capacity;
-  a.heads_q = heads_q;
-  a.heads_kv = heads_kv;
-  a.head_dim = head_dim;
-  a.q_strides = strides_of(q.strides);
-  a.k_strides = strides_of(k_cache.strides);
-  a.v_strides = strides_of(v_cache.strides);
-  a.out_strides = strides_of(out.strides);
-  a.scale = scale;
-  a.causal = options.causal;
-  a.window_left = cap_window(options.window_left, seqlen_q, capacity);
-  a.window_right = cap_window(options.window_right, seqlen_q, capacity);
-  a.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  a = checked_params(q, k_cache, v_cache, out, lse, options, scale, capacity);
   if (paged) {
     a.block_table = cache.block_table;
     a.block_table_stride = cache.pages_per_sequence;
