@@ -44,7 +44,8 @@ struct NewKeysValues {
   ConstTensorView k, v;
 };
 
-// q    [batch, Sq, heads_q, head_dim], Sq >= 1 (decode, speculative decode, chunked prefill)
+// q    [batch, Sq, heads_q, head_dim]: Sq = 1 decodes, a few speculate, more prefill a chunk,
+//      0 only appends
 // out  [batch, Sq, heads_q, head_dim] in q's dtype; must not overlap any other argument
 // lse  fp32 contiguous [batch, heads_q, Sq], or null
 // cache_seqlens int32 [batch], each >= 0 and with Snew at most the sequence's capacity
