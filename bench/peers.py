@@ -173,7 +173,7 @@ def main():
     rows = []
     print(f"decode, f32, B 1, Hq {HEADS_Q}, Hkv {HEADS_KV}, D {HEAD_DIM}, {args.threads} threads,"
           f" median of {args.repeat}")
-    print(f"{'Skv':>7} {'peer':<44} {'ms':>9} {'GB/s':>8} {'x flashattn':>12}  check")
+    print(f"{'Skv':>7} {'peer':<44} {'ms':>9} {'GB/s':>8} {'speed/flash':>12}  check")
     with tempfile.TemporaryDirectory() as work:
         for seqlen in seqlens:
             q = rng.standard_normal((1, 1, HEADS_Q, HEAD_DIM), dtype=np.float32)
