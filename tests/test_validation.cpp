@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <string_view>
 
 #include "test_support.hpp"
 
@@ -179,6 +180,33 @@ TEST_P(BadInput, RaisesErrorNamingArgumentAndWritesNothing) {
 
 INSTANTIATE_TEST_SUITE_P(Attention, BadInput, ::testing::ValuesIn(bad_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// lse is written like out: it may overlap none of the inputs either (q, k, v; out is a BadInput
+// case), on every path, and nothing is written when it does.
+TEST(Validation, LseOverlappingAnInputIsRefused) {
+  for (const char* input : {"q", "k", "v"}) {
+    for (AttentionImpl impl :
+         {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+      Problem p;
+      Tensor& target = *input == 'q' ? p.q : *input == 'k' ? p.k : p.v;
+      const std::vector<std::uint8_t> before = target.bytes;
+      try {
+        attention_forward(impl, p.q.view, p.k.view, p.v.view, p.out.view,
+                          static_cast<float*>(target.view.data), p.options);
+        ADD_FAILURE() << impl_name(impl) << ": no error raised for lse on " << input;
+      } catch (const Error& error) {
+        EXPECT_NE(std::string(error.what())
+                      .find(std::string("lse: expected memory disjoint from ") + input),
+                  std::string::npos)
+            << error.what();
+      }
+      EXPECT_EQ(target.bytes, before) << input << " written despite the error";
+      p.out.for_each_index([&](auto a, auto b, auto c, auto d) {
+        ASSERT_TRUE(std::isnan(p.out.at(a, b, c, d))) << "out written despite the error";
+      });
+    }
+  }
+}
 
 TEST(Validation, ErrorIsAnInvalidArgument) {
   Problem p;

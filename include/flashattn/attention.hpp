@@ -17,7 +17,8 @@ const char* impl_name(AttentionImpl impl);
 //   k, v [batch, seqlen_kv, heads_kv, head_dim]   heads_q % heads_kv == 0 (GQA / MQA)
 //   out  [batch, seqlen_q,  heads_q,  head_dim]   same dtype as q, k, v
 //   lse  fp32, contiguous [batch, heads_q, seqlen_q]; may be null
-// Any element strides with the last dim contiguous. `out` must not overlap q, k, v or lse.
+// Any element strides with the last dim contiguous. `out` must not overlap q, k, v or lse, nor
+// `lse` q, k or v.
 // A row whose keys are all masked (or seqlen_kv == 0) gets output 0 and lse -inf.
 // Invalid arguments raise flashattn::Error before anything is written.
 

@@ -245,25 +245,19 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
     fail(caller, "out: expected strides that give every element its own address, got strides ",
          shape_string(out.strides), " for shape ", shape_string(out.shape));
   }
+  // B·Hq·Sq <= numel(out), which byte_span bounded; float_span checks the 4-byte elements.
+  const ByteSpan lse_span = float_span(caller, "lse", lse, batch * heads_q * seqlen_q);
+  if (out_span.overlaps(lse_span)) {
+    fail(caller, "lse: expected memory disjoint from out, got overlapping buffers");
+  }
   for (const auto& [name, span] : {std::pair{"q", byte_span(caller, "q", q)},
                                    {"k", byte_span(caller, "k", k)},
                                    {"v", byte_span(caller, "v", v)}}) {
     if (out_span.overlaps(span)) {
       fail(caller, "out: expected memory disjoint from ", name, ", got overlapping buffers");
     }
-  }
-  if (lse != nullptr) {
-    // B·Hq·Sq <= numel(out), which byte_span bounded; only the 4-byte element can overflow.
-    std::int64_t lse_bytes = 0;
-    if (__builtin_mul_overflow(batch * heads_q * seqlen_q, static_cast<std::int64_t>(sizeof(float)),
-                               &lse_bytes)) {
-      fail(caller, "lse: ", batch * heads_q * seqlen_q,
-           " fp32 values overflow a 64-bit byte count");
-    }
-    const auto begin = reinterpret_cast<std::uintptr_t>(lse);
-    const ByteSpan lse_span{begin, begin + static_cast<std::uintptr_t>(lse_bytes)};
-    if (out_span.overlaps(lse_span)) {
-      fail(caller, "lse: expected memory disjoint from out, got overlapping buffers");
+    if (lse_span.overlaps(span)) {
+      fail(caller, "lse: expected memory disjoint from ", name, ", got overlapping buffers");
     }
   }
 
