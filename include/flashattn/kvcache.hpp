@@ -30,7 +30,9 @@ namespace flashattn {
 // (dense) or pages_per_sequence · page_size (paged). Only the block-table entries that cover a
 // sequence's L_b keys are read (and must lie in [0, num_pages)); the rest may hold anything.
 // Pages may be shared between sequences (a common prompt prefix) but not written by two
-// sequences, nor twice by one, in the same call.
+// sequences, nor twice by one, in the same call. The pointer decides: a paged cache needs a
+// non-null block_table even when no sequence has a page yet (an empty std::vector's data() may
+// be null; reserve it).
 struct KVCacheView {
   TensorView k, v;
   const std::int32_t* block_table = nullptr;
