@@ -184,6 +184,10 @@ bool corrupt(Problem& p, int kind, flashattn::ConstTensorView& q, flashattn::Con
     case 19:
       q.shape[3] = k.shape[3] = v.shape[3] = out.shape[3] = 0;
       return true;
+    case 20:
+      if (!has_output || lse == nullptr) return false;
+      lse = static_cast<float*>(const_cast<void*>(q.data));
+      return true;
     default:
       return false;
   }
@@ -297,7 +301,7 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider in(data, size);
   const int corruption =
-      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 19) : -1;
+      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 20) : -1;
   Problem p = make_problem(in);
   flashattn::ConstTensorView q = p.view(p.q), k = p.view(p.k), v = p.view(p.v);
   flashattn::TensorView out = p.out_view();
