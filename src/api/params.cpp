@@ -129,6 +129,32 @@ Strides strides_of(const std::array<std::int64_t, 4>& strides) {
   return {strides[0], strides[1], strides[2]};
 }
 
+// The dims that q, k, v and out must share (k and v named `k_name`, `v_name`): head_dim and
+// heads at least 1, k's head_dim q's, v shaped as k, out as q, heads_kv dividing heads_q.
+void check_operand_shapes(const char* caller, const char* k_name, const char* v_name,
+                          const ConstTensorView& q, const ConstTensorView& k,
+                          const ConstTensorView& v, const TensorView& out) {
+  const std::int64_t heads_q = q.shape[2], head_dim = q.shape[3], heads_kv = k.shape[2];
+  if (head_dim == 0) fail(caller, "q: expected head_dim >= 1, got 0");
+  if (heads_q == 0) fail(caller, "q: expected heads_q >= 1, got 0");
+  if (heads_kv == 0) fail(caller, k_name, ": expected heads_kv >= 1, got 0");
+  if (k.shape[3] != head_dim) {
+    fail(caller, k_name, ": expected head_dim ", head_dim, " (as q), got ", k.shape[3]);
+  }
+  if (v.shape != k.shape) {
+    fail(caller, v_name, ": expected shape ", shape_string(k.shape), " (as ", k_name, "), got ",
+         shape_string(v.shape));
+  }
+  if (out.shape != q.shape) {
+    fail(caller, "out: expected shape ", shape_string(q.shape), " (as q), got ",
+         shape_string(out.shape));
+  }
+  if (heads_q % heads_kv != 0) {
+    fail(caller, k_name, ": expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ",
+         heads_kv);
+  }
+}
+
 // The parameters of checked views and options: k's dtype for k and v, q's for q and out; each
 // sequence `seqlen_kv` keys long (a KV cache's capacity), the windows capped by it.
 AttentionParams checked_params(const ConstTensorView& q, const ConstTensorView& k,
@@ -218,25 +244,9 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
 
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
                      head_dim = q.shape[3];
-  const std::int64_t seqlen_kv = k.shape[1], heads_kv = k.shape[2];
-  if (head_dim == 0) fail(caller, "q: expected head_dim >= 1, got 0");
-  if (heads_q == 0) fail(caller, "q: expected heads_q >= 1, got 0");
-  if (heads_kv == 0) fail(caller, "k: expected heads_kv >= 1, got 0");
+  const std::int64_t seqlen_kv = k.shape[1];
   if (k.shape[0] != batch) fail(caller, "k: expected batch ", batch, " (as q), got ", k.shape[0]);
-  if (k.shape[3] != head_dim) {
-    fail(caller, "k: expected head_dim ", head_dim, " (as q), got ", k.shape[3]);
-  }
-  if (v.shape != k.shape) {
-    fail(caller, "v: expected shape ", shape_string(k.shape), " (as k), got ",
-         shape_string(v.shape));
-  }
-  if (out.shape != q.shape) {
-    fail(caller, "out: expected shape ", shape_string(q.shape), " (as q), got ",
-         shape_string(out.shape));
-  }
-  if (heads_q % heads_kv != 0) {
-    fail(caller, "k: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ", heads_kv);
-  }
+  check_operand_shapes(caller, "k", "v", q, k, v, out);
 
   const float scale = checked_scale(caller, options, head_dim);
 
@@ -371,24 +381,7 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
                      head_dim = q.shape[3];
   const std::int64_t heads_kv = k_cache.shape[2];
-  if (head_dim == 0) fail(caller, "q: expected head_dim >= 1, got 0");
-  if (heads_q == 0) fail(caller, "q: expected heads_q >= 1, got 0");
-  if (heads_kv == 0) fail(caller, "k_cache: expected heads_kv >= 1, got 0");
-  if (heads_q % heads_kv != 0) {
-    fail(caller, "k_cache: expected heads_kv dividing heads_q = ", heads_q, ", got heads_kv ",
-         heads_kv);
-  }
-  if (k_cache.shape[3] != head_dim) {
-    fail(caller, "k_cache: expected head_dim ", head_dim, " (as q), got ", k_cache.shape[3]);
-  }
-  if (v_cache.shape != k_cache.shape) {
-    fail(caller, "v_cache: expected shape ", shape_string(k_cache.shape), " (as k_cache), got ",
-         shape_string(v_cache.shape));
-  }
-  if (out.shape != q.shape) {
-    fail(caller, "out: expected shape ", shape_string(q.shape), " (as q), got ",
-         shape_string(out.shape));
-  }
+  check_operand_shapes(caller, "k_cache", "v_cache", q, k_cache, v_cache, out);
 
   // Capacity of every sequence.
   std::int64_t capacity = 0;
