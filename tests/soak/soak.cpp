@@ -230,10 +230,13 @@ class User {
             G +
         1e-30;
     double error = 0.0;
-    for (const auto& [got, want] : {std::pair{&dq, &rq}, {&dk, &rk}, {&dv, &rv}}) {
-      got->for_each_index([&](auto a, auto b, auto c, auto d) {
-        error = std::max(error, std::abs(static_cast<double>(got->at(a, b, c, d)) -
-                                         want->at(a, b, c, d)));
+    for (const std::pair<const Tensor*, const Tensor*> pair :
+         {std::pair{&dq, &rq}, {&dk, &rk}, {&dv, &rv}}) {
+      const Tensor& got = *pair.first;
+      const Tensor& want = *pair.second;
+      got.for_each_index([&](auto a, auto b, auto c, auto d) {
+        error = std::max(error, std::abs(static_cast<double>(got.at(a, b, c, d)) -
+                                         want.at(a, b, c, d)));
       });
     }
     check(kBackward, error / bound, std::string(impl_name(impl)) + " gradients beyond bound");
