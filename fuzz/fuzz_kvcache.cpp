@@ -210,10 +210,13 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
       if (p.batch == 0) return false;
       p.cached[0] = -1;
       return true;
-    case 1:
+    case 1: {
+      // One row past the capacity of the cache the call uses: a paged cache's is whole pages.
       if (p.batch == 0) return false;
-      p.cached[p.batch - 1] = static_cast<std::int32_t>(p.capacity - p.seqlen_new + 1);
+      const std::int64_t capacity = paged ? p.pages_per_sequence * p.page_size : p.capacity;
+      p.cached[p.batch - 1] = static_cast<std::int32_t>(capacity - p.seqlen_new + 1);
       return true;
+    }
     case 2: {
       // A page that a sequence reads, out of range.
       for (std::int64_t b = 0; b < p.batch; ++b) {
