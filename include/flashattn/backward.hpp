@@ -14,20 +14,29 @@ namespace flashattn {
 // nothing: its dq row is 0. Invalid arguments raise flashattn::Error before anything is written.
 // Results are bitwise identical for any thread count.
 
+// Gradients of the score modifiers' own inputs (options.hpp), written when a pointer is given.
+struct ModifierGradients {
+  // fp32 [heads_q], for options.sinks: dL/dsink_h = − Σ over batch and rows of
+  // exp(sink_h − lse) · rowsum(dO ∘ O). Null: not computed.
+  float* dsinks = nullptr;
+};
+
 // FlashAttention-2 backward: P is recomputed block by block from lse; no memory proportional to
 // seqlen_q · seqlen_kv.
 void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                               const ConstTensorView& k, const ConstTensorView& v,
                               const ConstTensorView& out, const float* lse, const TensorView& dq,
                               const TensorView& dk, const TensorView& dv,
-                              const AttentionOptions& options = {});
+                              const AttentionOptions& options = {},
+    const ModifierGradients& modifier_gradients = {});
 
 // The standard backward: per (batch, head) the full P, dP and dS matrices, products by OpenBLAS.
 void standard_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                  const ConstTensorView& k, const ConstTensorView& v,
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
-                                 const AttentionOptions& options = {});
+                                 const AttentionOptions& options = {},
+    const ModifierGradients& modifier_gradients = {});
 
 // The oracle: plain loops in fp64 that recompute P from q and k (out and lse are validated but
 // not used), rounded once into dq, dk, dv.
@@ -35,13 +44,15 @@ void reference_attention_backward(const ConstTensorView& dout, const ConstTensor
                                   const ConstTensorView& k, const ConstTensorView& v,
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                  const AttentionOptions& options = {});
+                                  const AttentionOptions& options = {},
+    const ModifierGradients& modifier_gradients = {});
 
 void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,
                         const ConstTensorView& k, const ConstTensorView& v,
                         const ConstTensorView& out, const float* lse, const TensorView& dq,
                         const TensorView& dk, const TensorView& dv,
-                        const AttentionOptions& options = {});
+                        const AttentionOptions& options = {},
+                        const ModifierGradients& modifier_gradients = {});
 
 // The names before 0.2, kept for one release: every path is now <path>_attention_<pass>.
 [[deprecated("use standard_attention_backward")]] inline void attention_backward_standard(

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
 
@@ -22,7 +23,8 @@ namespace flashattn {
 //   lse          fp32 contiguous [heads_q, total_q] (FlashAttention's varlen layout), or null
 //   cu_seqlens_q int32 [batch + 1]: 0, then the running totals of the query lengths, ending at
 //                total_q; cu_seqlens_k likewise for the keys, ending at total_k
-// Any element strides with the last dim contiguous; dtypes and options as attention_forward.
+// Any element strides with the last dim contiguous; dtypes and options as attention_forward,
+// except that per-entry ALiBi slopes are [batch, heads_q] for the batch's sequences.
 // Each sequence runs on all the threads in turn, so a batch of very different lengths keeps
 // every thread busy; results are those of the sequence alone, bit for bit.
 // Invalid arguments raise flashattn::Error before anything is written.
@@ -40,6 +42,7 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
                                const float* lse, const std::int32_t* cu_seqlens_q,
                                const std::int32_t* cu_seqlens_k, std::int64_t batch,
                                const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                               const AttentionOptions& options = {});
+                               const AttentionOptions& options = {},
+                               const ModifierGradients& modifier_gradients = {});
 
 }  // namespace flashattn

@@ -16,13 +16,19 @@ void standard_forward(const AttentionParams& params);
 
 void flash_forward(const AttentionParams& params);
 
-// Backward passes: write params.dq, dk, dv. reference_backward_f64 writes contiguous fp64
-// dq [batch, seqlen_q, heads_q, head_dim], dk and dv [batch, seqlen_kv, heads_kv, head_dim].
+// Backward passes: write params.dq, dk, dv, and params.dsinks when not null (the reference on its
+// own; the others by way of add_sink_gradients). reference_backward_f64 writes contiguous fp64
+// dq [batch, seqlen_q, heads_q, head_dim], dk and dv [batch, seqlen_kv, heads_kv, head_dim], and
+// dsinks [heads_q] when not null.
 void reference_backward_f64(const BackwardParams& params, double* dq_f64, double* dk_f64,
-                            double* dv_f64);
+                            double* dv_f64, double* dsinks_f64 = nullptr);
 void reference_backward(const BackwardParams& params);
 void standard_backward(const BackwardParams& params);
 void flash_backward(const BackwardParams& params);
+
+// Adds to sums[h] the sinks' gradient of every row of params (flashattn::ModifierGradients),
+// − exp(σ_h − lse) · rowsum(dO ∘ O), from the forward's out and lse; params.forward has sinks.
+void add_sink_gradients(const BackwardParams& params, double* sums);
 
 // Merges two partial states into params.out and params.lse (cpu/merge_states.cpp).
 void merge_states(const MergeParams& params);

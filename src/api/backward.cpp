@@ -2,13 +2,43 @@
 
 #include "flashattn/backward.hpp"
 
+#include <cmath>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "api/backends.hpp"
 #include "api/memory.hpp"
+#include "util/parallel.hpp"
+#include "util/rows.hpp"
 
 namespace flashattn {
+
+namespace detail {
+
+void add_sink_gradients(const BackwardParams& bp, double* sums) {
+  const AttentionParams& p = bp.forward;
+  std::vector<double> head_sums(static_cast<std::size_t>(p.heads_q), 0.0);
+  parallel_tasks(
+      p.num_threads, p.heads_q,
+      [&] { return std::vector<float>(static_cast<std::size_t>(p.seqlen_q)); },
+      [&](std::vector<float>& deltas, std::int64_t h) {
+        const double sink = p.modifiers.sinks[h];
+        double sum = 0.0;
+        for (std::int64_t b = 0; b < p.batch; ++b) {
+          row_deltas(deltas.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.q_dtype, b,
+                     h, 0, p.seqlen_q, p.head_dim);
+          for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+            const double lse = p.lse[p.lse_index(b, h, row)];
+            sum -= std::exp(sink - lse) * static_cast<double>(deltas[row]);
+          }
+        }
+        head_sums[h] = sum;
+      });
+  for (std::int64_t h = 0; h < p.heads_q; ++h) sums[h] += head_sums[h];
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -18,13 +48,22 @@ void run_backward(const char* caller, AttentionImpl impl,
                   void (*backend)(const detail::BackwardParams&), const ConstTensorView& dout,
                   const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
                   const ConstTensorView& out, const float* lse, const TensorView& dq,
-                  const TensorView& dk, const TensorView& dv, const AttentionOptions& options) {
-  const detail::BackwardParams params =
-      detail::make_backward_params(caller, dout, q, k, v, out, lse, dq, dk, dv, options);
+                  const TensorView& dk, const TensorView& dv, const AttentionOptions& options,
+                  const ModifierGradients& modifier_gradients) {
+  const detail::BackwardParams params = detail::make_backward_params(
+      caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
   const std::int64_t needed = detail::backward_scratch_bytes(impl, params);
   detail::check_scratch_fits(caller, impl, params.forward, needed);
   try {
     backend(params);
+    // The reference derives its own from the P it recomputes.
+    if (params.dsinks != nullptr && impl != AttentionImpl::reference) {
+      std::vector<double> sums(static_cast<std::size_t>(params.forward.heads_q), 0.0);
+      detail::add_sink_gradients(params, sums.data());
+      for (std::size_t h = 0; h < sums.size(); ++h) {
+        params.dsinks[h] = static_cast<float>(sums[h]);
+      }
+    }
   } catch (const std::bad_alloc&) {
     throw Error(std::string(caller) + ": out of memory: could not allocate the scratch buffers (" +
                 std::to_string(needed) + " bytes at most)");
@@ -37,41 +76,46 @@ void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView
                               const ConstTensorView& k, const ConstTensorView& v,
                               const ConstTensorView& out, const float* lse, const TensorView& dq,
                               const TensorView& dk, const TensorView& dv,
-                              const AttentionOptions& options) {
+                              const AttentionOptions& options,
+                              const ModifierGradients& modifier_gradients) {
   run_backward("flash_attention_backward", AttentionImpl::flash, detail::flash_backward, dout, q, k,
-               v, out, lse, dq, dk, dv, options);
+               v, out, lse, dq, dk, dv, options, modifier_gradients);
 }
 
 void standard_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                  const ConstTensorView& k, const ConstTensorView& v,
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
-                                 const AttentionOptions& options) {
+                                 const AttentionOptions& options,
+                              const ModifierGradients& modifier_gradients) {
   run_backward("standard_attention_backward", AttentionImpl::standard, detail::standard_backward,
-               dout, q, k, v, out, lse, dq, dk, dv, options);
+               dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
 }
 
 void reference_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
                                   const ConstTensorView& k, const ConstTensorView& v,
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                  const AttentionOptions& options) {
+                                  const AttentionOptions& options,
+                              const ModifierGradients& modifier_gradients) {
   run_backward("reference_attention_backward", AttentionImpl::reference, detail::reference_backward,
-               dout, q, k, v, out, lse, dq, dk, dv, options);
+               dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
 }
 
 void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,
                         const ConstTensorView& k, const ConstTensorView& v,
                         const ConstTensorView& out, const float* lse, const TensorView& dq,
                         const TensorView& dk, const TensorView& dv,
-                        const AttentionOptions& options) {
+                        const AttentionOptions& options,
+                        const ModifierGradients& modifier_gradients) {
   switch (impl) {
     case AttentionImpl::flash:
-      return flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
+      return flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
     case AttentionImpl::standard:
-      return standard_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
+      return standard_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
     case AttentionImpl::reference:
-      return reference_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options);
+      return reference_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options,
+                                          modifier_gradients);
   }
   throw Error("attention_backward: impl: expected flash, standard or reference");
 }

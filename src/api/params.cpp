@@ -225,11 +225,59 @@ ByteSpan float_span(const char* caller, const char* name, const float* values,
   return {begin, end};
 }
 
+// The score modifiers of `options` for `batch` entries of `heads_q` query heads, checked; their
+// fp32 arrays must not overlap what the call writes (`written`).
+ScoreModifiers checked_modifiers(const char* caller, const AttentionOptions& options,
+                                 std::int64_t batch, std::int64_t heads_q,
+                                 std::initializer_list<std::pair<const char*, ByteSpan>> written) {
+  ScoreModifiers modifiers;
+  if (!std::isfinite(options.softcap) || options.softcap < 0.0f) {
+    fail(caller, "softcap: expected a finite value >= 0 (0 = off), got ", options.softcap);
+  }
+  modifiers.softcap = options.softcap;
+  auto check_values = [&](const char* name, std::span<const float> values) {
+    if (!values.empty() && values.data() == nullptr) {
+      fail(caller, name, ": expected a data pointer for ", values.size(), " values, got null");
+    }
+    const ByteSpan span =
+        float_span(caller, name, values.data(), static_cast<std::int64_t>(values.size()));
+    for (const auto& [other, other_span] : written) {
+      if (span.overlaps(other_span)) {
+        fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if (!std::isfinite(values[i])) {
+        fail(caller, name, "[", i, "]: expected a finite value, got ", values[i]);
+      }
+    }
+  };
+  const auto slopes = static_cast<std::int64_t>(options.alibi_slopes.size());
+  if (slopes != 0) {
+    if (slopes != heads_q && slopes != batch * heads_q) {
+      fail(caller, "alibi_slopes: expected ", heads_q, " values ([heads_q]) or ", batch * heads_q,
+           " ([batch, heads_q] = [", batch, ", ", heads_q, "]), got ", slopes);
+    }
+    check_values("alibi_slopes", options.alibi_slopes);
+    modifiers.alibi_slopes = options.alibi_slopes.data();
+    modifiers.alibi_batch_stride = slopes == heads_q ? 0 : heads_q;
+  }
+  const auto sinks = static_cast<std::int64_t>(options.sinks.size());
+  if (sinks != 0) {
+    if (sinks != heads_q) {
+      fail(caller, "sinks: expected ", heads_q, " values ([heads_q]), got ", sinks);
+    }
+    check_values("sinks", options.sinks);
+    modifiers.sinks = options.sinks.data();
+  }
+  return modifiers;
+}
+
 }  // namespace
 
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
-                            const AttentionOptions& options) {
+                            const AttentionOptions& options, std::int64_t modifier_batch) {
   check_view(caller, "q", q);
   check_view(caller, "k", k);
   check_view(caller, "v", v);
@@ -271,18 +319,25 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
     }
   }
 
-  return checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
+  AttentionParams params = checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
+  params.modifiers =
+      checked_modifiers(caller, options, modifier_batch < 0 ? batch : modifier_batch, heads_q,
+                        {{"out", out_span}, {"lse", lse_span}});
+  return params;
 }
 
 BackwardParams make_backward_params(const char* caller, const ConstTensorView& dout,
                                     const ConstTensorView& q, const ConstTensorView& k,
                                     const ConstTensorView& v, const ConstTensorView& out,
                                     const float* lse, const TensorView& dq, const TensorView& dk,
-                                    const TensorView& dv, const AttentionOptions& options) {
+                                    const TensorView& dv, const AttentionOptions& options,
+                                    const ModifierGradients& modifier_gradients,
+                                    std::int64_t modifier_batch) {
   // The forward's checks cover q, k, v, out and the options; out is only read here.
   const TensorView out_view{const_cast<void*>(out.data), out.dtype, out.shape, out.strides};
   BackwardParams params;
-  params.forward = make_params(caller, q, k, v, out_view, const_cast<float*>(lse), options);
+  params.forward =
+      make_params(caller, q, k, v, out_view, const_cast<float*>(lse), options, modifier_batch);
   const AttentionParams& f = params.forward;
   if (lse == nullptr && f.batch * f.heads_q * f.seqlen_q > 0) {
     fail(caller, "lse: expected the forward's logsumexp [", f.batch, ", ", f.heads_q, ", ",
@@ -323,6 +378,20 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
                                               f.batch * f.heads_q * f.seqlen_q * sizeof(float))}});
   }
   std::vector<std::pair<const char*, ByteSpan>> written_spans;
+  if (modifier_gradients.dsinks != nullptr) {
+    if (f.modifiers.sinks == nullptr) {
+      fail(caller, "dsinks: expected null without options.sinks (there is no sink to derive)");
+    }
+    const ByteSpan dsinks_span = float_span(caller, "dsinks", modifier_gradients.dsinks, f.heads_q);
+    read_spans.push_back(
+        {"sinks", float_span(caller, "sinks", f.modifiers.sinks, f.heads_q)});
+    for (const auto& [other, other_span] : read_spans) {
+      if (dsinks_span.overlaps(other_span)) {
+        fail(caller, "dsinks: expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+    written_spans.push_back({"dsinks", dsinks_span});
+  }
   for (const auto& [name, view] : gradients) {
     if (self_overlapping(*view)) {
       fail(caller, name, ": expected strides that give every element its own address, got strides ",
@@ -350,6 +419,7 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
   params.dq_strides = strides_of(dq.strides);
   params.dk_strides = strides_of(dk.strides);
   params.dv_strides = strides_of(dv.strides);
+  params.dsinks = modifier_gradients.dsinks;
   return params;
 }
 
@@ -522,6 +592,9 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   KVCacheParams params;
   AttentionParams& a = params.attention;
   a = checked_params(q, k_cache, v_cache, out, lse, options, scale, capacity);
+  a.modifiers = checked_modifiers(caller, options, batch, heads_q,
+                                  {{"out", out_span}, {"lse", lse_span}, {"k_cache", k_cache_span},
+                                   {"v_cache", v_cache_span}});
   if (paged) {
     a.block_table = cache.block_table;
     a.block_table_stride = cache.pages_per_sequence;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 #include "flashattn/kvcache.hpp"
 
 namespace flashattn::detail {
@@ -41,6 +42,21 @@ inline void mask_invisible(float* scores, KeyRange row_keys, std::int64_t key_be
   std::fill(scores + visible_end, scores + width, kMasked);
 }
 
+// The score modifiers of AttentionOptions (options.hpp), checked: at their defaults when off.
+struct ScoreModifiers {
+  float softcap = 0.0f;                  // > 0 when on
+  const float* alibi_slopes = nullptr;   // [batch | 1, heads_q]
+  std::int64_t alibi_batch_stride = 0;   // heads_q for per-entry slopes, 0 for shared ones
+  const float* sinks = nullptr;          // [heads_q]
+
+  // Whether the logits differ from scale·q·k: the fast paths then turn each score tile into
+  // logits first (cpu::modify_scores) and run their softmax steps with scale 1.
+  bool change_logits() const { return softcap > 0.0f || alibi_slopes != nullptr; }
+  float alibi_slope(std::int64_t b, std::int64_t h) const {
+    return alibi_slopes == nullptr ? 0.0f : alibi_slopes[b * alibi_batch_stride + h];
+  }
+};
+
 struct AttentionParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -56,6 +72,7 @@ struct AttentionParams {
   bool causal = false;
   std::int64_t window_left = -1, window_right = -1;
   int num_threads = 1;  // resolved: >= 1
+  ScoreModifiers modifiers;
 
   // A serving batch's KV cache (flashattn/kvcache.hpp), which only the decode path
   // (cpu/flash_decode.cpp) is handed; every other backend sees these at their defaults.
@@ -69,6 +86,8 @@ struct AttentionParams {
   std::int64_t block_table_stride = 0, page_size = 0;
 
   std::int64_t group_size() const { return heads_q / heads_kv; }
+  // The scale the softmax steps apply to a score tile: 1 once modify_scores made it logits.
+  float tile_scale() const { return modifiers.change_logits() ? 1.0f : scale; }
   std::int64_t kv_head(std::int64_t head_q) const { return head_q / group_size(); }
   // Floats from one query head's lse to the next: -1 for seqlen_q (contiguous), the packed
   // total for a sequence of a varlen batch (flashattn/varlen.hpp: lse [heads_q, total_q]).
@@ -127,6 +146,7 @@ struct BackwardParams {
   void* dk = nullptr;
   void* dv = nullptr;
   Strides dout_strides, dq_strides, dk_strides, dv_strides;
+  float* dsinks = nullptr;  // [heads_q], when asked for (flashattn::ModifierGradients)
 };
 
 // Two partial attention states and where their merge goes (flashattn/merge.hpp): fp32 outputs
@@ -187,9 +207,11 @@ struct KVCacheParams {
 };
 
 // Validates the call and resolves defaults (scale, threads). `caller` prefixes every message.
+// `modifier_batch`: the batch entries that per-entry ALiBi slopes cover, when not q's batch (a
+// varlen batch's sequences).
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
-                            const AttentionOptions& options);
+                            const AttentionOptions& options, std::int64_t modifier_batch = -1);
 
 KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
                                   const KVCacheView& cache, const std::int32_t* cache_seqlens,
@@ -204,6 +226,8 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
                                     const ConstTensorView& q, const ConstTensorView& k,
                                     const ConstTensorView& v, const ConstTensorView& out,
                                     const float* lse, const TensorView& dq, const TensorView& dk,
-                                    const TensorView& dv, const AttentionOptions& options);
+                                    const TensorView& dv, const AttentionOptions& options,
+                                    const ModifierGradients& modifier_gradients = {},
+                                    std::int64_t modifier_batch = -1);
 
 }  // namespace flashattn::detail

@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "api/backends.hpp"
 #include "api/fail.hpp"
@@ -71,6 +72,7 @@ AttentionParams sequence(const AttentionParams& whole, const std::int32_t* cu_q,
   s.v = at_row(whole.v, whole.dtype, k_begin, whole.v_strides.seq);
   if (whole.lse != nullptr && q_begin > 0) s.lse = whole.lse + q_begin;
   s.lse_head_stride = whole.seqlen_q;
+  if (s.modifiers.alibi_slopes) s.modifiers.alibi_slopes += b * whole.modifiers.alibi_batch_stride;
   return s;
 }
 
@@ -118,7 +120,7 @@ void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
     check_packed(caller, name, view);
   }
   check_batch(caller, batch);
-  const AttentionParams whole = detail::make_params(caller, q, k, v, out, lse, options);
+  const AttentionParams whole = detail::make_params(caller, q, k, v, out, lse, options, batch);
   check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.seqlen_q);
   check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.seqlen_kv);
   std::int64_t needed = 0;
@@ -143,7 +145,8 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
                                const float* lse, const std::int32_t* cu_seqlens_q,
                                const std::int32_t* cu_seqlens_k, std::int64_t batch,
                                const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                               const AttentionOptions& options) {
+                               const AttentionOptions& options,
+                               const ModifierGradients& modifier_gradients) {
   constexpr const char* caller = "varlen_attention_backward";
   const auto backend = backward_backend(impl);
   if (backend == nullptr) fail(caller, "impl: expected flash, standard or reference");
@@ -153,8 +156,8 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
     check_packed(caller, name, view);
   }
   check_batch(caller, batch);
-  const BackwardParams whole =
-      detail::make_backward_params(caller, dout, q, k, v, out, lse, dq, dk, dv, options);
+  const BackwardParams whole = detail::make_backward_params(
+      caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients, batch);
   check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.forward.seqlen_q);
   check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.forward.seqlen_kv);
   auto sequence_backward = [&](std::int64_t b) {
@@ -165,6 +168,7 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
     s.dq = at_row(whole.dq, dtype, cu_seqlens_q[b], whole.dq_strides.seq);
     s.dk = at_row(whole.dk, dtype, cu_seqlens_k[b], whole.dk_strides.seq);
     s.dv = at_row(whole.dv, dtype, cu_seqlens_k[b], whole.dv_strides.seq);
+    s.dsinks = nullptr;  // summed over the sequences below
     return s;
   };
   std::int64_t needed = 0;
@@ -174,7 +178,15 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
   detail::check_scratch_fits(caller, impl, whole.forward, needed);
   // Every sequence runs, one without queries too: its dk and dv rows are written (0).
   try {
-    for (std::int64_t b = 0; b < batch; ++b) backend(sequence_backward(b));
+    std::vector<double> sink_sums(whole.dsinks ? static_cast<std::size_t>(whole.forward.heads_q) : 0);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const BackwardParams s = sequence_backward(b);
+      backend(s);
+      if (whole.dsinks != nullptr) detail::add_sink_gradients(s, sink_sums.data());
+    }
+    for (std::size_t h = 0; h < sink_sums.size(); ++h) {
+      whole.dsinks[h] = static_cast<float>(sink_sums[h]);
+    }
   } catch (const std::bad_alloc&) {
     out_of_memory(caller, needed);
   }

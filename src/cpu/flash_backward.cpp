@@ -4,10 +4,12 @@
 // loop, so dK and dV accumulate in cache), and for each the Q blocks of Br rows, of every query
 // head of the GQA group, that see it (inner loop):
 //   S  = Q·Kᵀ                              [Br x Bc]  scores_tile
-//   P  = exp(scale · S − lse), masked → 0  [Br x Bc]  probabilities_from_lse_tile
+//   Z  = scale · S, or its softcap, ALiBi  [Br x Bc]  modify_scores (when asked for)
+//   P  = exp(Z − lse), masked → 0          [Br x Bc]  probabilities_from_lse_tile
 //   dV += Pᵀ·dO                            [Bc x D]   accumulate_transposed_pv_tile
 //   dP = dO·Vᵀ                             [Br x Bc]  scores_tile
 //   dS = scale · P ∘ (dP − D_i)            [Br x Bc]  softmax_gradient_tile
+//        ∘ (1 − tanh²) under a softcap
 //   dQ += dS·K                             [Br x D]   accumulate_pv_tile
 //   dK += dSᵀ·Q                            [Bc x D]   accumulate_transposed_pv_tile
 // with D_i = rowsum(dO_i ∘ O_i). dQ goes into the fp32 sums of the task's chunk.
@@ -52,6 +54,7 @@
 #include "api/backends.hpp"
 #include "cpu/kernels/bf16_products.hpp"
 #include "cpu/kernels/pack.hpp"
+#include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/kernels/tile_kernels_amx.hpp"
 #include "cpu/kernels/tile_kernels_bf16.hpp"
@@ -254,6 +257,7 @@ struct Scratch {
   // (bf16_value_index); Pᵀ and dSᵀ [keys x bf16_rows] and dS [rows x bf16_keys] rounded to bf16.
   AlignedVector<std::uint16_t> k_bf16, v_bf16, k_pairs, probabilities_t, dscores_t, dscores_bf16;
   AlignedVector<float> probabilities, dscores;  // [Br x Bc] each
+  AlignedVector<float> softcap_derivative;      // [Br x Bc] d logit / dx, under a softcap only
   AlignedVector<float> dk, dv;
   // Non-finite inputs only: a row block's Q and dO, a K/V block's K, as row-major fp32 rows
   // [rows x head_dim].
@@ -268,6 +272,7 @@ struct Scratch {
         v_packed_t(p.head_dim * tiles.keys),
         probabilities(tiles.rows * tiles.ld_scores),
         dscores(tiles.rows * tiles.ld_scores),
+        softcap_derivative(p.modifiers.softcap > 0.0f ? tiles.rows * tiles.ld_scores : 0),
         dk(tiles.keys * tiles.dims_padded),
         dv(tiles.keys * tiles.dims_padded) {
     if (tiles.bf16_operands()) {
@@ -415,7 +420,8 @@ void score_product(const AttentionParams& p, const BackwardTiles& tiles, float* 
   }
 }
 
-// P = exp(scale · Q·Kᵀ − lse), masked and padded keys 0                [rows x keys_padded]
+// P = exp(Z − lse), Z = scale · Q·Kᵀ or its score modifiers, masked and padded keys 0
+//                                                                       [rows x keys_padded]
 void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
                         const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   const QueryBlocks& queries = *task.queries;
@@ -423,12 +429,19 @@ void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Sc
   score_product(p, tiles, t.probabilities.data(), kv, pair,
                 pair.bf16 ? queries.q_bf16(task.slot, pair.g, pair.n) : nullptr, t.k_bf16.data(),
                 pair.q, t.k_packed_t.data());
+  const std::int64_t head = task.h_kv * p.group_size() + pair.g;
   for (std::int64_t i = 0; i < pair.rows; ++i) {
     float* s = t.probabilities.data() + i * ld_s;
+    if (p.modifiers.change_logits()) {
+      float* derivative = t.softcap_derivative.empty() ? nullptr : &t.softcap_derivative[i * ld_s];
+      cpu::modify_scores(s, derivative, kv.keys, p.scale,
+                         cpu::row_modifiers(p, task.b, head, pair.row_begin + i, kv.begin,
+                                            p.seqlen_kv));
+    }
     mask_invisible(s, p.key_range(pair.row_begin + i), kv.begin, kv.keys);
     std::fill(s + kv.keys, s + kv.keys_padded, kNegativeInfinity);
   }
-  cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.scale,
+  cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.tile_scale(),
                                    queries.lse(task.slot, pair.g, pair.n), pair.rows,
                                    kv.keys_padded);
 }
@@ -462,6 +475,13 @@ void score_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, S
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                              queries.delta(task.slot, pair.g, pair.n), p.scale, pair.rows,
                              kv.keys_padded);
+  if (t.softcap_derivative.empty()) return;
+  // Through the softcap: dS ∘= 1 − tanh²                                [rows x keys]
+  for (std::int64_t i = 0; i < pair.rows; ++i) {
+    float* ds = t.dscores.data() + i * ld_s;
+    const float* derivative = t.softcap_derivative.data() + i * ld_s;
+    for (std::int64_t j = 0; j < kv.keys; ++j) ds[j] *= derivative[j];
+  }
 }
 
 // dQ += dS·K                                                            [rows x Dp]

@@ -11,7 +11,8 @@
 // against all of their head's query rows. Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
-//   online softmax of scale·s                          online_softmax_tile
+//   softcap, ALiBi of scale·s (when asked for)         modify_scores
+//   online softmax                                     online_softmax_tile
 //   acc[h][r] += p[h][r][j] · v[j, h]                  axpy_rows         [rows x D] per head
 // Masked (row, key) pairs are never computed: -inf scores, and no product with the value row,
 // so a non-finite value reaches only the rows that see it. (Read rates against the tiled
@@ -39,6 +40,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
@@ -195,6 +197,7 @@ class KeyWalk {
 
   // The keys that query position `position` sees.
   KeyRange range(std::int64_t position) const { return ranges_[position]; }
+  std::int64_t batch_entry() const { return b_; }
 
   // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or V
   // (base, strides), kKeyGroup at a time, with their input rows.
@@ -334,6 +337,19 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
           cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
         }
       });
+  if (!p.modifiers.change_logits()) return;
+  // The visible scores into logits; the masked ones stay -inf.
+  for (std::int64_t slot_row = 0; slot_row < p.heads_kv * plan.rows; ++slot_row) {
+    const std::int64_t r = slot_row % plan.rows, position = r % p.seqlen_q;
+    const std::int64_t head = slot_row / plan.rows * p.group_size() + r / p.seqlen_q;
+    const KeyRange seen = walk.range(position);
+    const std::int64_t first = std::max(seen.begin, block);
+    const std::int64_t last = std::min(seen.end, block + keys);
+    if (first >= last) continue;
+    cpu::modify_scores(scores + slot_row * Bk + (first - block), nullptr, last - first, p.scale,
+                       cpu::row_modifiers(p, walk.batch_entry(), head, position, first,
+                                          p.kv_length(walk.batch_entry())));
+  }
 }
 
 // acc += p · v over the same keys in the same order.
@@ -359,7 +375,8 @@ void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& 
 // One (batch entry, key chunk) task: every KV head's rows against the chunk's keys, a block of
 // Bk keys at a time:
 //   s = q·k, masked pairs -inf        scores_step       [Hkv·rows x Bk]
-//   online softmax of scale·s         online_softmax_tile, per KV head
+//     (then softcap, ALiBi of scale·s, when asked for)
+//   online softmax                    online_softmax_tile, per KV head
 //   acc += p·v                        accumulate_step   [Hkv·rows x Dp]
 void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
                   ChunkResults& results, std::int64_t b, std::int64_t chunk) {
@@ -372,7 +389,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
     const std::int64_t keys = std::min(Bk, state.keys.end - block);
     scores_step(p, plan, t, walk, block, keys);
     for (std::int64_t h = 0; h < p.heads_kv; ++h) {
-      cpu::online_softmax_tile(t.scores.data() + h * rows * Bk, Bk, p.scale,
+      cpu::online_softmax_tile(t.scores.data() + h * rows * Bk, Bk, p.tile_scale(),
                                state.row_max + h * rows, state.row_sum + h * rows,
                                state.acc + h * rows * Dp, Dp, rows, cpu::pad_to_lanes(keys), Dp);
     }
@@ -404,27 +421,24 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     // its l is NaN where a NaN score hid from the max, and 0·NaN keeps the row NaN.
     for (std::int64_t chunk = 0; chunk < entry.chunks; ++chunk) {
       const float chunk_max = results.max[slot(chunk)];
-      const float weight = chunk_max == max ? 1.0f : std::exp(p.scale * (chunk_max - max));
+      const float weight = chunk_max == max ? 1.0f : std::exp(p.tile_scale() * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weight;
       cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, DType::f32,
                      Dp, 1, Dp);
     }
-    // As the tiled forward's epilogue: rows that see no key get 0 and -inf; a row whose scores
-    // are all -inf gets 0/0.
-    const bool no_key_seen = p.entry_key_range(b, position).empty();
-    const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
-    for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= inverse_sum;
+    // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
+    // (the sink); a row whose scores are all -inf gets 0/0 without a sink.
+    const cpu::RowNormalizer normalizer = cpu::normalize_row(
+        max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
+        p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head));
+    for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= normalizer.inverse_sum;
     if (plan.bf16_pairs) {
       cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
       out_row = buffer + Dp;
     }
     store_row_f32(p.out, p.q_dtype, p.out_strides.offset(b, position, head), out_row,
                   p.head_dim);
-    if (p.lse) {
-      const float shift = max == kNegativeInfinity ? 0.0f : p.scale * max;
-      p.lse[p.lse_index(b, head, position)] =
-          no_key_seen ? kNegativeInfinity : shift + std::log(sum);
-    }
+    if (p.lse) p.lse[p.lse_index(b, head, position)] = normalizer.lse;
   }
 }
 

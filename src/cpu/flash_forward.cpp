@@ -6,10 +6,11 @@
 // hands the tasks out. A task walks the K/V blocks of Bc keys that its rows can see, packs each
 // once, and every Q block that sees some of it computes
 //   S = Q_blk · K_blkᵀ                             [Br x Bc]   scores_tile
-//   mask S where the block is only partly visible  [Br x Bc]
-//   online softmax of scale·S: m, l, rescale acc   [Br], [Br x D]  online_softmax_tile
+//   Z = softcap, ALiBi of scale·S (when asked for) [Br x Bc]    modify_scores
+//   mask Z where the block is only partly visible  [Br x Bc]
+//   online softmax of Z: m, l, rescale acc         [Br], [Br x D]  online_softmax_tile
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
-// and finally out = acc / l, lse = scale·m + log(l). Blocks that the causal mask or the window hide
+// and finally out = acc / l, lse = m + log(l) (with each head's sink in l when there are sinks). Blocks that the causal mask or the window hide
 // from every row of a Q block are never visited by it. bf16 inputs multiply as bf16 on AMX tiles
 // or with vdpbf16ps where the CPU has them (cpu::active_bf16_products), P rounded to bf16 for
 // P·V; every other input is widened to fp32 when packed.
@@ -32,6 +33,7 @@
 #include "cpu/flash_decode.hpp"
 #include "cpu/kernels/bf16_products.hpp"
 #include "cpu/kernels/pack.hpp"
+#include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/kernels/tile_kernels_amx.hpp"
 #include "cpu/kernels/tile_kernels_bf16.hpp"
@@ -150,9 +152,10 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
   std::fill_n(block.row_sum, rows, 0.0f);
 }
 
-// Epilogue of one Q block: out = acc / l, lse = scale·m + log(l); rows whose key range is empty get
-// 0 and -inf. A row that sees keys whose scores are all -inf (an infinite input) has l = 0 and gets
-// 0/0 = NaN, as the reference does.
+// Epilogue of one Q block: out = acc / l, lse = scale·m + log(l), the sink in l when there are
+// sinks (cpu::normalize_row); rows whose key range is empty get 0 and -inf (the sink). A row that
+// sees keys whose scores are all -inf (an infinite input) has l = 0 and gets 0/0 = NaN, as the
+// reference does.
 void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                   const QueryBlock& block) {
   const TaskRows& task = block.rows;
@@ -164,17 +167,16 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                          p.head_dim, stream_out);
     }
     float* acc_row = block.acc + i * Dp;
-    const float sum = block.row_sum[i];
-    const bool no_key_seen = p.key_range(task.position(i)).empty();
-    const float inverse_sum = no_key_seen ? 0.0f : 1.0f / sum;
-    for (std::int64_t d = 0; d < p.head_dim; ++d) acc_row[d] *= inverse_sum;
+    const float row_max = block.row_max[i] == kNegativeInfinity
+                              ? kNegativeInfinity
+                              : p.tile_scale() * block.row_max[i];
+    const cpu::RowNormalizer normalizer =
+        cpu::normalize_row(row_max, block.row_sum[i], p.key_range(task.position(i)).empty(),
+                           cpu::sink_logit(p, task.head(i)));
+    for (std::int64_t d = 0; d < p.head_dim; ++d) acc_row[d] *= normalizer.inverse_sum;
     store_row_f32(p.out, p.dtype, p.out_strides.offset(task.b, task.position(i), task.head(i)),
                   acc_row, p.head_dim, stream_out);
-    if (p.lse) {
-      const float max = block.row_max[i] == kNegativeInfinity ? 0.0f : p.scale * block.row_max[i];
-      p.lse[p.lse_index(task.b, task.head(i), task.position(i))] =
-          no_key_seen ? kNegativeInfinity : max + std::log(sum);
-    }
+    if (p.lse) p.lse[p.lse_index(task.b, task.head(i), task.position(i))] = normalizer.lse;
   }
 }
 
@@ -200,7 +202,7 @@ struct KeyBlock {
 };
 
 // One Q block against one packed K/V block:
-//   S = Q·Kᵀ, mask, online softmax of scale·S, acc += P·V
+//   S = Q·Kᵀ, score modifiers, mask, online softmax, acc += P·V
 void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
                      const QueryBlock& block, const KeyBlock& kv) {
   const TaskRows& task = block.rows;
@@ -229,12 +231,18 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
     }
     for (std::int64_t i = 0; i < rows; ++i) {
       float* s = scores + i * ld_scores;
+      if (p.modifiers.change_logits()) {
+        const std::int64_t row = row_lo + i;
+        cpu::modify_scores(s + key_begin, nullptr, key_end - key_begin, p.scale,
+                           cpu::row_modifiers(p, task.b, task.head(row), task.position(row),
+                                              kv.begin + key_begin, p.seqlen_kv));
+      }
       std::fill(s + key_end, s + key_end_padded, kNegativeInfinity);
       if (fully_visible) continue;
       mask_invisible(s + key_begin, p.key_range(task.position(row_lo + i)), kv.begin + key_begin,
                      key_end - key_begin);
     }
-    cpu::online_softmax_tile(scores + key_begin, ld_scores, p.scale, block.row_max + row_lo,
+    cpu::online_softmax_tile(scores + key_begin, ld_scores, p.tile_scale(), block.row_max + row_lo,
                              block.row_sum + row_lo, acc, Dp, rows, key_end_padded - key_begin, Dp);
     if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
       // P is rounded to bf16 only as the operand of P·V (docs/design.md, "The contract",

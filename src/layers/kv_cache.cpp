@@ -60,6 +60,7 @@ AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void*
   s.kv_lengths = nullptr;
   s.block_table = nullptr;
   s.block_table_stride = s.page_size = 0;
+  if (s.modifiers.alibi_slopes) s.modifiers.alibi_slopes += b * p.modifiers.alibi_batch_stride;
   return s;
 }
 

@@ -7,6 +7,7 @@
 
 #include "api/backends.hpp"
 #include "flashattn/dtype.hpp"
+#include "reference/logits.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
@@ -24,16 +25,17 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
   const std::int64_t D = p.head_dim, h_kv = p.kv_head(h);
   const double scale = p.scale;
   const KeyRange keys = p.key_range(row);
+  const double sink = reference_sink(p, h);
   if (keys.empty()) {
     for (std::int64_t d = 0; d < D; ++d) out_row[d] = 0.0;
-    if (lse) *lse = -std::numeric_limits<double>::infinity();
+    if (lse) *lse = sink;
     return;
   }
-  // Scores of the visible keys and their maximum. A NaN score is skipped by the max but flows
-  // through exp() into the sum, so the whole row becomes NaN.
+  // Logits of the visible keys and their maximum (the sink's among them). A NaN score is skipped
+  // by the max but flows through exp() into the sum, so the whole row becomes NaN.
   std::vector<double>& scores = buffers.scores;
   const std::int64_t q_offset = p.q_strides.offset(b, row, h);
-  double max_score = -std::numeric_limits<double>::infinity();
+  double max_score = sink;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     const std::int64_t k_offset = p.k_strides.offset(b, j, h_kv);
     double dot = 0.0;
@@ -41,12 +43,12 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
       dot += static_cast<double>(load_f32(p.q, p.dtype, q_offset + d)) *
              static_cast<double>(load_f32(p.k, p.dtype, k_offset + d));
     }
-    scores[j] = dot * scale;
+    scores[j] = reference_logit(p, b, h, row, j, dot * scale);
     if (scores[j] > max_score) max_score = scores[j];
   }
   // All scores -inf (only reachable with infinite inputs): subtract 0 instead of -inf.
   const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
-  double sum = 0.0;
+  double sum = std::exp(sink - shift);
   std::vector<double>& output = buffers.output;
   for (std::int64_t d = 0; d < D; ++d) output[d] = 0.0;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {

@@ -1,9 +1,12 @@
 // The backward oracle: the gradients of the seed's attention in plain loops with fp64
 // accumulation, P recomputed from q and k (the forward's out and lse are not trusted here).
-// Per query row i of head h with visible keys j:
-//   P_ij = softmax_j(scale · q_i·k_j)      dP_ij = dO_i·v_j      D_i = Σ_j P_ij dP_ij
-//   dS_ij = P_ij (dP_ij − D_i)             dq_i = scale Σ_j dS_ij k_j
-//   dk_j += scale dS_ij q_i                dv_j += P_ij dO_i   (summed over the GQA group)
+// Per query row i of head h with visible keys j, logits z_ij of x_ij = scale · q_i·k_j
+// (reference/logits.hpp) and the sink's logit σ_h:
+//   P_ij = exp(z_ij − lse_i), lse_i = log(exp(σ_h) + Σ_j exp(z_ij))
+//   dP_ij = dO_i·v_j        D_i = Σ_j P_ij dP_ij    dS_ij = P_ij (dP_ij − D_i) · dz_ij/dx_ij
+//   dq_i = scale Σ_j dS_ij k_j      dk_j += scale dS_ij q_i      dv_j += P_ij dO_i
+//   dσ_h −= exp(σ_h − lse_i) · D_i
+// (dk, dv summed over the GQA group; dz/dx = 1 − tanh² under a softcap, else 1).
 
 #include <cmath>
 #include <limits>
@@ -11,15 +14,16 @@
 
 #include "api/backends.hpp"
 #include "flashattn/dtype.hpp"
+#include "reference/logits.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
 
 namespace {
 
-// Per-thread buffers: P and dP of one row.
+// Per-thread buffers: P, dP and dz/dx of one row.
 struct RowBuffers {
-  std::vector<double> probabilities, dprobabilities;
+  std::vector<double> probabilities, dprobabilities, derivatives;
 };
 
 // Element (j, d) of one (batch, KV head) group's dK and dV lies at [base + j · kv_row + d]. An
@@ -31,11 +35,11 @@ struct GroupGradients {
   std::int64_t base, kv_row;
 };
 
-// Query row `row` of (batch b, query head h): writes dq[0, D) and adds its terms to the group's
-// dK and dV rows.
-void reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
-                            std::int64_t row, RowBuffers& buffers, double* dq,
-                            const GroupGradients& group) {
+// Query row `row` of (batch b, query head h): writes dq[0, D), adds its terms to the group's
+// dK and dV rows, and returns its term of dσ_h.
+double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
+                              std::int64_t row, RowBuffers& buffers, double* dq,
+                              const GroupGradients& group) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, h_kv = p.kv_head(h);
   const double scale = p.scale;
@@ -45,21 +49,23 @@ void reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64
   };
   for (std::int64_t d = 0; d < D; ++d) dq[d] = 0.0;
   const KeyRange keys = p.key_range(row);
-  if (keys.empty()) return;
+  if (keys.empty()) return 0.0;
 
   std::vector<double>& probabilities = buffers.probabilities;
   std::vector<double>& dprobabilities = buffers.dprobabilities;
-  double max_score = -std::numeric_limits<double>::infinity();
+  std::vector<double>& derivatives = buffers.derivatives;
+  const double sink = reference_sink(p, h);
+  double max_score = sink;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     double dot = 0.0;
     for (std::int64_t d = 0; d < D; ++d) {
       dot += read(p.q, p.q_strides, row, h, d) * read(p.k, p.k_strides, j, h_kv, d);
     }
-    probabilities[j] = dot * scale;
+    probabilities[j] = reference_logit(p, b, h, row, j, dot * scale, &derivatives[j]);
     if (probabilities[j] > max_score) max_score = probabilities[j];
   }
   const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
-  double sum = 0.0;
+  double sum = std::exp(sink - shift);
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     probabilities[j] = std::exp(probabilities[j] - shift);
     sum += probabilities[j];
@@ -75,7 +81,7 @@ void reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64
     row_delta += probabilities[j] * dot;
   }
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-    const double dscore = probabilities[j] * (dprobabilities[j] - row_delta);
+    const double dscore = probabilities[j] * (dprobabilities[j] - row_delta) * derivatives[j];
     const std::int64_t kv = group.base + j * group.kv_row;
     for (std::int64_t d = 0; d < D; ++d) {
       dq[d] += scale * dscore * read(p.k, p.k_strides, j, h_kv, d);
@@ -83,18 +89,23 @@ void reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64
       group.dv[kv + d] += probabilities[j] * read(bp.dout, bp.dout_strides, row, h, d);
     }
   }
+  return -std::exp(sink - shift) / sum * row_delta;
 }
 
 }  // namespace
 
 void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk_f64,
-                            double* dv_f64) {
+                            double* dv_f64, double* dsinks_f64) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, Skv = p.seqlen_kv;
   auto make_buffers = [&] {
     return RowBuffers{std::vector<double>(static_cast<std::size_t>(Skv)),
+                      std::vector<double>(static_cast<std::size_t>(Skv)),
                       std::vector<double>(static_cast<std::size_t>(Skv))};
   };
+  // Each row's term of dσ, [batch, heads_q, seqlen_q], summed in a fixed order at the end.
+  std::vector<double> sink_terms(
+      dsinks_f64 ? static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q) : 0);
   // A task: one (batch, KV head) group, which owns its dK and dV rows.
   auto run_task = [&](RowBuffers& buffers, std::int64_t task) {
     const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
@@ -108,11 +119,21 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
     for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
       for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
         double* dq = dq_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
-        reference_backward_row(bp, b, h, row, buffers, dq, group);
+        const double sink_term = reference_backward_row(bp, b, h, row, buffers, dq, group);
+        if (dsinks_f64) sink_terms[(b * p.heads_q + h) * p.seqlen_q + row] = sink_term;
       }
     }
   };
   parallel_tasks(p.num_threads, p.batch * p.heads_kv, make_buffers, run_task);
+  if (dsinks_f64 == nullptr) return;
+  for (std::int64_t h = 0; h < p.heads_q; ++h) {
+    dsinks_f64[h] = 0.0;
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+        dsinks_f64[h] += sink_terms[(b * p.heads_q + h) * p.seqlen_q + row];
+      }
+    }
+  }
 }
 
 void reference_backward(const BackwardParams& bp) {
@@ -121,7 +142,9 @@ void reference_backward(const BackwardParams& bp) {
   std::vector<double> dq(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * D));
   std::vector<double> dk(static_cast<std::size_t>(p.batch * p.seqlen_kv * p.heads_kv * D));
   std::vector<double> dv(dk.size());
-  reference_backward_f64(bp, dq.data(), dk.data(), dv.data());
+  std::vector<double> dsinks(bp.dsinks ? static_cast<std::size_t>(p.heads_q) : 0);
+  reference_backward_f64(bp, dq.data(), dk.data(), dv.data(), bp.dsinks ? dsinks.data() : nullptr);
+  for (std::size_t h = 0; h < dsinks.size(); ++h) bp.dsinks[h] = static_cast<float>(dsinks[h]);
 
   auto store = [&](void* base, const Strides& strides, const std::vector<double>& values,
                    std::int64_t seqlen, std::int64_t heads) {

@@ -1,6 +1,7 @@
 // The standard path, as the seed describes it and as users would otherwise write it: per
 // (batch, head) the full seqlen_q x seqlen_kv score matrix A = Q·Kᵀ·scale (OpenBLAS sgemm),
-// the mask, a row softmax with max subtraction, then O = P·V (sgemm).
+// the score modifiers (softcap, ALiBi), the mask, a row softmax with max subtraction (and the
+// sink in its normalizer), then O = P·V (sgemm).
 //
 // Memory: each thread holds one seqlen_q x seqlen_kv fp32 matrix (4 · Sq · Skv bytes, rows
 // padded to 16 floats: 4 MiB at S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "util/blas_lock.hpp"
 #include "util/convert.hpp"
@@ -27,24 +29,22 @@ namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
-// In place: row of scores -> row of probabilities, zeros outside the visible keys. The row is
+// In place: row of logits -> row of probabilities, zeros outside the visible keys. The row is
 // `width` floats (seqlen_kv padded to whole vectors); max, exp and sum run through the SIMD
-// softmax kernel of the FlashAttention path, applied to the whole row as one tile. Returns the
-// row's logsumexp (-inf when no key is visible).
-float softmax_row(float* scores, std::int64_t width, KeyRange keys) {
+// softmax kernel of the FlashAttention path, applied to the whole row as one tile. `sink` joins
+// the normalizer (-inf: no sink). Returns the row's logsumexp (the sink's logit, -inf without
+// one, when no key is visible).
+float softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink) {
   std::fill(scores, scores + keys.begin, kNegativeInfinity);
   std::fill(scores + keys.end, scores + width, kNegativeInfinity);
-  if (keys.empty()) {
-    std::fill(scores, scores + width, 0.0f);
-    return kNegativeInfinity;
-  }
-  // Visible scores all -inf (an infinite input) leave sum = 0: the row becomes 0/0 = NaN and
-  // its lse -inf, as in the reference.
   float max_score = kNegativeInfinity, sum = 0.0f;
-  cpu::online_softmax_tile(scores, width, 1.0f, &max_score, &sum, nullptr, 0, 1, width, 0);
-  const float inverse_sum = 1.0f / sum;
-  for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= inverse_sum;
-  return (max_score == kNegativeInfinity ? 0.0f : max_score) + std::log(sum);
+  if (!keys.empty()) {
+    cpu::online_softmax_tile(scores, width, 1.0f, &max_score, &sum, nullptr, 0, 1, width, 0);
+  }
+  const cpu::RowNormalizer normalizer = cpu::normalize_row(max_score, sum, keys.empty(), sink);
+  if (keys.empty()) std::fill(scores, scores + width, 0.0f);
+  for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= normalizer.inverse_sum;
+  return normalizer.lse;
 }
 
 }  // namespace
@@ -71,10 +71,15 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, p.scale, q.data, q.stride,
                 k.data, k.stride, 0.0f, t.scores.data(), width);
   }
-  // P = softmax(A + M), row by row                             [Sq x Skv]
+  // P = softmax(modifiers(A) + M), row by row                  [Sq x Skv]
+  const float sink = cpu::sink_logit(p, h);
 #pragma omp parallel for num_threads(row_threads) if (row_threads > 1)
   for (std::int64_t row = 0; row < Sq; ++row) {
-    const float lse = softmax_row(t.scores.data() + row * width, width, p.key_range(row));
+    float* scores = t.scores.data() + row * width;
+    if (p.modifiers.change_logits()) {
+      cpu::modify_scores(scores, nullptr, Skv, 1.0f, cpu::row_modifiers(p, b, h, row, 0, Skv));
+    }
+    const float lse = softmax_row(scores, width, p.key_range(row), sink);
     if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
   }
   // O = P·V                                                    [Sq x D]

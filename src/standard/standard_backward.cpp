@@ -1,9 +1,10 @@
 // The standard backward, as a user would write it on top of BLAS: per (batch, query head) the
 // full matrices
-//   P  = exp(scale · Q·Kᵀ − lse)        [Sq x Skv]   (sgemm, then the mask)
+//   P  = exp(Z − lse)                   [Sq x Skv]   Z = modifiers(scale · Q·Kᵀ) (sgemm, then the
+//                                                    score modifiers and the mask)
 //   dV += Pᵀ·dO                          [Skv x D]    (sgemm)
 //   dP = dO·Vᵀ                           [Sq x Skv]   (sgemm)
-//   dS = scale · P ∘ (dP − rowsum(dO∘O)) [Sq x Skv]
+//   dS = scale · P ∘ (dP − rowsum(dO∘O)) ∘ dZ/dX  [Sq x Skv]  (dZ/dX = 1 − tanh² under a softcap)
 //   dQ = dS·K,  dK += dSᵀ·Q              (sgemm)
 // A task is one (batch, KV head): the query heads of its GQA group add into its dK and dV in a
 // fixed order, so the result does not depend on the thread count.
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/kernels/visible_gradients.hpp"
 #include "util/blas_lock.hpp"
@@ -33,6 +35,7 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 struct BackwardScratch {
   std::vector<float> probabilities, dscores, dk, dv, dq, delta, lse;
+  std::vector<float> softcap_derivative;  // d logit / dx, [Sq x width], under a softcap only
   std::vector<float> q_copy, k_copy, v_copy, dout_copy;
 };
 
@@ -48,6 +51,8 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
   t.dq.resize(static_cast<std::size_t>(Sq * D));
   t.delta.resize(static_cast<std::size_t>(Sq));
   t.lse.resize(static_cast<std::size_t>(Sq));
+  const bool capped = p.modifiers.softcap > 0.0f;
+  if (capped) t.softcap_derivative.assign(static_cast<std::size_t>(Sq * width), 0.0f);
   const Matrix k = gather_rows(t.k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
   const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
 
@@ -69,6 +74,10 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
                   k.data, k.stride, 0.0f, t.probabilities.data(), width);
       for (std::int64_t row = 0; row < Sq; ++row) {
         float* s = t.probabilities.data() + row * width;
+        if (p.modifiers.change_logits()) {
+          cpu::modify_scores(s, capped ? t.softcap_derivative.data() + row * width : nullptr, Skv,
+                             1.0f, cpu::row_modifiers(p, b, h, row, 0, Skv));
+        }
         const KeyRange keys = p.key_range(row);
         std::fill(s, s + keys.begin, kNegativeInfinity);
         std::fill(s + keys.end, s + width, kNegativeInfinity);
@@ -85,6 +94,13 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
                   v.data, v.stride, 0.0f, t.dscores.data(), width);
       cpu::softmax_gradient_tile(t.dscores.data(), width, t.probabilities.data(), width,
                                  t.delta.data(), p.scale, Sq, width);
+      if (capped) {
+        for (std::int64_t row = 0; row < Sq; ++row) {
+          float* ds = t.dscores.data() + row * width;
+          const float* derivative = t.softcap_derivative.data() + row * width;
+          for (std::int64_t j = 0; j < Skv; ++j) ds[j] *= derivative[j];
+        }
+      }
       // dQ = dS·K, dK += dSᵀ·Q                                       [Sq x D], [Skv x D]
       if (visible_only) {
         std::fill(t.dq.begin(), t.dq.end(), 0.0f);
