@@ -28,7 +28,7 @@ void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView
                               const ConstTensorView& out, const float* lse, const TensorView& dq,
                               const TensorView& dk, const TensorView& dv,
                               const AttentionOptions& options = {},
-    const ModifierGradients& modifier_gradients = {});
+                              const ModifierGradients& modifier_gradients = {});
 
 // The standard backward: per (batch, head) the full P, dP and dS matrices, products by OpenBLAS.
 void standard_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
@@ -36,7 +36,7 @@ void standard_attention_backward(const ConstTensorView& dout, const ConstTensorV
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
                                  const AttentionOptions& options = {},
-    const ModifierGradients& modifier_gradients = {});
+                                 const ModifierGradients& modifier_gradients = {});
 
 // The oracle: plain loops in fp64 that recompute P from q and k (out and lse are validated but
 // not used), rounded once into dq, dk, dv.
@@ -45,7 +45,7 @@ void reference_attention_backward(const ConstTensorView& dout, const ConstTensor
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const AttentionOptions& options = {},
-    const ModifierGradients& modifier_gradients = {});
+                                  const ModifierGradients& modifier_gradients = {});
 
 void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,
                         const ConstTensorView& k, const ConstTensorView& v,

@@ -26,8 +26,8 @@ void add_sink_gradients(const BackwardParams& bp, double* sums) {
         const double sink = p.modifiers.sinks[h];
         double sum = 0.0;
         for (std::int64_t b = 0; b < p.batch; ++b) {
-          row_deltas(deltas.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.q_dtype, b,
-                     h, 0, p.seqlen_q, p.head_dim);
+          row_deltas(deltas.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.q_dtype, b, h,
+                     0, p.seqlen_q, p.head_dim);
           for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
             const double lse = p.lse[p.lse_index(b, h, row)];
             sum -= std::exp(sink - lse) * static_cast<double>(deltas[row]);
@@ -87,7 +87,7 @@ void standard_attention_backward(const ConstTensorView& dout, const ConstTensorV
                                  const ConstTensorView& out, const float* lse, const TensorView& dq,
                                  const TensorView& dk, const TensorView& dv,
                                  const AttentionOptions& options,
-                              const ModifierGradients& modifier_gradients) {
+                                 const ModifierGradients& modifier_gradients) {
   run_backward("standard_attention_backward", AttentionImpl::standard, detail::standard_backward,
                dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
 }
@@ -97,7 +97,7 @@ void reference_attention_backward(const ConstTensorView& dout, const ConstTensor
                                   const ConstTensorView& out, const float* lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const AttentionOptions& options,
-                              const ModifierGradients& modifier_gradients) {
+                                  const ModifierGradients& modifier_gradients) {
   run_backward("reference_attention_backward", AttentionImpl::reference, detail::reference_backward,
                dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
 }
@@ -105,14 +105,15 @@ void reference_attention_backward(const ConstTensorView& dout, const ConstTensor
 void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,
                         const ConstTensorView& k, const ConstTensorView& v,
                         const ConstTensorView& out, const float* lse, const TensorView& dq,
-                        const TensorView& dk, const TensorView& dv,
-                        const AttentionOptions& options,
+                        const TensorView& dk, const TensorView& dv, const AttentionOptions& options,
                         const ModifierGradients& modifier_gradients) {
   switch (impl) {
     case AttentionImpl::flash:
-      return flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
+      return flash_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options,
+                                      modifier_gradients);
     case AttentionImpl::standard:
-      return standard_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
+      return standard_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options,
+                                         modifier_gradients);
     case AttentionImpl::reference:
       return reference_attention_backward(dout, q, k, v, out, lse, dq, dk, dv, options,
                                           modifier_gradients);

@@ -209,8 +209,7 @@ float checked_scale(const char* caller, const AttentionOptions& options, std::in
 }
 
 // The span of `count` fp32 values at `values` (empty for null), or an Error naming `name`.
-ByteSpan float_span(const char* caller, const char* name, const float* values,
-                    std::int64_t count) {
+ByteSpan float_span(const char* caller, const char* name, const float* values, std::int64_t count) {
   if (values == nullptr) return {};
   std::int64_t bytes = 0;
   if (__builtin_mul_overflow(count, static_cast<std::int64_t>(sizeof(float)), &bytes)) {
@@ -320,9 +319,8 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   }
 
   AttentionParams params = checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
-  params.modifiers =
-      checked_modifiers(caller, options, modifier_batch < 0 ? batch : modifier_batch, heads_q,
-                        {{"out", out_span}, {"lse", lse_span}});
+  params.modifiers = checked_modifiers(caller, options, modifier_batch < 0 ? batch : modifier_batch,
+                                       heads_q, {{"out", out_span}, {"lse", lse_span}});
   return params;
 }
 
@@ -383,8 +381,7 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
       fail(caller, "dsinks: expected null without options.sinks (there is no sink to derive)");
     }
     const ByteSpan dsinks_span = float_span(caller, "dsinks", modifier_gradients.dsinks, f.heads_q);
-    read_spans.push_back(
-        {"sinks", float_span(caller, "sinks", f.modifiers.sinks, f.heads_q)});
+    read_spans.push_back({"sinks", float_span(caller, "sinks", f.modifiers.sinks, f.heads_q)});
     for (const auto& [other, other_span] : read_spans) {
       if (dsinks_span.overlaps(other_span)) {
         fail(caller, "dsinks: expected memory disjoint from ", other, ", got overlapping buffers");
@@ -592,9 +589,9 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   KVCacheParams params;
   AttentionParams& a = params.attention;
   a = checked_params(q, k_cache, v_cache, out, lse, options, scale, capacity);
-  a.modifiers = checked_modifiers(caller, options, batch, heads_q,
-                                  {{"out", out_span}, {"lse", lse_span}, {"k_cache", k_cache_span},
-                                   {"v_cache", v_cache_span}});
+  a.modifiers = checked_modifiers(
+      caller, options, batch, heads_q,
+      {{"out", out_span}, {"lse", lse_span}, {"k_cache", k_cache_span}, {"v_cache", v_cache_span}});
   if (paged) {
     a.block_table = cache.block_table;
     a.block_table_stride = cache.pages_per_sequence;

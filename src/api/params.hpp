@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-
 #include <utility>
 #include <vector>
 
@@ -44,10 +43,10 @@ inline void mask_invisible(float* scores, KeyRange row_keys, std::int64_t key_be
 
 // The score modifiers of AttentionOptions (options.hpp), checked: at their defaults when off.
 struct ScoreModifiers {
-  float softcap = 0.0f;                  // > 0 when on
-  const float* alibi_slopes = nullptr;   // [batch | 1, heads_q]
-  std::int64_t alibi_batch_stride = 0;   // heads_q for per-entry slopes, 0 for shared ones
-  const float* sinks = nullptr;          // [heads_q]
+  float softcap = 0.0f;                 // > 0 when on
+  const float* alibi_slopes = nullptr;  // [batch | 1, heads_q]
+  std::int64_t alibi_batch_stride = 0;  // heads_q for per-entry slopes, 0 for shared ones
+  const float* sinks = nullptr;         // [heads_q]
 
   // Whether the logits differ from scale·q·k: the fast paths then turn each score tile into
   // logits first (cpu::modify_scores) and run their softmax steps with scale 1.

@@ -25,8 +25,8 @@ using detail::fail;
 
 void check_packed(const char* caller, const char* name, const ConstTensorView& view) {
   if (view.shape[0] != 1) {
-    fail(caller, name, ": expected a packed [1, total, heads, head_dim] view, got dim 0 = ",
-         view.shape[0]);
+    fail(caller, name,
+         ": expected a packed [1, total, heads, head_dim] view, got dim 0 = ", view.shape[0]);
   }
 }
 
@@ -54,8 +54,8 @@ void check_batch(const char* caller, std::int64_t batch) {
 template <class Pointer>
 Pointer at_row(Pointer base, DType dtype, std::int64_t row, std::int64_t row_stride) {
   if (row == 0) return base;
-  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const char,
-                                  char>;
+  using Byte =
+      std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const char, char>;
   return static_cast<Byte*>(base) + row * row_stride * static_cast<std::int64_t>(dtype_size(dtype));
 }
 
@@ -125,8 +125,8 @@ void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
   check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.seqlen_kv);
   std::int64_t needed = 0;
   for (std::int64_t b = 0; b < batch; ++b) {
-    needed = std::max(needed, detail::scratch_bytes(
-                                  impl, sequence(whole, cu_seqlens_q, cu_seqlens_k, b)));
+    needed = std::max(needed,
+                      detail::scratch_bytes(impl, sequence(whole, cu_seqlens_q, cu_seqlens_k, b)));
   }
   detail::check_scratch_fits(caller, impl, whole, needed);
   try {
@@ -150,14 +150,19 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
   constexpr const char* caller = "varlen_attention_backward";
   const auto backend = backward_backend(impl);
   if (backend == nullptr) fail(caller, "impl: expected flash, standard or reference");
-  for (const auto& [name, view] :
-       {std::pair{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out},
-        {"dq", ConstTensorView(dq)}, {"dk", ConstTensorView(dk)}, {"dv", ConstTensorView(dv)}}) {
+  for (const auto& [name, view] : {std::pair{"dout", dout},
+                                   {"q", q},
+                                   {"k", k},
+                                   {"v", v},
+                                   {"out", out},
+                                   {"dq", ConstTensorView(dq)},
+                                   {"dk", ConstTensorView(dk)},
+                                   {"dv", ConstTensorView(dv)}}) {
     check_packed(caller, name, view);
   }
   check_batch(caller, batch);
-  const BackwardParams whole = detail::make_backward_params(
-      caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients, batch);
+  const BackwardParams whole = detail::make_backward_params(caller, dout, q, k, v, out, lse, dq, dk,
+                                                            dv, options, modifier_gradients, batch);
   check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.forward.seqlen_q);
   check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.forward.seqlen_kv);
   auto sequence_backward = [&](std::int64_t b) {
@@ -178,7 +183,8 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
   detail::check_scratch_fits(caller, impl, whole.forward, needed);
   // Every sequence runs, one without queries too: its dk and dv rows are written (0).
   try {
-    std::vector<double> sink_sums(whole.dsinks ? static_cast<std::size_t>(whole.forward.heads_q) : 0);
+    std::vector<double> sink_sums(whole.dsinks ? static_cast<std::size_t>(whole.forward.heads_q)
+                                               : 0);
     for (std::int64_t b = 0; b < batch; ++b) {
       const BackwardParams s = sequence_backward(b);
       backend(s);

@@ -434,9 +434,9 @@ void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Sc
     float* s = t.probabilities.data() + i * ld_s;
     if (p.modifiers.change_logits()) {
       float* derivative = t.softcap_derivative.empty() ? nullptr : &t.softcap_derivative[i * ld_s];
-      cpu::modify_scores(s, derivative, kv.keys, p.scale,
-                         cpu::row_modifiers(p, task.b, head, pair.row_begin + i, kv.begin,
-                                            p.seqlen_kv));
+      cpu::modify_scores(
+          s, derivative, kv.keys, p.scale,
+          cpu::row_modifiers(p, task.b, head, pair.row_begin + i, kv.begin, p.seqlen_kv));
     }
     mask_invisible(s, p.key_range(pair.row_begin + i), kv.begin, kv.keys);
     std::fill(s + kv.keys, s + kv.keys_padded, kNegativeInfinity);

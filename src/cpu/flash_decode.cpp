@@ -247,8 +247,7 @@ class KeyWalk {
     const bool last_head = h + 1 == p_.heads_kv;
     const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
     for (std::int64_t i = 0; i < count && next_key + i < chunk_end_; ++i) {
-      prefetch_row(base, p_.dtype, p_.kv_offset(strides, b_, next_key + i, next_head),
-                   p_.head_dim);
+      prefetch_row(base, p_.dtype, p_.kv_offset(strides, b_, next_key + i, next_head), p_.head_dim);
     }
   }
 
@@ -406,9 +405,7 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t position = r % Sq, head = h * p.group_size() + r / Sq;
-    auto slot = [&](std::int64_t chunk) {
-      return ((entry.first + chunk) * heads + h) * rows + r;
-    };
+    auto slot = [&](std::int64_t chunk) { return ((entry.first + chunk) * heads + h) * rows + r; };
     // A NaN chunk max (a NaN score) is passed over here; its NaN sum makes the row NaN below.
     float max = kNegativeInfinity;
     for (std::int64_t chunk = 0; chunk < entry.chunks; ++chunk) {
@@ -428,16 +425,15 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     }
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
     // (the sink); a row whose scores are all -inf gets 0/0 without a sink.
-    const cpu::RowNormalizer normalizer = cpu::normalize_row(
-        max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
-        p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head));
+    const cpu::RowNormalizer normalizer =
+        cpu::normalize_row(max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
+                           p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head));
     for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= normalizer.inverse_sum;
     if (plan.bf16_pairs) {
       cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
       out_row = buffer + Dp;
     }
-    store_row_f32(p.out, p.q_dtype, p.out_strides.offset(b, position, head), out_row,
-                  p.head_dim);
+    store_row_f32(p.out, p.q_dtype, p.out_strides.offset(b, position, head), out_row, p.head_dim);
     if (p.lse) p.lse[p.lse_index(b, head, position)] = normalizer.lse;
   }
 }

@@ -10,10 +10,11 @@
 //   mask Z where the block is only partly visible  [Br x Bc]
 //   online softmax of Z: m, l, rescale acc         [Br], [Br x D]  online_softmax_tile
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
-// and finally out = acc / l, lse = m + log(l) (with each head's sink in l when there are sinks). Blocks that the causal mask or the window hide
-// from every row of a Q block are never visited by it. bf16 inputs multiply as bf16 on AMX tiles
-// or with vdpbf16ps where the CPU has them (cpu::active_bf16_products), P rounded to bf16 for
-// P·V; every other input is widened to fp32 when packed.
+// and finally out = acc / l, lse = m + log(l) (with each head's sink in l when there are sinks).
+// Blocks that the causal mask or the window hide from every row of a Q block are never visited by
+// it. bf16 inputs multiply as bf16 on AMX tiles or with vdpbf16ps where the CPU has them
+// (cpu::active_bf16_products), P rounded to bf16 for P·V; every other input is widened to fp32 when
+// packed.
 //
 // Memory: per thread, for each Q block of a task Q and acc (2·Br·D floats) and m, l (2·Br);
 // once Kᵀ (D·Bc), V (Bc·D), S (Br·Bc): 1.3 MiB at D = 128 with Br = 256, Bc = 128 and 4 blocks
@@ -167,9 +168,8 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                          p.head_dim, stream_out);
     }
     float* acc_row = block.acc + i * Dp;
-    const float row_max = block.row_max[i] == kNegativeInfinity
-                              ? kNegativeInfinity
-                              : p.tile_scale() * block.row_max[i];
+    const float row_max = block.row_max[i] == kNegativeInfinity ? kNegativeInfinity
+                                                                : p.tile_scale() * block.row_max[i];
     const cpu::RowNormalizer normalizer =
         cpu::normalize_row(row_max, block.row_sum[i], p.key_range(task.position(i)).empty(),
                            cpu::sink_logit(p, task.head(i)));

@@ -27,8 +27,8 @@ bool reads_cache_in_place(AttentionImpl impl, const AttentionParams& p) {
 
 // One row of head_dim elements from `src` (dtype src_dtype, element offset src_offset) to `dst`
 // (dst_dtype, dst_offset): copied when the dtypes agree, else widened or rounded to nearest even.
-void copy_row(void* dst, DType dst_dtype, std::int64_t dst_offset, const void* src,
-              DType src_dtype, std::int64_t src_offset, std::int64_t n) {
+void copy_row(void* dst, DType dst_dtype, std::int64_t dst_offset, const void* src, DType src_dtype,
+              std::int64_t src_offset, std::int64_t n) {
   if (dst_dtype == src_dtype) {
     const std::size_t bytes = dtype_size(dst_dtype);
     std::memcpy(static_cast<char*>(dst) + dst_offset * static_cast<std::int64_t>(bytes),
@@ -55,8 +55,8 @@ AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void*
   s.dtype = p.q_dtype;
   s.batch = 1;
   s.seqlen_kv = length;
-  s.k_strides = s.v_strides = {length * p.heads_kv * p.head_dim, p.heads_kv * p.head_dim,
-                               p.head_dim};
+  s.k_strides =
+      s.v_strides = {length * p.heads_kv * p.head_dim, p.heads_kv * p.head_dim, p.head_dim};
   s.kv_lengths = nullptr;
   s.block_table = nullptr;
   s.block_table_stride = s.page_size = 0;

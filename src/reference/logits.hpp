@@ -36,7 +36,8 @@ inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int
 
 // Query head h's sink logit, or -inf without sinks (exp(-inf) = 0 adds nothing).
 inline double reference_sink(const AttentionParams& p, std::int64_t h) {
-  return p.modifiers.sinks == nullptr ? -std::numeric_limits<double>::infinity() : static_cast<double>(p.modifiers.sinks[h]);
+  return p.modifiers.sinks == nullptr ? -std::numeric_limits<double>::infinity()
+                                      : static_cast<double>(p.modifiers.sinks[h]);
 }
 
 }  // namespace flashattn::detail

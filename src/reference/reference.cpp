@@ -104,8 +104,8 @@ void reference_forward(const AttentionParams& p) {
   for (std::int64_t b = 0; b < p.batch; ++b) {
     for (std::int64_t h = 0; h < p.heads_q; ++h) {
       for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
-        p.lse[p.lse_index(b, h, row)] =
-            static_cast<float>(lse[static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + row)]);
+        p.lse[p.lse_index(b, h, row)] = static_cast<float>(
+            lse[static_cast<std::size_t>((b * p.heads_q + h) * p.seqlen_q + row)]);
       }
     }
   }

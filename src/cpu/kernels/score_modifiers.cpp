@@ -50,8 +50,8 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
     }
     if (slope != 0.0f) {
       // |first_distance − j − lane|, exact in fp32 up to 2^24.
-      const Vec distance = hn::Sub(hn::Set(tag, static_cast<float>(first_distance - j)),
-                                   lane_offsets);
+      const Vec distance =
+          hn::Sub(hn::Set(tag, static_cast<float>(first_distance - j)), lane_offsets);
       logit = hn::NegMulAdd(slope_vec, hn::Abs(distance), logit);
     }
     hn::StoreU(logit, tag, s);
