@@ -109,6 +109,9 @@ RowKeys row_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv
 // tensors at benchmark shapes, so it runs on single query rows of every (batch, head).
 ReferenceRows reference_rows(const HostTensor& q, const HostTensor& k, const HostTensor& v,
                              const AttentionOptions& options, std::vector<std::int64_t> rows) {
+  if (!options.alibi_slopes.empty() && !options.causal) {
+    throw Error("reference_rows: ALiBi rows are checked under the causal mask only");
+  }
   const auto [batch, seqlen_q, heads_q, head_dim] = q.shape;
   const std::int64_t seqlen_kv = k.shape[1];
   const std::size_t element = dtype_size(q.dtype);
@@ -193,7 +196,17 @@ Tolerance standard_error_bound(const HostTensor& q, const HostTensor& k, const H
   }
   const double scale =
       options.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
-  const double max_score = scale * q_norm * k_norm;
+  // The score modifiers (docs/semantics.md): a softcap bounds |score| by the cap and adds its
+  // tanh's error (4 ulps of the cap); ALiBi adds up to slope·distance, rounded twice.
+  const double softcap = options.softcap;
+  double alibi = 0.0;
+  for (const float slope : options.alibi_slopes) {
+    alibi = std::max(alibi, std::abs(static_cast<double>(slope)) *
+                                static_cast<double>(std::max(seqlen_q, seqlen_kv)));
+  }
+  const double max_score =
+      (softcap > 0.0 ? std::min(softcap, scale * q_norm * k_norm) : scale * q_norm * k_norm) +
+      alibi;
 
   // Higham's gamma_n = n·u / (1 - n·u) bounds the relative error of n-term fp32 sums and dot
   // products in any order.
@@ -201,7 +214,8 @@ Tolerance standard_error_bound(const HostTensor& q, const HostTensor& k, const H
   auto gamma = [](double n) { return n * u / (1.0 - n * u); };
   const double keys = static_cast<double>(std::max<std::int64_t>(seqlen_kv, 1));
   // A score: a head_dim-term dot product and the scale.
-  const double score_error = gamma(static_cast<double>(head_dim) + 1.0) * max_score;
+  const double score_error = gamma(static_cast<double>(head_dim) + 1.0) * scale * q_norm * k_norm +
+                             4.0 * u * softcap + 2.0 * u * alibi;
   // s - max: the two scores' errors, the subtraction's rounding.
   const double argument_error = 2.0 * score_error + 2.0 * u * max_score;
   // Each softmax weight exp(s - max) is then off by this factor at most (exp within 4 ulps).

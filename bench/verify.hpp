@@ -80,7 +80,9 @@ RowKeys row_keys(std::int64_t row, std::int64_t seqlen_q, std::int64_t seqlen_kv
                  const AttentionOptions& options);
 
 // The fp64 reference on the query rows `rows` of every (batch, head), output rounded to the
-// input dtype as reference_attention_forward does.
+// input dtype as reference_attention_forward does. ALiBi measures distances from the row's
+// diagonal, which a one-row problem puts on its last key: with ALiBi slopes the options must hold
+// the causal mask (the row's last key is then its diagonal), else this raises Error.
 struct ReferenceRows {
   std::vector<std::int64_t> rows;
   std::vector<float> out;  // [rows.size(), batch, heads_q, head_dim]

@@ -2,6 +2,8 @@
 
 #include <omp.h>
 
+#include <cmath>
+
 #include "flashattn/options.hpp"
 
 namespace flashattn::cli {
@@ -31,6 +33,22 @@ CLI::Option* add_window_option(CLI::App* command, std::string* window) {
                    "Sliding window L,R around the diagonal, -1 = unbounded on that side")
       ->check([](const std::string& text) -> std::string {
         return parse_window(text) ? "" : "expected L,R with integers >= -1, got '" + text + "'";
+      });
+}
+
+std::optional<float> parse_softcap(const std::string& text) {
+  float softcap = 0.0f;
+  if (!parse_number(std::string_view(text), softcap) || !std::isfinite(softcap) || softcap < 0.0f) {
+    return std::nullopt;
+  }
+  return softcap;
+}
+
+CLI::Option* add_softcap_option(CLI::App* command, std::string* softcap) {
+  return command
+      ->add_option("--softcap", *softcap, "Soft cap of the scores, C·tanh(s / C); 0 = off")
+      ->check([](const std::string& text) -> std::string {
+        return parse_softcap(text) ? "" : "expected a finite number >= 0, got '" + text + "'";
       });
 }
 

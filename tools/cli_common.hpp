@@ -51,4 +51,10 @@ std::optional<std::array<std::int64_t, 2>> parse_window(const std::string& text)
 // `--window L,R` of a subcommand (default "-1,-1": no window), checked when parsed.
 CLI::Option* add_window_option(CLI::App* command, std::string* window);
 
+// "C": a finite number >= 0, the score soft cap (0 = off).
+std::optional<float> parse_softcap(const std::string& text);
+
+// `--softcap C` of a subcommand (default "0": off), checked when parsed.
+CLI::Option* add_softcap_option(CLI::App* command, std::string* softcap);
+
 }  // namespace flashattn::cli

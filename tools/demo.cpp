@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -44,7 +45,25 @@ struct DemoOptions {
   std::uint64_t seed = 42;
   int repeat = 3;
   std::int64_t check_rows = 16;
+  std::string softcap = "0";  // score modifiers (docs/semantics.md)
+  bool alibi = false;
 };
+
+// The ALiBi paper's slopes for `heads` heads (Press et al. 2022): the geometric sequence
+// 2^(-8/n), 2^(-16/n), ... for the largest power of two n <= heads, then for the heads beyond n
+// every other slope of the sequence for 2n.
+std::vector<float> alibi_paper_slopes(std::int64_t heads) {
+  std::int64_t n = 1;
+  while (n * 2 <= heads) n *= 2;
+  std::vector<float> slopes;
+  for (std::int64_t h = 1; h <= n; ++h) {
+    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h) / static_cast<float>(n)));
+  }
+  for (std::int64_t h = 1; static_cast<std::int64_t>(slopes.size()) < heads; h += 2) {
+    slopes.push_back(std::exp2(-4.0f * static_cast<float>(h) / static_cast<float>(n)));
+  }
+  return slopes;
+}
 
 // Peak resident memory. Writing "5" to /proc/self/clear_refs resets VmHWM to the current RSS
 // (Linux >= 4.0), so the peak after a call minus the RSS before it is what the call added.
@@ -118,8 +137,12 @@ void warm_up_runtime(DType dtype, std::int64_t head_dim, const AttentionOptions&
   const HostTensor q(dtype, {1, 16, heads, head_dim});
   HostTensor out(dtype, q.shape);
   std::vector<float> lse(static_cast<std::size_t>(16 * heads));
+  // The problem's own modifiers, with slopes for this one's heads.
+  AttentionOptions warm_up = options;
+  const std::vector<float> slopes(static_cast<std::size_t>(heads), 0.5f);
+  if (!options.alibi_slopes.empty()) warm_up.alibi_slopes = slopes;
   for (const AttentionImpl impl : {AttentionImpl::standard, AttentionImpl::flash}) {
-    attention_forward(impl, q.view(), q.view(), q.view(), out.view(), lse.data(), options);
+    attention_forward(impl, q.view(), q.view(), q.view(), out.view(), lse.data(), warm_up);
   }
 }
 
@@ -136,14 +159,21 @@ std::string format_bytes(double bytes) {
   return text;
 }
 
-// "causal", "window (L, R)", both, or "no mask".
+// "causal", "window (L, R)", both, or "no mask"; then the score modifiers that are on.
 std::string mask_text(const AttentionOptions& options) {
   std::string text = options.causal ? "causal" : "";
   if (options.window_left >= 0 || options.window_right >= 0) {
     text += (text.empty() ? "" : ", ") + std::string("window (") +
             std::to_string(options.window_left) + ", " + std::to_string(options.window_right) + ")";
   }
-  return text.empty() ? "no mask" : text;
+  text = text.empty() ? "no mask" : text;
+  if (options.softcap > 0.0f) {
+    std::ostringstream cap;
+    cap << ", softcap " << options.softcap;
+    text += cap.str();
+  }
+  if (!options.alibi_slopes.empty()) text += ", ALiBi (the paper's slopes)";
+  return text;
 }
 
 // q, k, v and the two paths' outputs, which the demo holds at once, must fit in the machine's
@@ -199,8 +229,19 @@ DemoShape resolve_shape(const DemoOptions& demo) {
           .seqlen_kv = demo.seqlen_kv > 0 ? demo.seqlen_kv : demo.seqlen};
 }
 
-AttentionOptions attention_options(const DemoOptions& demo) {
+// The options of the demo's problem; `slopes` holds the ALiBi slopes they point to.
+AttentionOptions attention_options(const DemoOptions& demo, std::vector<float>& slopes) {
   AttentionOptions options;
+  options.softcap = *parse_softcap(demo.softcap);  // checked when parsed
+  if (demo.alibi) {
+    if (!demo.causal) {
+      throw Error(
+          "demo: --alibi: expected the causal mask (the default; ALiBi models are causal "
+          "decoders, and the demo's reference check needs it), got --no-causal");
+    }
+    slopes = alibi_paper_slopes(demo.heads);
+    options.alibi_slopes = slopes;
+  }
   options.causal = demo.causal;
   const std::array<std::int64_t, 2> window = *parse_window(demo.window);  // checked when parsed
   options.window_left = window[0];
@@ -359,7 +400,8 @@ bool check_against_reference(const DemoRuns& runs, const HostTensor& q, const Ho
 int run_demo(const DemoOptions& demo) {
   const DemoShape shape = resolve_shape(demo);
   check_inputs_fit(demo, shape.dtype, shape.kv_heads, shape.seqlen_kv);
-  const AttentionOptions options = attention_options(demo);
+  std::vector<float> slopes;
+  const AttentionOptions options = attention_options(demo, slopes);
   const double flops =
       attention_flops(demo.batch, demo.heads, demo.seqlen, shape.seqlen_kv, demo.head_dim, options);
   print_problem(demo, shape, options, flops);
@@ -408,6 +450,9 @@ Action add_demo_command(CLI::App& app) {
   add_window_option(command, &demo->window);
   command->add_option("--dtype", demo->dtype, "Input dtype")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  add_softcap_option(command, &demo->softcap);
+  command->add_flag("--alibi", demo->alibi,
+                    "ALiBi biases with the paper's slopes for the head count (needs causal)");
   add_threads_option(command, &demo->threads);
   command->add_option("--seed", demo->seed, "Random seed of the inputs");
   command->add_option("--repeat", demo->repeat, "Timed runs per path after one warm-up (median)")

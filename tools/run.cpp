@@ -1,6 +1,7 @@
 // `flashattn run`: attention on .npy inputs, .npy outputs, one JSON line of timing on stdout.
 // With --dout (and --dq, --dk, --dv) the backward follows the forward on the same inputs.
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <cmath>
@@ -26,6 +27,8 @@ namespace {
 struct RunOptions {
   std::string q_path, k_path, v_path, out_path, lse_path;
   std::string dout_path, dq_path, dk_path, dv_path;  // all empty or all set
+  std::string alibi_path, sinks_path, dsinks_path;   // score modifiers; dsinks needs both
+  std::string softcap = "0";
   bool causal = false;
   std::string window = "-1,-1";
   std::string scale;  // empty: 1/sqrt(head_dim)
@@ -65,6 +68,19 @@ npy::Array read_operand(const char* name, const char* layout, const std::string&
                 shape_text(array.shape) + " in " + path);
   }
   return array;
+}
+
+// A modifier's fp32 values from `path` (float32 or float16), whose shape must be one of
+// `shapes` (each written out in `expected`).
+std::vector<float> read_modifier(const char* flag, const std::string& path,
+                                 const std::vector<std::vector<std::int64_t>>& shapes,
+                                 const std::string& expected) {
+  const npy::Array array = npy::read_npy(path);
+  if (std::find(shapes.begin(), shapes.end(), array.shape) == shapes.end()) {
+    throw Error(std::string(flag) + ": expected shape " + expected + ", got " +
+                shape_text(array.shape) + " in " + path);
+  }
+  return array.to_f32();
 }
 
 ConstTensorView view_of(const npy::Array& array) {
@@ -122,10 +138,23 @@ void check_distinct(const std::vector<std::pair<const char*, std::string>>& outp
   }
 }
 
+// The score modifiers that are on, as JSON strings: "softcap", "alibi", "sinks".
+std::string modifier_names(const AttentionOptions& options) {
+  std::string names;
+  auto add = [&](bool on, const char* name) {
+    if (on) names += (names.empty() ? "\"" : ", \"") + std::string(name) + "\"";
+  };
+  add(options.softcap > 0.0f, "softcap");
+  add(!options.alibi_slopes.empty(), "alibi");
+  add(!options.sinks.empty(), "sinks");
+  return names;
+}
+
 int run_attention(const RunOptions& options) {
   const AttentionImpl impl = *parse_impl(options.impl);
   const std::array<std::int64_t, 2> window = *parse_window(options.window);
   const bool backward = !options.dout_path.empty();
+  const bool dsinks = !options.dsinks_path.empty();
 
   // Open the outputs first, so that an unwritable destination fails before any work is done.
   std::vector<std::pair<const char*, std::string>> outputs = {{"--out", options.out_path}};
@@ -135,6 +164,7 @@ int run_attention(const RunOptions& options) {
     outputs.emplace_back("--dk", options.dk_path);
     outputs.emplace_back("--dv", options.dv_path);
   }
+  if (dsinks) outputs.emplace_back("--dsinks", options.dsinks_path);
   check_distinct(outputs);
   npy::Writer out_writer(options.out_path);
   std::unique_ptr<npy::Writer> lse_writer, dq_writer, dk_writer, dv_writer;
@@ -144,6 +174,8 @@ int run_attention(const RunOptions& options) {
     dk_writer = std::make_unique<npy::Writer>(options.dk_path);
     dv_writer = std::make_unique<npy::Writer>(options.dv_path);
   }
+  std::unique_ptr<npy::Writer> dsinks_writer;
+  if (dsinks) dsinks_writer = std::make_unique<npy::Writer>(options.dsinks_path);
 
   const npy::Array q = read_operand("q", "[batch, seqlen_q, heads_q, head_dim]", options.q_path);
   const npy::Array k = read_operand("k", "[batch, seqlen_kv, heads_kv, head_dim]", options.k_path);
@@ -162,8 +194,24 @@ int run_attention(const RunOptions& options) {
     }
   }
 
+  // The score modifiers, shaped by q: slopes [heads_q] or [batch, heads_q], sinks [heads_q].
+  const std::int64_t batch_q = q.shape[0], heads = q.shape[2];
+  const std::string heads_text = "(" + std::to_string(heads) + ",)";
+  std::vector<float> slopes, sinks;
+  if (!options.alibi_path.empty()) {
+    slopes = read_modifier("alibi", options.alibi_path, {{heads}, {batch_q, heads}},
+                           heads_text + " ([heads_q]) or (" + std::to_string(batch_q) + ", " +
+                               std::to_string(heads) + ") ([batch, heads_q])");
+  }
+  if (!options.sinks_path.empty()) {
+    sinks = read_modifier("sinks", options.sinks_path, {{heads}}, heads_text + " ([heads_q])");
+  }
+
   AttentionOptions attention;
   if (!options.scale.empty()) attention.softmax_scale = *parse_scale(options.scale);
+  attention.softcap = *parse_softcap(options.softcap);
+  attention.alibi_slopes = slopes;
+  attention.sinks = sinks;
   attention.causal = options.causal;
   attention.window_left = window[0];
   attention.window_right = window[1];
@@ -184,14 +232,18 @@ int run_attention(const RunOptions& options) {
 
   // The gradients have the inputs' dtype, as the forward's output; allocated only when asked.
   std::optional<Output> dq, dk, dv;
+  std::vector<float> sink_gradients(dsinks ? sinks.size() : 0);
   double backward_seconds = 0.0;
   if (backward) {
     dq.emplace(q.dtype, q_shape);
     dk.emplace(q.dtype, kv_shape);
     dv.emplace(q.dtype, kv_shape);
+    ModifierGradients modifier_gradients;
+    if (dsinks) modifier_gradients.dsinks = sink_gradients.data();
     auto compute_backward = [&] {
       attention_backward(impl, view_of(dout), view_of(q), view_of(k), view_of(v), out.view(),
-                         lse.data(), dq->view(), dk->view(), dv->view(), attention);
+                         lse.data(), dq->view(), dk->view(), dv->view(), attention,
+                         modifier_gradients);
     };
     compute_backward();  // warm-up
     backward_seconds = median_seconds(options.repeat, compute_backward);
@@ -206,6 +258,10 @@ int run_attention(const RunOptions& options) {
     dk->write(*dk_writer);
     dv->write(*dv_writer);
   }
+  if (dsinks) {
+    dsinks_writer->write(sink_gradients.data(),
+                         std::array<std::int64_t, 1>{static_cast<std::int64_t>(sinks.size())});
+  }
 
   const double flops = attention_flops(batch, heads_q, seqlen_q, seqlen_kv, head_dim, attention);
   const double gflops = seconds > 0.0 ? flops / seconds * 1e-9 : 0.0;
@@ -215,14 +271,16 @@ int run_attention(const RunOptions& options) {
       "{\"impl\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, \"seqlen_q\": %lld, "
       "\"seqlen_kv\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, "
       "\"causal\": %s, \"window\": [%lld, %lld], \"scale\": %.9g, \"threads\": %d, "
+      "\"softcap\": %.9g, \"modifiers\": [%s], "
       "\"repeat\": %d, \"seconds\": %.9g, \"flops\": %.17g, \"gflops\": %.6g",
       impl_name(impl), dtype_name(q.dtype), static_cast<long long>(batch),
       static_cast<long long>(seqlen_q), static_cast<long long>(seqlen_kv),
       static_cast<long long>(heads_q), static_cast<long long>(heads_kv),
       static_cast<long long>(head_dim), options.causal ? "true" : "false",
       static_cast<long long>(window[0]), static_cast<long long>(window[1]),
-      static_cast<double>(scale), resolved_threads(options.threads), options.repeat, seconds, flops,
-      gflops);
+      static_cast<double>(scale), resolved_threads(options.threads),
+      static_cast<double>(attention.softcap), modifier_names(attention).c_str(), options.repeat,
+      seconds, flops, gflops);
   if (backward) {
     const double backward_flops =
         attention_backward_flops(batch, heads_q, seqlen_q, seqlen_kv, head_dim, attention);
@@ -248,7 +306,12 @@ Action add_run_command(CLI::App& app) {
       "[batch, seqlen_q, heads_q, head_dim], lse [batch, heads_q, seqlen_q]. With --dout (shaped "
       "as q) the backward runs after the forward, on the same inputs and --impl, and writes dq, "
       "dk and dv in the shapes of q, k and v (float32); the JSON line adds backward_seconds and "
-      "backward_gflops (2.5x the forward's FLOPs). Nothing is written unless the run succeeds."
+      "backward_gflops (2.5x the forward's FLOPs). Score modifiers (docs/semantics.md): "
+      "--softcap C caps each scaled score at C·tanh(s / C); --alibi SLOPES.npy (float32, "
+      "[heads_q] or [batch, heads_q]) adds -slope·|i + seqlen_kv - seqlen_q - j|; --sinks "
+      "SINKS.npy (float32 [heads_q]) adds each head's sink logit to the softmax's normalizer, and "
+      "with the backward --dsinks OUT.npy writes its gradient. Nothing is written unless the run "
+      "succeeds."
       "\nExit codes: 0 success, 1 invalid input or file error, 2 bad command line.");
   command->add_option("--q", options->q_path, "Queries .npy")->required();
   command->add_option("--k", options->k_path, "Keys .npy")->required();
@@ -260,6 +323,13 @@ Action add_run_command(CLI::App& app) {
   command->add_option("--dq", options->dq_path, "Gradient of q output .npy (float32)");
   command->add_option("--dk", options->dk_path, "Gradient of k output .npy (float32)");
   command->add_option("--dv", options->dv_path, "Gradient of v output .npy (float32)");
+  add_softcap_option(command, &options->softcap)->capture_default_str();
+  command->add_option("--alibi", options->alibi_path,
+                      "ALiBi slopes .npy, [heads_q] or [batch, heads_q]");
+  command->add_option("--sinks", options->sinks_path, "Attention sink logits .npy, [heads_q]");
+  command->add_option("--dsinks", options->dsinks_path,
+                      "Gradient of the sinks output .npy (float32, [heads_q]); with --sinks and "
+                      "the backward");
   command->add_flag("--causal", options->causal, "Causal mask, aligned to the bottom-right corner");
   add_window_option(command, &options->window);
   command->add_option("--scale", options->scale, "Softmax scale (default 1/sqrt(head_dim))")
@@ -292,6 +362,10 @@ Action add_run_command(CLI::App& app) {
     }
     if (given > 0 && given < 4) {
       throw CLI::ValidationError("--dout, --dq, --dk and --dv go together: missing " + missing);
+    }
+    if (!options->dsinks_path.empty() && (options->sinks_path.empty() || given == 0)) {
+      throw CLI::ValidationError(
+          "--dsinks: expected --sinks and the backward's --dout, --dq, --dk, --dv with it");
     }
   });
   return [options] { return run_attention(*options); };

@@ -55,6 +55,9 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // blocks of the product kernels: smaller chunks skip more scores but pay for more calls
 // (docs/tuning.md).
 constexpr std::int64_t kDiagonalChunkRows = 12;
+// Score rows made logits and masked just before their online softmax: 8 rows of Bc = 128 keys
+// are 4 KiB, in L1 between the two passes; a whole tile of 256 rows (128 KiB) is not.
+constexpr std::int64_t kSoftmaxGroupRows = 8;
 
 // Per-thread tiles. Row widths are padded to whole vectors (cpu::pad_to_lanes) with zeros, so
 // the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0.
@@ -229,21 +232,28 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
       cpu::scores_tile_columns(scores, ld_scores, {block.q + row_lo * Dp, Dp}, t.k_packed.data(),
                                rows, keys_padded, p.head_dim, key_begin, key_end_padded);
     }
-    for (std::int64_t i = 0; i < rows; ++i) {
-      float* s = scores + i * ld_scores;
-      if (p.modifiers.change_logits()) {
+    // Row groups of kSoftmaxGroupRows: each group's scores become logits, masked, while they
+    // are in L1, then the group's online softmax runs.
+    for (std::int64_t group = 0; group < rows; group += kSoftmaxGroupRows) {
+      const std::int64_t group_end = std::min(group + kSoftmaxGroupRows, rows);
+      for (std::int64_t i = group; i < group_end; ++i) {
+        float* s = scores + i * ld_scores;
         const std::int64_t row = row_lo + i;
-        cpu::modify_scores(s + key_begin, nullptr, key_end - key_begin, p.scale,
-                           cpu::row_modifiers(p, task.b, task.head(row), task.position(row),
-                                              kv.begin + key_begin, p.seqlen_kv));
+        if (p.modifiers.change_logits()) {
+          cpu::modify_scores(s + key_begin, nullptr, key_end - key_begin, p.scale,
+                             cpu::row_modifiers(p, task.b, task.head(row), task.position(row),
+                                                kv.begin + key_begin, p.seqlen_kv));
+        }
+        std::fill(s + key_end, s + key_end_padded, kNegativeInfinity);
+        if (fully_visible) continue;
+        mask_invisible(s + key_begin, p.key_range(task.position(row)), kv.begin + key_begin,
+                       key_end - key_begin);
       }
-      std::fill(s + key_end, s + key_end_padded, kNegativeInfinity);
-      if (fully_visible) continue;
-      mask_invisible(s + key_begin, p.key_range(task.position(row_lo + i)), kv.begin + key_begin,
-                     key_end - key_begin);
+      cpu::online_softmax_tile(scores + group * ld_scores + key_begin, ld_scores, p.tile_scale(),
+                               block.row_max + row_lo + group, block.row_sum + row_lo + group,
+                               acc + group * Dp, Dp, group_end - group, key_end_padded - key_begin,
+                               Dp);
     }
-    cpu::online_softmax_tile(scores + key_begin, ld_scores, p.tile_scale(), block.row_max + row_lo,
-                             block.row_sum + row_lo, acc, Dp, rows, key_end_padded - key_begin, Dp);
     if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
       // P is rounded to bf16 only as the operand of P·V (docs/design.md, "The contract",
       // precision).

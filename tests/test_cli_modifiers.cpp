@@ -1,0 +1,226 @@
+// The score modifiers on the command line: `flashattn run --softcap --alibi --sinks --dsinks`
+// against the library on the same inputs, the JSON line's "softcap" and "modifiers", `flashattn
+// demo --softcap --alibi`, and the bad inputs (each one line on stderr, a non-zero exit, no file
+// left behind). Run as a subprocess in a fresh directory per test.
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli_test_support.hpp"
+#include "flashattn/flashattn.hpp"
+#include "npy.hpp"
+#include "test_support.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+using Shape = std::array<std::int64_t, 4>;
+
+class CliModifiersTest : public CliFixture {
+ protected:
+  CliModifiersTest() : CliFixture("flashattn_cli_modifiers") {}
+
+  void save(const Tensor& tensor, const std::string& name) const {
+    npy::write_npy(path(name), reinterpret_cast<const float*>(tensor.bytes.data()),
+                   tensor.view.shape);
+  }
+  void save(const std::vector<float>& values, std::vector<std::int64_t> shape,
+            const std::string& name) const {
+    npy::write_npy(path(name), values.data(), shape);
+  }
+};
+
+// The tool computes what the library computes, through the same path: its files hold the
+// library's float32 results bit for bit.
+TEST_F(CliModifiersTest, RunWithEveryModifierMatchesTheLibrary) {
+  const Shape q_shape{2, 9, 4, 16}, kv_shape{2, 13, 2, 16};
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape),
+      dout(DType::f32, q_shape);
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  dout.fill_normal(rng);
+  const std::vector<float> slopes = {0.5f, 0.25f, 0.125f, 0.0625f, 1.0f, 0.5f, 0.25f, 0.125f};
+  const std::vector<float> sinks = {0.5f, -1.0f, 2.0f, 0.0f};
+  save(q, "q.npy");
+  save(k, "k.npy");
+  save(v, "v.npy");
+  save(dout, "do.npy");
+  save(slopes, {2, 4}, "slopes.npy");
+  save(sinks, {4}, "sinks.npy");
+
+  const Completed completed = run({"run",
+                                   "--q",
+                                   path("q.npy"),
+                                   "--k",
+                                   path("k.npy"),
+                                   "--v",
+                                   path("v.npy"),
+                                   "--out",
+                                   path("out.npy"),
+                                   "--lse",
+                                   path("lse.npy"),
+                                   "--dout",
+                                   path("do.npy"),
+                                   "--dq",
+                                   path("dq.npy"),
+                                   "--dk",
+                                   path("dk.npy"),
+                                   "--dv",
+                                   path("dv.npy"),
+                                   "--softcap",
+                                   "4.5",
+                                   "--alibi",
+                                   path("slopes.npy"),
+                                   "--sinks",
+                                   path("sinks.npy"),
+                                   "--dsinks",
+                                   path("dsinks.npy"),
+                                   "--causal",
+                                   "--threads",
+                                   "2",
+                                   "--repeat",
+                                   "1"});
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  const auto json = parse_json_line(completed.out.substr(0, completed.out.size() - 1));
+  EXPECT_EQ(json.at("softcap"), "4.5");
+  EXPECT_EQ(json.at("modifiers"), "[\"softcap\", \"alibi\", \"sinks\"]");
+
+  AttentionOptions options;
+  options.causal = true;
+  options.softcap = 4.5f;
+  options.alibi_slopes = slopes;
+  options.sinks = sinks;
+  options.num_threads = 2;
+  Tensor out(DType::f32, q_shape), dq(DType::f32, q_shape), dk(DType::f32, kv_shape),
+      dv(DType::f32, kv_shape);
+  std::vector<float> lse(2 * 4 * 9), dsinks(4);
+  flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+  ModifierGradients gradients;
+  gradients.dsinks = dsinks.data();
+  flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                           dk.view, dv.view, options, gradients);
+
+  auto expect_file = [&](const std::string& name, const float* want, std::size_t count) {
+    const npy::Array array = npy::read_npy(path(name));
+    ASSERT_EQ(array.f32.size(), count) << name;
+    for (std::size_t i = 0; i < count; ++i)
+      EXPECT_EQ(array.f32[i], want[i]) << name << "[" << i << "]";
+  };
+  auto data = [](const Tensor& t) { return reinterpret_cast<const float*>(t.bytes.data()); };
+  expect_file("out.npy", data(out), out.bytes.size() / 4);
+  expect_file("lse.npy", lse.data(), lse.size());
+  expect_file("dq.npy", data(dq), dq.bytes.size() / 4);
+  expect_file("dk.npy", data(dk), dk.bytes.size() / 4);
+  expect_file("dv.npy", data(dv), dv.bytes.size() / 4);
+  expect_file("dsinks.npy", dsinks.data(), dsinks.size());
+  EXPECT_EQ(npy::read_npy(path("dsinks.npy")).shape, (std::vector<std::int64_t>{4}));
+}
+
+TEST_F(CliModifiersTest, RunWithoutModifiersReportsNone) {
+  Tensor q(DType::f32, {1, 3, 1, 8});
+  std::mt19937_64 rng(test_seed());
+  q.fill_normal(rng);
+  save(q, "q.npy");
+  const Completed completed = run({"run", "--q", path("q.npy"), "--k", path("q.npy"), "--v",
+                                   path("q.npy"), "--out", path("out.npy"), "--repeat", "1"});
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  const auto json = parse_json_line(completed.out.substr(0, completed.out.size() - 1));
+  EXPECT_EQ(json.at("softcap"), "0");
+  EXPECT_EQ(json.at("modifiers"), "[]");
+}
+
+// Each bad modifier: one line on stderr naming it, exit 1 (bad input) or 2 (bad command line),
+// and the work directory as it was.
+TEST_F(CliModifiersTest, BadModifiersFailCleanly) {
+  Tensor q(DType::f32, {2, 3, 4, 8}), k(DType::f32, {2, 5, 2, 8});
+  std::mt19937_64 rng(test_seed());
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  save(q, "q.npy");
+  save(k, "k.npy");
+  save(q, "do.npy");
+  save(std::vector<float>(3, 0.5f), {3}, "three.npy");
+  save(std::vector<float>(8, 0.5f), {4, 2}, "transposed.npy");
+  save({0.5f, NAN, 0.5f, 0.5f}, {4}, "nan.npy");
+  {
+    std::ofstream file(path("int.npy"), std::ios::binary);
+    file << npy::make_header("<i4", std::vector<std::int64_t>{4});
+    file.write("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 16);
+  }
+  const std::vector<std::string> inputs = {"run",         "--q",         path("q.npy"),
+                                           "--k",         path("k.npy"), "--v",
+                                           path("k.npy"), "--out",       path("out.npy")};
+  const std::vector<std::string> before = entries();
+  struct BadCase {
+    std::vector<std::string> flags;
+    int exit_code;
+    std::string message;
+  };
+  const BadCase cases[] = {
+      {{"--softcap", "-1"}, 2, "--softcap"},
+      {{"--softcap", "nan"}, 2, "--softcap"},
+      {{"--softcap", "inf"}, 2, "--softcap"},
+      {{"--alibi", path("three.npy")}, 1, "alibi: expected shape (4,) ([heads_q]) or (2, 4)"},
+      {{"--alibi", path("transposed.npy")}, 1, "alibi: expected shape"},
+      {{"--alibi", path("nan.npy")}, 1, "alibi_slopes[1]: expected a finite value"},
+      {{"--alibi", path("int.npy")}, 1, "int.npy"},
+      {{"--sinks", path("three.npy")}, 1, "sinks: expected shape (4,)"},
+      {{"--sinks", path("nan.npy")}, 1, "sinks[1]: expected a finite value"},
+      {{"--dsinks", path("ds.npy")}, 2, "--dsinks: expected --sinks"},
+      {{"--sinks", path("nan.npy"), "--dsinks", path("ds.npy")}, 2, "--dsinks: expected --sinks"},
+  };
+  for (const BadCase& bad : cases) {
+    std::vector<std::string> command = inputs;
+    command.insert(command.end(), bad.flags.begin(), bad.flags.end());
+    const Completed completed = run(command);
+    const std::string text = bad.flags[0] + " " + bad.flags[1];
+    EXPECT_EQ(completed.exit_code, bad.exit_code) << text << "\n" << completed.err;
+    if (bad.exit_code == 1) {
+      expect_one_error_line(completed, text, bad.message);
+    } else {
+      EXPECT_NE(completed.err.find(bad.message), std::string::npos) << text << completed.err;
+    }
+    EXPECT_EQ(entries(), before) << text;
+  }
+  // --dsinks with the backward but a bad sink: nothing written, the gradients included.
+  std::vector<std::string> command = inputs;
+  command.insert(command.end(),
+                 {"--dout", path("do.npy"), "--dq", path("dq.npy"), "--dk", path("dk.npy"), "--dv",
+                  path("dv.npy"), "--sinks", path("nan.npy"), "--dsinks", path("ds.npy")});
+  const Completed completed = run(command);
+  EXPECT_EQ(completed.exit_code, 1) << completed.err;
+  expect_one_error_line(completed, "backward with a NaN sink", "sinks[1]");
+  EXPECT_EQ(entries(), before);
+}
+
+TEST_F(CliModifiersTest, DemoWithSoftcapAndAlibiAgrees) {
+  const Completed completed =
+      run({"demo", "--batch", "1", "--heads", "6", "--kv-heads", "2", "--seqlen", "150",
+           "--head-dim", "40", "--softcap", "5", "--alibi", "--repeat", "1"});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  EXPECT_NE(completed.out.find("causal, softcap 5, ALiBi"), std::string::npos) << completed.out;
+  EXPECT_NE(completed.out.find("agree: yes"), std::string::npos) << completed.out;
+}
+
+TEST_F(CliModifiersTest, DemoRefusesBadModifiers) {
+  const Completed non_causal =
+      run({"demo", "--seqlen", "16", "--heads", "2", "--alibi", "--no-causal", "--repeat", "1"});
+  EXPECT_EQ(non_causal.exit_code, 1);
+  expect_one_error_line(non_causal, "--alibi --no-causal", "--alibi: expected the causal mask");
+  const Completed negative = run({"demo", "--seqlen", "16", "--softcap", "-2"});
+  EXPECT_EQ(negative.exit_code, 2);
+  EXPECT_NE(negative.err.find("--softcap"), std::string::npos) << negative.err;
+}
+
+}  // namespace
+}  // namespace flashattn::testing
