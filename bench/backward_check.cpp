@@ -45,10 +45,19 @@ BackwardOracle::BackwardOracle(const BackwardProblem& problem, std::vector<std::
       problem.options.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
   const double qk = max_abs(problem.q) * max_abs(problem.k);
   const auto dim = static_cast<double>(head_dim);
-  bounds_.first_order =
-      u32 * (4.0 * scale * dim * qk + 2.0 * static_cast<double>(seqlen_kv + seqlen_q) + 16.0) +
-      2.0 * u_out;
-  bounds_.floor = 2.0 * u_out + 4.0 * u32 * scale * std::sqrt(dim) * qk;
+  // The score modifiers add to a logit's rounding (tests/test_score_modifiers.cpp): 4 ulps of
+  // the softcap, two roundings of the ALiBi term A = max slope · max distance.
+  const double softcap = problem.options.softcap;
+  double alibi = 0.0;
+  for (const float slope : problem.options.alibi_slopes) {
+    alibi = std::max(alibi, std::abs(static_cast<double>(slope)) *
+                                static_cast<double>(std::max(seqlen_q, seqlen_kv)));
+  }
+  bounds_.first_order = u32 * (4.0 * scale * dim * qk + 4.0 * alibi + 8.0 * softcap +
+                               2.0 * static_cast<double>(seqlen_kv + seqlen_q + 1) + 16.0) +
+                        2.0 * u_out;
+  bounds_.floor =
+      2.0 * u_out + 4.0 * u32 * scale * std::sqrt(dim) * qk + 4.0 * u32 * (alibi + softcap);
   bounds_.dout_v = max_abs(problem.dout) * max_abs(problem.v);
 }
 
@@ -56,6 +65,21 @@ std::string BackwardOracle::name(AttentionImpl impl) const {
   if (whole_slice_) return "reference";
   return impl == AttentionImpl::flash && standard_ ? "reference-dq-rows+standard"
                                                    : "reference-dq-rows";
+}
+
+AttentionOptions BackwardOracle::slice_options() const {
+  AttentionOptions options = problem_.options;
+  const auto heads_q = static_cast<std::size_t>(problem_.q.shape[2]);
+  const auto first_q_head = static_cast<std::size_t>(kv_head_ * group_);
+  const auto group = static_cast<std::size_t>(group_);
+  if (!options.alibi_slopes.empty()) {
+    const std::size_t entry = options.alibi_slopes.size() == heads_q
+                                  ? 0
+                                  : static_cast<std::size_t>(batch_index_) * heads_q;
+    options.alibi_slopes = options.alibi_slopes.subspan(entry + first_q_head, group);
+  }
+  if (!options.sinks.empty()) options.sinks = options.sinks.subspan(first_q_head, group);
+  return options;
 }
 
 template <class View>
@@ -97,7 +121,7 @@ SliceGradients BackwardOracle::run_on_slice(AttentionImpl impl, int threads) con
   fill_nan(slice.dq);
   fill_nan(slice.dk);
   fill_nan(slice.dv);
-  AttentionOptions options = problem_.options;
+  AttentionOptions options = slice_options();
   options.num_threads = threads;
   const std::int64_t first_q_head = kv_head_ * group_;
   const float* lse =
@@ -128,7 +152,7 @@ void BackwardOracle::compute_reference() {
   std::vector<float> lse_row(static_cast<std::size_t>(group_));
   std::int64_t index = 0;
   for (const std::int64_t row : rows_) {
-    const RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, problem_.options);
+    const RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, slice_options());
     const std::int64_t keys = row_problem.keys;
     HostTensor unused_dk(dtype, {1, keys, 1, head_dim}), unused_dv(dtype, {1, keys, 1, head_dim});
     for (std::int64_t g = 0; g < group_; ++g) {

@@ -8,8 +8,10 @@
 // (exact for dQ, whose row i depends on query row i alone) and the flash path's dK and dV are
 // compared with the standard path's on the slice.
 //
-// Tolerances follow tests/test_backward.cpp, with G = max|reference gradient| + max|dO|·max|v|,
-// u = unit roundoff (fp32: u32; storage dtype: u_out) and qk = max|q|·max|k|:
+// Score modifiers (options.hpp) are sliced with the heads. Tolerances follow
+// tests/test_backward.cpp (and tests/test_score_modifiers.cpp for the modifiers' terms), with G =
+// max|reference gradient| + max|dO|·max|v|, u = unit roundoff (fp32: u32; storage dtype: u_out) and
+// qk = max|q|·max|k|:
 //  * standard: u32·(4·scale·D·qk + 2·(Skv + Sq) + 16)·G, a first-order fp32 bound, plus one
 //    rounding to the storage dtype for the standard path and one for the reference (2·u_out·G);
 //  * flash: 4x the standard path's measured error on the same gradient, plus
@@ -91,6 +93,8 @@ class BackwardOracle {
 
   template <class View>
   View slice_view(View whole, std::int64_t first_head, std::int64_t heads) const;
+  // The problem's options for the slice: its query heads' ALiBi slopes and sinks.
+  AttentionOptions slice_options() const;
   void compute_reference();
   Difference dq_error(const HostTensor& dq) const;
 

@@ -29,6 +29,7 @@ Action add_demo_command(CLI::App& app);
 Action add_run_command(CLI::App& app);
 Action add_bench_command(CLI::App& app);
 Action add_serve_bench_command(CLI::App& app);
+Action add_modifier_bench_command(CLI::App& app);
 
 // The worker threads a call with `requested` threads uses (0 = all that OpenMP offers).
 int resolved_threads(int requested);

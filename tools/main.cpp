@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   const Action run = add_run_command(app);
   const Action bench = add_bench_command(app);
   const Action serve_bench = add_serve_bench_command(app);
+  const Action modifier_bench = add_modifier_bench_command(app);
 
   try {
     app.parse(argc, argv);
@@ -42,13 +43,14 @@ int main(int argc, char** argv) {
   }
 
   if (app.get_subcommands().empty()) {
-    std::cerr << "flashattn: error: expected a subcommand, demo, run, bench or serve-bench (see "
-                 "--help)\n";
+    std::cerr << "flashattn: error: expected a subcommand, demo, run, bench, serve-bench or "
+                 "modifier-bench (see --help)\n";
     return kExitUsage;
   }
   try {
     if (app.got_subcommand("demo")) return demo();
     if (app.got_subcommand("serve-bench")) return serve_bench();
+    if (app.got_subcommand("modifier-bench")) return modifier_bench();
     return app.got_subcommand("bench") ? bench() : run();
   } catch (const std::exception& error) {
     std::cerr << "flashattn: error: " << one_line(error.what()) << '\n';
