@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/kernels/score_modifiers.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -688,6 +689,57 @@ TEST(ModifiersKVCache, PagedEqualsDenseAndMatchesReference) {
   dense.for_each_index([&](auto b, auto s, auto h, auto d) {
     EXPECT_NEAR(dense.at(b, s, h, d), reference_out.at(b, s, h, d), 1e-4) << b << " " << h;
   });
+}
+
+// The modifier step itself on every SIMD target, at arguments far past the range of a plain exp
+// (the libFuzzer harness found e^(2y) overflowing into garbage beyond 2y ~ 178), at both
+// infinities and NaN: softcap·tanh(x / softcap) within 8 fp32 roundings of the softcap (the
+// header's 4 ulps, twice), the derivative 1 − tanh² likewise of 1; ALiBi on a ragged length.
+TEST(ModifyScoresKernel, MatchesTanhAndDistanceOnEveryTarget) {
+  const std::vector<float> inputs = {0.0f,      1e-6f,  -0.3f,   0.5f,  3.0f,   -7.5f, 40.0f,
+                                     89.0f,     100.0f, -100.0f, 1e6f,  -1e30f, 3e38f, INFINITY,
+                                     -INFINITY, 1e-30f, -2.0f,   17.0f, 0.25f};
+  on_every_target([&] {
+    for (float softcap : {1.0f, 0.015625f, 30.0f}) {
+      for (float slope : {0.0f, 0.25f}) {
+        std::vector<float> scores = inputs, derivative(inputs.size(), NAN);
+        const std::int64_t first_distance = 5;
+        detail::cpu::modify_scores(scores.data(), derivative.data(),
+                                   static_cast<std::int64_t>(scores.size()), 2.0f,
+                                   {softcap, slope, first_distance});
+        for (std::size_t j = 0; j < inputs.size(); ++j) {
+          const double x = 2.0 * static_cast<double>(inputs[j]);
+          const double t = std::tanh(x / softcap);
+          const double want = softcap * t - slope * std::abs(first_distance - double(j));
+          EXPECT_NEAR(scores[j], want, 8.0 * 0x1p-24 * (softcap + std::abs(want)))
+              << "x " << x << " softcap " << softcap << " slope " << slope;
+          EXPECT_NEAR(derivative[j], 1.0 - t * t, 8.0 * 0x1p-24)
+              << "x " << x << " softcap " << softcap;
+        }
+      }
+    }
+    std::vector<float> nan_score = {NAN, 1.0f};
+    detail::cpu::modify_scores(nan_score.data(), nullptr, 2, 1.0f, {1.0f, 0.0f, 0});
+    EXPECT_TRUE(std::isnan(nan_score[0]));
+    EXPECT_NEAR(nan_score[1], std::tanh(1.0), 1e-6);
+  });
+}
+
+// A row that sees no key adds nothing to dsinks, even with an infinite dO row (out is 0 there;
+// the libFuzzer harness found inf · 0 = NaN).
+TEST(ModifiersBackward, RowsWithoutKeysAddNothingToDsinks) {
+  ModifierCase c{1, 9, 4, 2, 2, 16, 0.0f, Alibi::off, true, true};
+  Problem p(c, test_seed());
+  for (std::int64_t d = 0; d < 16; ++d) p.dout.set(0, 0, 1, d, INFINITY);  // row 0 sees no key
+  const ReferenceGradients ref = reference_gradients(p);
+  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard}) {
+    const Gradients g = run_backward(p, impl, 2);
+    for (std::size_t h = 0; h < 2; ++h) {
+      EXPECT_TRUE(std::isfinite(g.dsinks[h])) << impl_name(impl) << " head " << h;
+      EXPECT_NEAR(g.dsinks[h], ref.dsinks[h], 1e-4 * (1.0 + std::abs(ref.dsinks[h])))
+          << impl_name(impl) << " head " << h;
+    }
+  }
 }
 
 // Bad modifiers: one clear Error naming the argument, nothing written.

@@ -29,6 +29,8 @@ void add_sink_gradients(const BackwardParams& bp, double* sums) {
           row_deltas(deltas.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.q_dtype, b, h,
                      0, p.seqlen_q, p.head_dim);
           for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
+            // A row that sees no key has output 0 and adds nothing, whatever its dO holds.
+            if (p.key_range(row).empty()) continue;
             const double lse = p.lse[p.lse_index(b, h, row)];
             sum -= std::exp(sink - lse) * static_cast<double>(deltas[row]);
           }

@@ -2,8 +2,8 @@
 
 // The score modifiers of options.hpp on one row of a score tile, the step every fast path runs
 // between its q·k product and its softmax when the logits are not plain scale·q·k
-// (ScoreModifiers::change_logits). Compiled once per SIMD target, like tile_kernels.hpp. The
-// fp64 definition is reference/logits.hpp.
+// (ScoreModifiers::change_logits). Compiled once per SIMD target in tile_kernels.cpp, beside the
+// softmax whose exp it shares. The fp64 definition is reference/logits.hpp.
 
 #include <algorithm>
 #include <cmath>

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/kernels/score_modifiers.hpp"
 #include "flashattn/dtype.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -460,6 +461,60 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
   }
 }
 
+// The score modifiers on one row (score_modifiers.hpp): here beside the softmax, whose exp
+// the softcap's tanh uses.
+void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, std::int64_t n,
+                  float scale, float softcap, float slope, std::int64_t first_distance) {
+  const Tag tag;
+  const auto N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const Vec scale_vec = hn::Set(tag, scale);
+  const bool capped = softcap > 0.0f;
+  const Vec cap = hn::Set(tag, softcap), inverse_cap = hn::Set(tag, capped ? 1.0f / softcap : 0.0f);
+  const Vec minus_two_log2e_over_cap = hn::Mul(inverse_cap, hn::Set(tag, -2.0f * kLog2e));
+  const Vec one = hn::Set(tag, 1.0f), slope_vec = hn::Set(tag, slope);
+  const Vec lane_offsets = hn::Iota(tag, 0.0f);
+  // The last vector's lanes past n: through a buffer, so that n need not be a whole vector.
+  HWY_ALIGN float tail_scores[hn::MaxLanes(tag)];
+  HWY_ALIGN float tail_derivative[hn::MaxLanes(tag)];
+  for (std::int64_t j = 0; j < n; j += N) {
+    const std::int64_t count = n - j < N ? n - j : N;
+    float* s = scores + j;
+    float* ds = derivative ? derivative + j : nullptr;
+    if (count < N) {
+      hn::Store(hn::Zero(tag), tag, tail_scores);
+      for (std::int64_t i = 0; i < count; ++i) tail_scores[i] = s[i];
+      s = tail_scores;
+      if (ds) ds = tail_derivative;
+    }
+    Vec logit = hn::Mul(hn::LoadU(tag, s), scale_vec);
+    if (capped) {
+      // tanh |y| = (1 − e) / (1 + e) with e = 2^(−2|y|·log2 e) <= 1, by the softmax's own
+      // exp (half the operations of Highway's Exp and Tanh), within a few fp32 roundings of 1 in
+      // absolute terms, which is what the logit c·tanh needs; e flushed to 0 gives 1, and a NaN
+      // stays NaN. The sign is put back after.
+      const Vec e = Exp2Softmax(tag, hn::Mul(hn::Abs(logit), minus_two_log2e_over_cap));
+      const Vec t = hn::CopySign(hn::Div(hn::Sub(one, e), hn::Add(one, e)), logit);
+      logit = hn::Mul(cap, t);
+      if (ds) hn::StoreU(hn::NegMulAdd(t, t, one), tag, ds);
+    } else if (ds) {
+      hn::StoreU(one, tag, ds);
+    }
+    if (slope != 0.0f) {
+      // |first_distance − j − lane|, exact in fp32 up to 2^24.
+      const Vec distance =
+          hn::Sub(hn::Set(tag, static_cast<float>(first_distance - j)), lane_offsets);
+      logit = hn::NegMulAdd(slope_vec, hn::Abs(distance), logit);
+    }
+    hn::StoreU(logit, tag, s);
+    if (count < N) {
+      for (std::int64_t i = 0; i < count; ++i) scores[j + i] = tail_scores[i];
+      if (ds) {
+        for (std::int64_t i = 0; i < count; ++i) derivative[j + i] = tail_derivative[i];
+      }
+    }
+  }
+}
+
 // The sum of v's lanes, as a scalar: the halves added down to 128 bits first, then
 // SumOfLanes, whose shuffles on AVX2 and AVX-512 span the whole vector (faster in the bf16
 // decode path: docs/tuning.md).
@@ -806,6 +861,7 @@ HWY_EXPORT(AccumulatePvTile);
 HWY_EXPORT(AccumulateTransposedPvTile);
 HWY_EXPORT(ProbabilitiesFromLseTile);
 HWY_EXPORT(SoftmaxGradientTile);
+HWY_EXPORT(ModifyScores);
 HWY_EXPORT(TransposeRows);
 HWY_EXPORT(DotRows);
 HWY_EXPORT(AxpyRows);
@@ -861,6 +917,12 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
                            std::int64_t keys_padded) {
   HWY_DYNAMIC_DISPATCH(SoftmaxGradientTile)
   (dp, ld_dp, p, ld_p, row_delta, scale, rows, keys_padded);
+}
+
+void modify_scores(float* scores, float* derivative, std::int64_t n, float scale,
+                   const RowModifiers& row) {
+  HWY_DYNAMIC_DISPATCH(ModifyScores)
+  (scores, derivative, n, scale, row.softcap, row.slope, row.first_distance);
 }
 
 void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, std::int64_t count,
