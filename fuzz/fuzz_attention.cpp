@@ -1,7 +1,9 @@
 // libFuzzer target: the attention API. The input bytes choose the path, dtype, a small shape,
 // each tensor's memory layout (dim order, padding, stride-0 broadcast of an input), the options
 // (causal, window, scale, GQA group, threads, lse or not), the data (including NaN, ±inf and
-// denormals) and, for one input in eight, a corruption that makes the call invalid.
+// denormals), the score modifiers (softcap, ALiBi slopes of either length, sinks; each sometimes
+// a value or length the API must refuse) and, for one input in eight, a corruption that makes
+// the call invalid.
 //
 // Invalid calls must raise flashattn::Error and leave out and lse untouched. Valid calls must
 // not throw, must write every element of out (and lse) and nothing around them, and must match
@@ -21,6 +23,21 @@
 // to what is always true: every output lies within the visible values (the convex hull).
 // Values are small integers times 2^e (|x| <= 2^15) and the scale at most 2^60, so no finite
 // score can overflow fp32.
+//
+// The score modifiers widen the error of each key's logit z_j (options.hpp) beyond Δ_j, the
+// score error above, with a_j = scale·Σ_d |q_d·k_jd| bounding |scale·q·k_j|:
+//   softcap c: c·tanh(x / c) is 1-Lipschitz in x and lies in [−c, c], so the score error
+//     carries over as min(Δ_j, 2c); the tanh (1 − 2 / (e^(2y) + 1), within a few fp32
+//     roundings of 1 absolute) and the product by c add 8·u·c. |z_j| <= c.
+//   ALiBi, A_j = |slope|·|distance| (the distance is exact): the product and the subtraction
+//     round, u·(|z_j| + 2·A_j), with |z_j| <= (c or a_j) before it. |z_j| then grows by A_j.
+//   sinks σ: the sink's logit is exact, but the epilogue's σ − max or max − σ rounds, which
+//     shifts every weight as a logit error of u·(|σ| + max_j |z_j|) would (2u, for the
+//     two orders); its exp, product and sum add 4u to the mixing term.
+// Δ is then the largest logit error of the row, and the bounds above hold as they are: a sink
+// only adds one exactly known term to the normalizer, so each weight still moves by a factor
+// within e^(±2Δ), and an output with sinks is a combination of the visible values whose
+// weights sum to less than 1, inside the same hull.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -55,6 +72,8 @@ struct Problem {
   Tensor q, k, v, out;
   std::vector<std::uint8_t> lse_bytes;  // empty: lse = nullptr
   AttentionOptions options;
+  std::vector<float> alibi_slopes, sinks;  // what options.alibi_slopes and options.sinks view
+  bool refused_modifier = false;           // a modifier the API must refuse
   std::string description;
 
   flashattn::ConstTensorView view(const Tensor& t) const {
@@ -68,6 +87,81 @@ struct Problem {
 
 [[noreturn]] void finding(const Problem& p, const std::string& what) {
   report_finding("fuzz_attention", p.description, what);
+}
+
+// Softcaps the API must refuse (−0 is 0, off), and valid extremes: the smallest normal float
+// (its doubled reciprocal, 2^127, still finite) and the largest.
+constexpr float kRefusedSoftcaps[] = {-1.0f, -0x1p-149f, NAN, INFINITY, -INFINITY};
+constexpr float kExtremeSoftcaps[] = {0x1p-126f, std::numeric_limits<float>::max()};
+
+// A length of modifier values that is neither 0 (off) nor heads_q nor, where `batch` > 0 (ALiBi),
+// batch·heads_q: one short when the input says so and heads_q > 1, else one or two long.
+std::int64_t refused_length(FuzzedDataProvider& in, std::int64_t heads_q, std::int64_t batch) {
+  if (in.ConsumeBool() && heads_q > 1) return heads_q - 1;
+  return heads_q + 1 == batch * heads_q ? heads_q + 2 : heads_q + 1;
+}
+
+// n fp32 modifier values: small integers times 2^e like the data, finite, or for a refused one,
+// a NaN or ±inf at one position.
+std::vector<float> modifier_values(FuzzedDataProvider& in, std::int64_t n, int exponent) {
+  std::vector<float> values(static_cast<std::size_t>(n));
+  for (float& value : values) {
+    value = value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, false, false);
+  }
+  return values;
+}
+void make_non_finite(FuzzedDataProvider& in, std::vector<float>& values) {
+  const auto at = in.ConsumeIntegralInRange<std::size_t>(0, values.size() - 1);
+  values[at] = kSpecials[in.ConsumeIntegralInRange(0, kNonFiniteSpecials - 1)];
+}
+
+// The score modifiers, decoded after everything else: an input that ends before them (the
+// corpus from before they existed) decodes as it did, every modifier off. Each is off for half
+// the inputs that reach it, and for one in eight (one in sixteen for the softcap) refused.
+void fuzzed_modifiers(FuzzedDataProvider& in, Problem& p, const FuzzedShape& shape) {
+  const std::int64_t heads_q = shape.heads_kv * shape.group;
+  const int softcap = in.ConsumeIntegralInRange(0, 15);
+  if (softcap >= 8 && softcap <= 13) {
+    // From far below the scores (every logit saturated) to far above them (tanh linear).
+    p.options.softcap =
+        std::ldexp(in.PickValueInArray({1.0f, 1.5f, 1.25f}), in.ConsumeIntegralInRange(-8, 24));
+  } else if (softcap == 14) {
+    p.options.softcap = in.PickValueInArray(kExtremeSoftcaps);
+  } else if (softcap == 15) {
+    p.options.softcap = in.PickValueInArray(kRefusedSoftcaps);
+    p.refused_modifier = true;
+  }
+
+  // Slopes up to 2^7 and distances up to 600 keep every ALiBi term far inside fp32.
+  const int alibi = in.ConsumeIntegralInRange(0, 7);
+  if (alibi >= 4) {
+    const bool refused = alibi == 7, wrong_length = refused && in.ConsumeBool();
+    const std::int64_t n = wrong_length ? refused_length(in, heads_q, shape.batch)
+                           : alibi == 6 ? shape.batch * heads_q
+                                        : heads_q;
+    p.alibi_slopes = modifier_values(in, n, in.ConsumeIntegralInRange(-8, 4));
+    if (refused && !wrong_length) make_non_finite(in, p.alibi_slopes);
+    p.refused_modifier = p.refused_modifier || refused;
+    p.options.alibi_slopes = p.alibi_slopes;
+  }
+
+  const int sinks = in.ConsumeIntegralInRange(0, 7);
+  if (sinks >= 4) {
+    const bool refused = sinks == 7, wrong_length = refused && in.ConsumeBool();
+    const std::int64_t n = wrong_length ? refused_length(in, heads_q, 0) : heads_q;
+    p.sinks = modifier_values(in, n, in.ConsumeIntegralInRange(-8, 12));
+    if (refused && !wrong_length) make_non_finite(in, p.sinks);
+    p.refused_modifier = p.refused_modifier || refused;
+    p.options.sinks = p.sinks;
+  }
+}
+
+void describe_modifiers(std::ostream& text, const Problem& p) {
+  text << " softcap " << p.options.softcap << " alibi [";
+  for (float slope : p.alibi_slopes) text << " " << slope;
+  text << " ] sinks [";
+  for (float sink : p.sinks) text << " " << sink;
+  text << " ]";
 }
 
 Problem make_problem(FuzzedDataProvider& in) {
@@ -97,6 +191,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   fill(p.q, p.dtype, in, q_exponent, specials, true);
   fill(p.k, p.dtype, in, k_exponent, specials, true);
   fill(p.v, p.dtype, in, v_exponent, specials, true);
+  fuzzed_modifiers(in, p, shape);
 
   std::ostringstream text;
   text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype);
@@ -105,6 +200,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "v", p.v);
   describe_tensor(text, "out", p.out);
   describe_options(text, p.options);
+  describe_modifiers(text, p);
   text << " lse " << !p.lse_bytes.empty() << " specials " << specials;
   p.description = text.str();
   return p;
@@ -214,7 +310,10 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   const double u_out = unit_roundoff(p.dtype);
   const double floor =
       static_cast<double>(Skv + D + 16) * 0x1p-149 + half_smallest_denormal(p.dtype);
-  const double mixing = static_cast<double>(2 * Skv + 16) * kU32;
+  const flashattn::detail::ScoreModifiers& modifiers = params.modifiers;
+  const double softcap = modifiers.softcap;
+  const bool sinks = modifiers.sinks != nullptr;
+  const double mixing = static_cast<double>(2 * Skv + 16 + (sinks ? 4 : 0)) * kU32;
   // The flash path may round P to the input dtype as the operand of P·V (docs/design.md, "The
   // contract"; bf16 on AMX does): at most u_in·max|v| more. The bf16 tile instructions flush
   // fp32 intermediates below 2^-126 (scores' products, P·V products, the accumulator between
@@ -244,16 +343,33 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
       auto key_row = [&](std::int64_t j) {
         return static_cast<std::size_t>((b * Skv + j) * Hkv + h_kv);
       };
+      const double slope = std::abs(static_cast<double>(modifiers.alibi_slope(b, h)));
       for (std::int64_t row = 0; row < Sq; ++row) {
         const flashattn::detail::KeyRange keys = params.key_range(row);
         const double* q_row = q_abs.data() + ((b * Sq + row) * Hq + h) * D;
-        double delta = 0.0, v_max = 0.0;
+        double delta = 0.0, v_max = 0.0, logit_max = 0.0;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           const double* k_row = k_abs.data() + key_row(j) * D;
           double magnitude = 0.0;
           for (std::int64_t d = 0; d < D; ++d) magnitude += q_row[d] * k_row[d];
-          delta = std::max(delta, static_cast<double>(D + 2) * kU32 * params.scale * magnitude);
+          // The logit's error and a bound of its magnitude (see the top of the file).
+          double error = static_cast<double>(D + 2) * kU32 * params.scale * magnitude;
+          double logit = params.scale * magnitude;
+          if (softcap > 0) {
+            error = std::min(error, 2 * softcap) + 8 * kU32 * softcap;
+            logit = softcap;
+          }
+          if (slope > 0) {
+            const double alibi = slope * static_cast<double>(std::abs(row + Skv - Sq - j));
+            error += kU32 * (logit + 2 * alibi);
+            logit += alibi;
+          }
+          delta = std::max(delta, error);
+          logit_max = std::max(logit_max, logit);
           v_max = std::max(v_max, v_row_max[key_row(j)]);
+        }
+        if (sinks && !keys.empty()) {
+          delta += 2 * kU32 * (std::abs(static_cast<double>(modifiers.sinks[h])) + logit_max);
         }
         const double lse_want = ref_lse[static_cast<std::size_t>(params.lse_index(b, h, row))];
         // Both got and want lie in the hull, so 2·hull bounds their distance whatever Δ is.
@@ -307,10 +423,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   flashattn::TensorView out = p.out_view();
   float* lse = p.lse();
 
+  // A corruption that cannot apply skips the input, unless a refused modifier makes the call
+  // invalid anyway.
+  bool invalid = p.refused_modifier;
   if (corruption >= 0) {
-    if (!corrupt(p, corruption, q, k, v, out, lse)) return 0;
+    if (corrupt(p, corruption, q, k, v, out, lse)) {
+      invalid = true;
+      p.description += " corruption " + std::to_string(corruption);
+    } else if (!invalid) {
+      return 0;
+    }
+  }
+  if (invalid) {
     const std::vector<std::uint8_t> out_before = p.out.buffer.bytes, lse_before = p.lse_bytes;
-    p.description += " corruption " + std::to_string(corruption);
     try {
       flashattn::attention_forward(p.impl, q, k, v, out, lse, p.options);
     } catch (const flashattn::Error&) {

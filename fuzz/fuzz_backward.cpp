@@ -1,11 +1,14 @@
 // libFuzzer target: the backward API. The input bytes choose the path, dtype, a small shape,
 // each tensor's memory layout (dim order, padding, stride-0 broadcast of an input), the options
-// (causal, window, scale, GQA group, threads), the data (NaN, ±inf and denormals included) and,
-// for one input in eight, a corruption that makes the call invalid. out and lse come from the
-// flash forward of the same inputs, as in training.
+// (causal, window, scale, GQA group, threads), the data (NaN, ±inf and denormals included), the
+// score modifiers (softcap, ALiBi slopes of either length, sinks with or without dsinks; each
+// sometimes a value, length or dsinks buffer the API must refuse) and, for one input in eight,
+// a corruption that makes the call invalid. out and lse come from the flash forward of the same
+// inputs and valid modifiers, as in training.
 //
-// Invalid calls must raise flashattn::Error and leave dq, dk and dv untouched. Valid calls must
-// not throw, must write nothing around the three gradients, and must match the fp64 reference
+// Invalid calls must raise flashattn::Error and leave dq, dk, dv and dsinks untouched. Valid
+// calls must not throw, must write nothing around the three gradients, and must match the fp64
+// reference
 // (detail::reference_backward_f64, which recomputes P from q and k and trusts neither out nor
 // lse) element by element: non-finite exactly where the reference is, and finite values within
 // the bound below.
@@ -34,6 +37,19 @@
 // (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32 (an f16 gradient may
 // round to ±inf where the bound reaches past 65504); where ε is so large that e^ε overflows,
 // a finite reference value is not compared.
+//
+// With score modifiers the logit z_ij replaces scale·s_ij (lse_i then includes the sink), and
+// the fp32 logit's error replaces (D + 3)·u·a_ij + scale·D·t in ε_ij, as fuzz_attention.cpp
+// derives it: under a softcap c, min(that, 2c) + 8·u·c; with ALiBi (A_ij = |slope|·|distance|)
+// u·(|z_ij| + 2·A_ij) more, |z_ij| bounded by c or a_ij before the ALiBi term. A softcap
+// multiplies dS by g = 1 − tanh² computed from the fp32 tanh, whose error δt is the logit's
+// error over c (at most 2) plus 6u; then |g − g_exact| <= (2·|tanh| + δt)·δt + 2u, and dS's
+// bound becomes e_dS·g_hi + dS_hi·e_g + u·dS_hi·g_hi (one more product), with g_hi = g + e_g.
+// dsinks_h = −Σ_i exp(σ_h − lse_i)·D_i: the fast paths take lse and out from the forward and
+// sum in fp64, so each row's term is off by |exp(σ − lse)·D_i,given − exp(σ − lse_exact)·
+// D_i,exact| (the forward's rounding, known here) plus exp(σ − lse)·((D + 3)·u·Σ_d |dO_id·out_id|
+// + D·t) (the fp32 D_i, rounded once more to fp32, with a u to spare for the fp64 exp and
+// sums), and the result is rounded once to fp32.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -42,6 +58,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -51,6 +68,7 @@
 #include "flashattn/dtype.hpp"
 #include "flashattn/flashattn.hpp"
 #include "fuzz_support.hpp"
+#include "reference/logits.hpp"
 
 namespace {
 
@@ -65,7 +83,25 @@ struct Problem {
   Tensor q, k, v, out, dout, dq, dk, dv;
   std::vector<float> lse;
   AttentionOptions options;
+  std::vector<float> alibi_slopes, sinks;  // what options.alibi_slopes and options.sinks view
+  std::vector<std::uint8_t> dsinks_bytes;  // [heads_q] fp32, sentinel-filled
+  float* dsinks = nullptr;  // ModifierGradients::dsinks: into dsinks_bytes (or, refused, sinks)
+  // Modifiers the API must refuse: the backward gets them, the forward (which makes out and
+  // lse) runs without them.
+  bool refused_softcap = false, refused_alibi = false, refused_sinks = false;
+  bool refused_dsinks = false;  // dsinks without sinks, or aliasing them
   std::string description;
+
+  bool refused_modifier() const {
+    return refused_softcap || refused_alibi || refused_sinks || refused_dsinks;
+  }
+  AttentionOptions forward_options() const {
+    AttentionOptions forward = options;
+    if (refused_softcap) forward.softcap = 0.0f;
+    if (refused_alibi) forward.alibi_slopes = {};
+    if (refused_sinks) forward.sinks = {};
+    return forward;
+  }
 
   flashattn::ConstTensorView view(const Tensor& t) const {
     return {t.buffer.bytes.data(), dtype, t.shape, t.strides};
@@ -77,6 +113,92 @@ struct Problem {
 
 [[noreturn]] void finding(const Problem& p, const std::string& what) {
   report_finding("fuzz_backward", p.description, what);
+}
+
+// Softcaps the API must refuse (−0 is 0, off), and valid extremes: the smallest normal float
+// (its doubled reciprocal, 2^127, still finite) and the largest.
+constexpr float kRefusedSoftcaps[] = {-1.0f, -0x1p-149f, NAN, INFINITY, -INFINITY};
+constexpr float kExtremeSoftcaps[] = {0x1p-126f, std::numeric_limits<float>::max()};
+
+// A length of modifier values that is neither 0 (off) nor heads_q nor, where `batch` > 0 (ALiBi),
+// batch·heads_q: one short when the input says so and heads_q > 1, else one or two long.
+std::int64_t refused_length(FuzzedDataProvider& in, std::int64_t heads_q, std::int64_t batch) {
+  if (in.ConsumeBool() && heads_q > 1) return heads_q - 1;
+  return heads_q + 1 == batch * heads_q ? heads_q + 2 : heads_q + 1;
+}
+
+// n fp32 modifier values: small integers times 2^e like the data, finite, or for a refused one,
+// a NaN or ±inf at one position.
+std::vector<float> modifier_values(FuzzedDataProvider& in, std::int64_t n, int exponent) {
+  std::vector<float> values(static_cast<std::size_t>(n));
+  for (float& value : values) {
+    value = value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, false, false);
+  }
+  return values;
+}
+void make_non_finite(FuzzedDataProvider& in, std::vector<float>& values) {
+  const auto at = in.ConsumeIntegralInRange<std::size_t>(0, values.size() - 1);
+  values[at] = kSpecials[in.ConsumeIntegralInRange(0, kNonFiniteSpecials - 1)];
+}
+
+// The score modifiers, decoded after everything else: an input that ends before them (the
+// corpus from before they existed) decodes as it did, every modifier off. Each is off for half
+// the inputs that reach it, and for one in eight (one in sixteen for the softcap) refused.
+void fuzzed_modifiers(FuzzedDataProvider& in, Problem& p, const FuzzedShape& shape) {
+  const std::int64_t heads_q = shape.heads_kv * shape.group;
+  const int softcap = in.ConsumeIntegralInRange(0, 15);
+  if (softcap >= 8 && softcap <= 13) {
+    // From far below the scores (every logit saturated) to far above them (tanh linear).
+    p.options.softcap =
+        std::ldexp(in.PickValueInArray({1.0f, 1.5f, 1.25f}), in.ConsumeIntegralInRange(-8, 24));
+  } else if (softcap == 14) {
+    p.options.softcap = in.PickValueInArray(kExtremeSoftcaps);
+  } else if (softcap == 15) {
+    p.options.softcap = in.PickValueInArray(kRefusedSoftcaps);
+    p.refused_softcap = true;
+  }
+
+  // Slopes up to 2^7 and distances up to 600 keep every ALiBi term far inside fp32.
+  const int alibi = in.ConsumeIntegralInRange(0, 7);
+  if (alibi >= 4) {
+    p.refused_alibi = alibi == 7;
+    const bool wrong_length = p.refused_alibi && in.ConsumeBool();
+    const std::int64_t n = wrong_length ? refused_length(in, heads_q, shape.batch)
+                           : alibi == 6 ? shape.batch * heads_q
+                                        : heads_q;
+    p.alibi_slopes = modifier_values(in, n, in.ConsumeIntegralInRange(-8, 4));
+    if (p.refused_alibi && !wrong_length) make_non_finite(in, p.alibi_slopes);
+    p.options.alibi_slopes = p.alibi_slopes;
+  }
+
+  // 4, 5: sinks and their gradient; 6: sinks alone; 7: refused, as a wrong length, a non-finite
+  // sink, dsinks without sinks or dsinks on the sinks themselves (an input).
+  const int sinks = in.ConsumeIntegralInRange(0, 7);
+  const int refused = sinks == 7 ? in.ConsumeIntegralInRange(0, 3) : -1;
+  p.dsinks_bytes.assign(static_cast<std::size_t>(heads_q) * sizeof(float), kSentinelByte);
+  if (sinks == 4 || sinks == 5 || refused == 2) {
+    p.dsinks = reinterpret_cast<float*>(p.dsinks_bytes.data());
+  }
+  if (sinks >= 4 && refused != 2) {
+    const std::int64_t n = refused == 0 ? refused_length(in, heads_q, 0) : heads_q;
+    p.sinks = modifier_values(in, n, in.ConsumeIntegralInRange(-8, 12));
+    if (refused == 1) make_non_finite(in, p.sinks);
+    if (refused == 3) p.dsinks = p.sinks.data();
+    p.options.sinks = p.sinks;
+  }
+  p.refused_sinks = refused == 0 || refused == 1;
+  p.refused_dsinks = refused == 2 || refused == 3;
+}
+
+void describe_modifiers(std::ostream& text, const Problem& p) {
+  text << " softcap " << p.options.softcap << " alibi [";
+  for (float slope : p.alibi_slopes) text << " " << slope;
+  text << " ] sinks [";
+  for (float sink : p.sinks) text << " " << sink;
+  text << " ] dsinks "
+       << (p.dsinks == nullptr          ? "none"
+           : p.dsinks == p.sinks.data() ? "on the sinks"
+                                        : "own buffer");
 }
 
 Problem make_problem(FuzzedDataProvider& in) {
@@ -103,6 +225,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   for (Tensor* input : {&p.q, &p.k, &p.v, &p.dout}) {
     fill(*input, p.dtype, in, in.ConsumeIntegralInRange(-12, 12), specials, true);
   }
+  fuzzed_modifiers(in, p, shape);
 
   std::ostringstream text;
   text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype);
@@ -115,6 +238,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "dk", p.dk);
   describe_tensor(text, "dv", p.dv);
   describe_options(text, p.options);
+  describe_modifiers(text, p);
   text << " specials " << specials;
   p.description = text.str();
   return p;
@@ -188,9 +312,10 @@ struct Operands {
   std::vector<double> q, k, v, out, dout;
 };
 
-// Per-element error bounds of dq, dk, dv (contiguous like the reference's), as derived above.
+// Per-element error bounds of dq, dk, dv (contiguous like the reference's) and dsinks, as
+// derived above.
 struct Bounds {
-  std::vector<double> dq, dk, dv;
+  std::vector<double> dq, dk, dv, dsinks;
 };
 
 __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
@@ -203,14 +328,22 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
   const double t = p.dtype == DType::bf16 ? 0x1p-126 : 0x1p-149;
   const double gamma_q = static_cast<double>(Skv + 2) * u + u_p;          // dQ's sums over keys
   const double gamma_kv = static_cast<double>(group * Sq + 2) * u + u_p;  // dK's, dV's over rows
+  const flashattn::detail::ScoreModifiers& modifiers = f.modifiers;
+  const double softcap = modifiers.softcap;
   Bounds bound{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()),
-               std::vector<double>(x.k.size())};
-  // Per visible key of one row: scale·s, dP, and the upper bounds and errors of P and dS.
-  std::vector<double> scores(static_cast<std::size_t>(Skv)), dp(scores.size()), p_hi(scores.size()),
-      p_err(scores.size()), ds_hi(scores.size()), ds_err(scores.size());
+               std::vector<double>(x.k.size()), std::vector<double>(static_cast<std::size_t>(Hq))};
+  // Per visible key of one row: the logit, its d/d(scale·s), dP, and the upper bounds and
+  // errors of P and dS.
+  std::vector<double> scores(static_cast<std::size_t>(Skv)), derivative(scores.size()),
+      dp(scores.size()), p_hi(scores.size()), p_err(scores.size()), ds_hi(scores.size()),
+      ds_err(scores.size());
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < Hq; ++h) {
       const std::int64_t h_kv = f.kv_head(h);
+      const double slope = std::abs(static_cast<double>(modifiers.alibi_slope(b, h)));
+      const double sink = flashattn::detail::reference_sink(f, h);
+      // dsinks_h's bound: the rows' terms, and the magnitudes their fp64 sums round against.
+      double dsink_error = 0.0, dsink_magnitude = 0.0;
       auto kv_row = [&](const std::vector<double>& m, std::int64_t j) {
         return m.data() + ((b * Skv + j) * Hkv + h_kv) * D;
       };
@@ -220,15 +353,16 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
         const double* q = x.q.data() + ((b * Sq + i) * Hq + h) * D;
         const double* dout = x.dout.data() + ((b * Sq + i) * Hq + h) * D;
         const double* out = x.out.data() + ((b * Sq + i) * Hq + h) * D;
-        // The exact softmax of the row, and D_i exact and as the fast paths get it.
-        double max_score = -INFINITY;
+        // The exact softmax of the row (the sink's logit in it), and D_i exact and as the fast
+        // paths get it.
+        double max_score = sink;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           double s = 0.0;
           for (std::int64_t d = 0; d < D; ++d) s += q[d] * kv_row(x.k, j)[d];
-          scores[j] = scale * s;
+          scores[j] = flashattn::detail::reference_logit(f, b, h, i, j, scale * s, &derivative[j]);
           max_score = std::max(max_score, scores[j]);
         }
-        double sum = 0.0;
+        double sum = std::exp(sink - max_score);
         for (std::int64_t j = keys.begin; j < keys.end; ++j) sum += std::exp(scores[j] - max_score);
         const double lse_exact = max_score + std::log(sum);
         const double lse = p.lse[static_cast<std::size_t>(f.lse_index(b, h, i))];
@@ -246,6 +380,18 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
         const double delta_err = std::abs(delta_given - delta_exact) +
                                  static_cast<double>(D + 2) * u * delta_abs +
                                  static_cast<double>(D) * t;
+        if (modifiers.sinks != nullptr) {
+          // The fast paths' term against the reference's (exp(σ − lse_exact)·D_i,exact).
+          const double weight = std::exp(sink - lse), weight_exact = std::exp(sink - lse_exact);
+          double weighted_abs = 0.0;
+          for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+            weighted_abs += std::exp(scores[j] - lse_exact) * std::abs(dp[j]);
+          }
+          dsink_error +=
+              std::abs(weight * delta_given - weight_exact * delta_exact) +
+              weight * (static_cast<double>(D + 3) * u * delta_abs + static_cast<double>(D) * t);
+          dsink_magnitude += weight * delta_abs + weight_exact * weighted_abs;
+        }
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           double magnitude = 0.0, dp_abs = 0.0;
           for (std::int64_t d = 0; d < D; ++d) {
@@ -253,9 +399,20 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
             dp_abs += std::abs(dout[d] * kv_row(x.v, j)[d]);
           }
           const double exact = std::exp(scores[j] - lse_exact);
-          const double epsilon = static_cast<double>(D + 3) * u * scale * magnitude +
-                                 u * std::abs(scores[j] - lse) + 4 * u + std::abs(lse - lse_exact) +
-                                 scale * static_cast<double>(D) * t;
+          // The fp32 logit's error and a bound of its magnitude (see the top of the file).
+          const double score_error = static_cast<double>(D + 3) * u * scale * magnitude +
+                                     scale * static_cast<double>(D) * t;
+          double logit_error = score_error, logit = scale * magnitude;
+          if (softcap > 0) {
+            logit_error = std::min(score_error, 2 * softcap) + 8 * u * softcap;
+            logit = softcap;
+          }
+          if (slope > 0) {
+            const double alibi = slope * static_cast<double>(std::abs(i + Skv - Sq - j));
+            logit_error += u * (logit + 2 * alibi);
+          }
+          const double epsilon =
+              logit_error + u * std::abs(scores[j] - lse) + 4 * u + std::abs(lse - lse_exact);
           p_err[j] = exact * std::expm1(epsilon) + 0x1p-125;
           p_hi[j] = exact + p_err[j];
           const double dp_err =
@@ -264,6 +421,14 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           ds_err[j] =
               p_err[j] * centered + exact * (dp_err + delta_err) + 3 * u * p_hi[j] * centered;
           ds_hi[j] = p_hi[j] * centered;
+          if (softcap > 0) {
+            const double tanh = std::sqrt(std::max(0.0, 1.0 - derivative[j]));
+            const double tanh_err = std::min(score_error / softcap, 2.0) + 6 * u;
+            const double g_err = (2 * tanh + tanh_err) * tanh_err + 2 * u;
+            const double g_hi = derivative[j] + g_err;
+            ds_err[j] = ds_err[j] * g_hi + ds_hi[j] * g_err + u * ds_hi[j] * g_hi;
+            ds_hi[j] *= g_hi;
+          }
         }
         // dQ_i = scale·Σ_j dS_ij K_j; dK_j += scale·dS_ij Q_i; dV_j += P_ij dO_i.
         double* dq = bound.dq.data() + ((b * Sq + i) * Hq + h) * D;
@@ -281,6 +446,8 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           }
         }
       }
+      // 2^-40 bounds the fp64 sums' rounding, both sides, for far fewer than 2^12 rows.
+      bound.dsinks[static_cast<std::size_t>(h)] += dsink_error + 0x1p-40 * dsink_magnitude;
     }
   }
   return bound;
@@ -297,7 +464,9 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
                      Hkv = f.heads_kv, D = f.head_dim;
   std::vector<double> ref_dq(static_cast<std::size_t>(B * Sq * Hq * D));
   std::vector<double> ref_dk(static_cast<std::size_t>(B * Skv * Hkv * D)), ref_dv(ref_dk.size());
-  flashattn::detail::reference_backward_f64(bp, ref_dq.data(), ref_dk.data(), ref_dv.data());
+  std::vector<double> ref_dsinks(bp.dsinks == nullptr ? 0 : static_cast<std::size_t>(Hq));
+  flashattn::detail::reference_backward_f64(bp, ref_dq.data(), ref_dk.data(), ref_dv.data(),
+                                            bp.dsinks == nullptr ? nullptr : ref_dsinks.data());
   const bool exact = p.impl == AttentionImpl::reference;
   Bounds bound;
   if (!exact) {
@@ -319,6 +488,23 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   const Gradient gradients[] = {{"dq", p.dq, ref_dq, bound.dq, Sq, Hq},
                                 {"dk", p.dk, ref_dk, bound.dk, Skv, Hkv},
                                 {"dv", p.dv, ref_dv, bound.dv, Skv, Hkv}};
+  // Whether `got` (rounded to a type with unit roundoff u_out, smallest denormal 2·floor and
+  // largest finite value `largest`) may stand for `want` computed within `derived`.
+  auto matches = [](double got, double want, double derived, double u_out, double floor,
+                    double largest, double& tolerance) {
+    tolerance = 0.0;
+    // An infinity or NaN reaches exactly the elements it reaches in the reference (whether
+    // as ±inf or NaN may differ, as in the forward).
+    if (!std::isfinite(want)) return !std::isfinite(got);
+    // e^ε overflowed (scores too large for fp32 to pin P down): no bound holds the value.
+    if (!std::isfinite(derived)) return true;
+    // The computed value, within `derived` of want, is rounded once to the output dtype.
+    tolerance = derived * (1 + u_out) + u_out * std::abs(want) + floor;
+    // A result allowed past the dtype's largest finite value may round to ±inf.
+    if (got == INFINITY && want + tolerance > largest) return true;
+    if (got == -INFINITY && want - tolerance < -largest) return true;
+    return std::isfinite(got) && std::abs(got - want) <= tolerance;
+  };
   for (const Gradient& g : gradients) {
     std::size_t index = 0;
     for_each_index(g.tensor.shape, [&](auto b, auto s, auto h, auto d) {
@@ -327,31 +513,29 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
       ++index;
       const double got =
           load_f32(g.tensor.buffer.bytes.data(), p.dtype, g.tensor.offset(b, s, h, d));
-      auto report = [&](double tolerance) {
+      double tolerance = 0.0;
+      if (!matches(got, want, derived, u_out, floor, largest_finite(p.dtype), tolerance)) {
         std::ostringstream what;
         what << g.name << "[b=" << b << ", s=" << s << ", h=" << h << ", d=" << d << "] = " << got
              << ", reference " << want << ", tolerance " << tolerance;
         finding(p, what.str());
-      };
-      // An infinity or NaN reaches exactly the elements it reaches in the reference (whether
-      // as ±inf or NaN may differ, as in the forward).
-      if (!std::isfinite(want)) {
-        if (std::isfinite(got)) report(0.0);
-        return;
       }
-      // e^ε overflowed (scores too large for fp32 to pin P down): no bound holds the value.
-      if (!std::isfinite(derived)) return;
-      // The computed value, within `derived` of want, is rounded once to the output dtype.
-      const double tolerance = derived * (1 + u_out) + u_out * std::abs(want) + floor;
-      // A result allowed past the dtype's largest finite value may round to ±inf.
-      const double largest = largest_finite(p.dtype);
-      if (got == INFINITY && want + tolerance > largest) return;
-      if (got == -INFINITY && want - tolerance < -largest) return;
-      if (!std::isfinite(got) || std::abs(got - want) > tolerance) report(tolerance);
     });
     const std::int64_t written = written_around_view(g.tensor, p.dtype);
     if (written >= 0) {
       finding(p, std::string("wrote padding element ") + std::to_string(written) + " of " + g.name);
+    }
+  }
+  // dsinks is fp32 whatever the dtype.
+  for (std::size_t h = 0; h < ref_dsinks.size(); ++h) {
+    const double got = bp.dsinks[h], want = ref_dsinks[h];
+    double tolerance = 0.0;
+    if (!matches(got, want, exact ? 0.0 : bound.dsinks[h], kU32, half_smallest_denormal(DType::f32),
+                 largest_finite(DType::f32), tolerance)) {
+      std::ostringstream what;
+      what << "dsinks[" << h << "] = " << got << ", reference " << want << ", tolerance "
+           << tolerance;
+      finding(p, what.str());
     }
   }
 }
@@ -365,25 +549,41 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Problem p = make_problem(in);
   try {
     flashattn::flash_attention_forward(p.view(p.q), p.view(p.k), p.view(p.v), p.view(p.out),
-                                       p.lse.data(), p.options);
+                                       p.lse.data(), p.forward_options());
   } catch (const flashattn::Error& error) {
     finding(p, std::string("the forward of a valid problem raised Error: ") + error.what());
   }
   Call c{p.view(p.dout), p.view(p.q),  p.view(p.k),  p.view(p.v), p.view(p.out),
          p.lse.data(),   p.view(p.dq), p.view(p.dk), p.view(p.dv)};
+  const flashattn::ModifierGradients modifier_gradients{p.dsinks};
 
+  // A corruption that cannot apply skips the input, unless a refused modifier makes the call
+  // invalid anyway.
+  bool invalid = p.refused_modifier();
   if (corruption >= 0) {
-    if (!corrupt(p, corruption, c)) return 0;
+    if (corrupt(p, corruption, c)) {
+      invalid = true;
+      p.description += " corruption " + std::to_string(corruption);
+    } else if (!invalid) {
+      return 0;
+    }
+  }
+  if (invalid) {
     const std::vector<std::uint8_t> before[] = {p.dq.buffer.bytes, p.dk.buffer.bytes,
-                                                p.dv.buffer.bytes};
-    p.description += " corruption " + std::to_string(corruption);
+                                                p.dv.buffer.bytes, p.dsinks_bytes};
+    const std::vector<float> sinks_before = p.sinks;
     try {
       flashattn::attention_backward(p.impl, c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv,
-                                    p.options);
+                                    p.options, modifier_gradients);
     } catch (const flashattn::Error&) {
       if (p.dq.buffer.bytes != before[0] || p.dk.buffer.bytes != before[1] ||
-          p.dv.buffer.bytes != before[2]) {
+          p.dv.buffer.bytes != before[2] || p.dsinks_bytes != before[3]) {
         finding(p, "an invalid call wrote a gradient before raising Error");
+      }
+      // Compared bitwise: a refused sink may be NaN.
+      if (!p.sinks.empty() &&
+          std::memcmp(p.sinks.data(), sinks_before.data(), p.sinks.size() * sizeof(float)) != 0) {
+        finding(p, "an invalid call wrote dsinks over the sinks before raising Error");
       }
       return 0;
     }
@@ -392,12 +592,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   try {
     flashattn::attention_backward(p.impl, c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv,
-                                  p.options);
+                                  p.options, modifier_gradients);
   } catch (const flashattn::Error& error) {
     finding(p, std::string("a valid call raised Error: ") + error.what());
   }
   const flashattn::detail::BackwardParams params = flashattn::detail::make_backward_params(
-      "fuzz", c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv, p.options);
+      "fuzz", c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv, p.options, modifier_gradients);
   check_against_reference(p, params);
   return 0;
 }
