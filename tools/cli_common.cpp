@@ -52,4 +52,17 @@ CLI::Option* add_softcap_option(CLI::App* command, std::string* softcap) {
       });
 }
 
+std::vector<float> alibi_paper_slopes(std::int64_t heads) {
+  std::int64_t n = 1;
+  while (n * 2 <= heads) n *= 2;
+  std::vector<float> slopes;
+  for (std::int64_t h = 1; h <= n; ++h) {
+    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h) / static_cast<float>(n)));
+  }
+  for (std::int64_t h = 1; static_cast<std::int64_t>(slopes.size()) < heads; h += 2) {
+    slopes.push_back(std::exp2(-4.0f * static_cast<float>(h) / static_cast<float>(n)));
+  }
+  return slopes;
+}
+
 }  // namespace flashattn::cli

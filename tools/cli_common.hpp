@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "timing.hpp"
 
@@ -57,5 +58,10 @@ std::optional<float> parse_softcap(const std::string& text);
 
 // `--softcap C` of a subcommand (default "0": off), checked when parsed.
 CLI::Option* add_softcap_option(CLI::App* command, std::string* softcap);
+
+// The ALiBi paper's slopes for `heads` heads (Press et al. 2022): the geometric sequence
+// 2^(-8/n), 2^(-16/n), ... for the largest power of two n <= heads, then for the heads beyond n
+// every other slope of the sequence for 2n.
+std::vector<float> alibi_paper_slopes(std::int64_t heads);
 
 }  // namespace flashattn::cli

@@ -49,22 +49,6 @@ struct DemoOptions {
   bool alibi = false;
 };
 
-// The ALiBi paper's slopes for `heads` heads (Press et al. 2022): the geometric sequence
-// 2^(-8/n), 2^(-16/n), ... for the largest power of two n <= heads, then for the heads beyond n
-// every other slope of the sequence for 2n.
-std::vector<float> alibi_paper_slopes(std::int64_t heads) {
-  std::int64_t n = 1;
-  while (n * 2 <= heads) n *= 2;
-  std::vector<float> slopes;
-  for (std::int64_t h = 1; h <= n; ++h) {
-    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h) / static_cast<float>(n)));
-  }
-  for (std::int64_t h = 1; static_cast<std::int64_t>(slopes.size()) < heads; h += 2) {
-    slopes.push_back(std::exp2(-4.0f * static_cast<float>(h) / static_cast<float>(n)));
-  }
-  return slopes;
-}
-
 // Peak resident memory. Writing "5" to /proc/self/clear_refs resets VmHWM to the current RSS
 // (Linux >= 4.0), so the peak after a call minus the RSS before it is what the call added.
 std::optional<std::int64_t> status_kib(const std::string& field) {

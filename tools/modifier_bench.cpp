@@ -69,21 +69,6 @@ struct VariantResult {
   std::optional<BackwardResult> backward;
 };
 
-// The ALiBi paper's slopes for n heads: 2^(-8/m), 2^(-16/m), ... for the largest power of two
-// m <= n, then every other slope of the sequence for 2m (Press et al. 2022).
-std::vector<float> paper_slopes(std::int64_t heads) {
-  std::int64_t m = 1;
-  while (m * 2 <= heads) m *= 2;
-  std::vector<float> slopes;
-  for (std::int64_t h = 1; h <= m; ++h) {
-    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h) / static_cast<float>(m)));
-  }
-  for (std::int64_t h = 1; static_cast<std::int64_t>(slopes.size()) < heads; h += 2) {
-    slopes.push_back(std::exp2(-4.0f * static_cast<float>(h) / static_cast<float>(m)));
-  }
-  return slopes;
-}
-
 int run_modifier_bench(const ModifierBenchOptions& o) {
   if (!o.causal) {
     throw Error(
@@ -113,7 +98,7 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
   const std::array<std::int64_t, 4> shape{o.batch, o.seqlen, o.heads, o.head_dim};
   const HostTensor q = random_tensor(dtype, shape, rng), k = random_tensor(dtype, shape, rng),
                    v = random_tensor(dtype, shape, rng);
-  const std::vector<float> slopes = paper_slopes(o.heads);
+  const std::vector<float> slopes = alibi_paper_slopes(o.heads);
   std::vector<float> sinks(static_cast<std::size_t>(o.heads));
   std::normal_distribution<float> normal;
   for (float& sink : sinks) sink = normal(rng);
