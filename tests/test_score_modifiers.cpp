@@ -1,5 +1,5 @@
-// Score modifiers (options.hpp: softcap, ALiBi, sinks) on every path: worked examples with their
-// numbers written out, the fp64 reference's backward against finite differences, the flash and
+// Score modifiers (options.hpp: softcap, ALiBi, sinks, bias, mask) on every path: worked
+// examples with their numbers written out, the fp64 reference's backward against finite differences, the flash and
 // standard forward and backward against the reference over shapes that break tiling (the decode
 // path, GQA, causal and windows, f16 and bf16, strided layouts), varlen and the KV cache, and
 // bad input.
@@ -10,7 +10,11 @@
 // term A = max slope · max distance adds a rounding of its product and of the sum, 2·u32·A, to
 // every logit; the first-order bounds therefore gain 4·A + 8·softcap beside the score term
 // 4·scale·D·max|q|·max|k|, and the flash path's floor 4·u32·(A + softcap) beside its 4 score
-// roundings. The sink is one more term of the normalizer (Skv + 1 terms instead of Skv).
+// roundings. The sink is one more term of the normalizer (Skv + 1 terms instead of Skv). A bias
+// adds one fp32 rounding of (logit + bias) to each logit: 4·max|bias| more in the first-order
+// bounds and the floor (f16 and bf16 biases widen exactly). dbias sums the logits' gradients
+// P ∘ (dP − D_i) of n (batch, head) pairs; each is off by the first-order bound of P times
+// |dP − D_i| <= 2·D·max|dO|·max|v|, and by as much again through dP's own rounding.
 
 #include <gtest/gtest.h>
 
@@ -29,6 +33,12 @@ namespace flashattn::testing {
 namespace {
 
 enum class Alibi { off, shared, per_entry };
+// Bias shapes: [B, Hq, Sq, Skv]; [1, 1, Sq, Skv]; [1, Hq, Sq, Skv]; [B, 1, Sq, Skv]; one row for
+// every query row ([1, Hq, Sq, Skv] with row stride 0); [1, 1, Sq, Skv] stored column-major.
+enum class Bias { off, full, shared, per_head, per_batch, row_broadcast, transposed };
+// Masks: random keys ([B, 1, Sq, Skv]); documents on the diagonal ([1, 1, Sq, Skv]); random with
+// whole rows and a whole 64 x 64 region dropped ([1, Hq, Sq, Skv], key stride 2).
+enum class Mask { off, random, documents, empty_rows };
 
 struct ModifierCase {
   std::int64_t batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim;
@@ -42,6 +52,10 @@ struct ModifierCase {
   bool head_major = false;   // the seed's [B, H, S, D] memory seen as [B, S, H, D]
   float q_gain = 1.0f;       // scales q: scores far beyond the softcap saturate its tanh
   float sink_offset = 0.0f;  // added to every sink: sinks above every score
+  Bias bias = Bias::off;
+  DType bias_dtype = DType::f32;
+  bool infinite_bias = false;  // −inf in about 1 bias entry of 8
+  Mask mask = Mask::off;
 };
 
 std::string describe(const ModifierCase& c) {
@@ -57,6 +71,11 @@ std::string describe(const ModifierCase& c) {
   }
   if (c.q_gain != 1.0f) text << "_gain" << c.q_gain;
   if (c.sink_offset != 0.0f) text << "_sinkplus" << c.sink_offset;
+  static const char* bias[] = {"", "_bias", "_bias11", "_bias1H", "_biasB1", "_biasrow", "_biasT"};
+  static const char* mask[] = {"", "_mask", "_docs", "_maskempty"};
+  text << bias[static_cast<int>(c.bias)];
+  if (c.bias != Bias::off && c.bias_dtype != DType::f32) text << dtype_name(c.bias_dtype);
+  text << (c.infinite_bias ? "inf" : "") << mask[static_cast<int>(c.mask)];
   text << "_" << dtype_name(c.dtype) << "_t" << c.threads << (c.head_major ? "_bhsd" : "");
   std::string name = text.str();
   std::replace_if(
@@ -89,6 +108,8 @@ struct Problem {
   AttentionOptions options;
   Tensor q, k, v, out, dout;
   std::vector<float> lse;
+  Tensor bias{DType::f32, {1, 1, 1, 1}};
+  std::vector<std::uint8_t> mask_bytes;
 
   Problem(const ModifierCase& c_, std::uint64_t seed)
       : c(c_),
@@ -118,6 +139,8 @@ struct Problem {
       for (std::int64_t h = 0; h < c.heads_q; ++h) sinks.push_back(normal(rng) + c.sink_offset);
       options.sinks = sinks;
     }
+    make_bias(rng);
+    make_mask(rng);
     options.softcap = c.softcap;
     options.causal = c.causal;
     options.window_left = c.window_left;
@@ -128,6 +151,64 @@ struct Problem {
   Problem(const Problem&) = delete;
   Problem& operator=(const Problem&) = delete;
 
+  void make_bias(std::mt19937_64& rng) {
+    if (c.bias == Bias::off) return;
+    const std::int64_t B = c.batch, H = c.heads_q, Sq = c.seqlen_q, Skv = c.seqlen_kv;
+    std::array<std::int64_t, 4> shape = {B, H, Sq, Skv};
+    if (c.bias == Bias::shared || c.bias == Bias::transposed) shape = {1, 1, Sq, Skv};
+    if (c.bias == Bias::per_head || c.bias == Bias::row_broadcast) shape = {1, H, Sq, Skv};
+    if (c.bias == Bias::per_batch) shape = {B, 1, Sq, Skv};
+    std::array<std::int64_t, 4> strides = contiguous_strides(shape);
+    if (c.bias == Bias::row_broadcast) strides = {H * Skv, Skv, 0, 1};
+    if (c.bias == Bias::transposed) strides = {Sq * Skv, Sq * Skv, 1, Sq};
+    bias = Tensor(c.bias_dtype, shape, strides);
+    std::normal_distribution<float> normal;
+    std::uniform_int_distribution<int> eighth(0, 7);
+    bias.for_each_index([&](auto a, auto b, auto i, auto j) {
+      bias.set(a, b, i, j, c.infinite_bias && eighth(rng) == 0 ? -INFINITY : normal(rng));
+    });
+    options.bias = bias.view;
+  }
+
+  void make_mask(std::mt19937_64& rng) {
+    if (c.mask == Mask::off) return;
+    const std::int64_t B = c.batch, H = c.heads_q, Sq = c.seqlen_q, Skv = c.seqlen_kv;
+    std::array<std::int64_t, 4> shape = {B, 1, Sq, Skv}, strides = contiguous_strides(shape);
+    if (c.mask == Mask::documents) shape = {1, 1, Sq, Skv}, strides = contiguous_strides(shape);
+    if (c.mask == Mask::empty_rows) shape = {1, H, Sq, Skv}, strides = {0, 2 * Sq * Skv, 2 * Skv, 2};
+    std::int64_t extent = 1;
+    for (int d = 0; d < 4; ++d) extent += (shape[d] - 1) * strides[d];
+    mask_bytes.assign(static_cast<std::size_t>(extent), 0);
+    std::uniform_real_distribution<double> uniform;
+    // Documents: boundaries every ~Skv/3 keys, the rows split in proportion.
+    const std::int64_t documents = 3;
+    for (std::int64_t a = 0; a < shape[0]; ++a)
+      for (std::int64_t h = 0; h < shape[1]; ++h)
+        for (std::int64_t i = 0; i < Sq; ++i)
+          for (std::int64_t j = 0; j < Skv; ++j) {
+            bool keep = uniform(rng) < 0.7;
+            if (c.mask == Mask::documents) {
+              keep = i * documents / std::max<std::int64_t>(Sq, 1) ==
+                     j * documents / std::max<std::int64_t>(Skv, 1);
+            }
+            if (c.mask == Mask::empty_rows) {
+              keep = keep && i % 5 != 2 && !(i >= 64 && i < 128 && j >= 64 && j < 128);
+            }
+            mask_bytes[a * strides[0] + h * strides[1] + i * strides[2] + j * strides[3]] = keep;
+          }
+    options.mask = MaskView{reinterpret_cast<const bool*>(mask_bytes.data()), shape, strides};
+  }
+
+  double max_finite_bias() const {
+    if (c.bias == Bias::off) return 0.0;
+    double largest = 0.0;
+    bias.for_each_index([&](auto a, auto b, auto i, auto j) {
+      const double value = bias.at(a, b, i, j);
+      if (std::isfinite(value)) largest = std::max(largest, std::abs(value));
+    });
+    return largest;
+  }
+
   // The largest |ALiBi term| any logit carries: A of the header.
   double alibi_extent() const {
     if (slopes.empty()) return 0.0;
@@ -135,7 +216,9 @@ struct Problem {
     return slope * static_cast<double>(std::max(c.seqlen_q, c.seqlen_kv));
   }
   // The modifiers' part of the first-order bound (header).
-  double modifier_terms() const { return 4.0 * alibi_extent() + 8.0 * c.softcap; }
+  double modifier_terms() const {
+    return 4.0 * alibi_extent() + 8.0 * c.softcap + 4.0 * max_finite_bias();
+  }
   double scale() const { return 1.0 / std::sqrt(static_cast<double>(c.head_dim)); }
 };
 
@@ -180,7 +263,7 @@ ForwardErrors expect_forward_matches_reference(const Problem& p, const std::stri
                                      2.0 * (c.seqlen_kv + 1) + 16.0) +
                                 u_out * max_out;
   const double floor = 4.0 * u32 * p.scale() * std::sqrt(static_cast<double>(c.head_dim)) * qk +
-                       4.0 * u32 * (p.alibi_extent() + c.softcap);
+                       4.0 * u32 * (p.alibi_extent() + c.softcap + p.max_finite_bias());
   const MaxError standard_error = max_error(standard_out, ref.out);
   const MaxError flash_error = max_error(flash_out, ref.out);
   const double flash_bound = 4.0 * standard_error.value + 2.0 * u_out * max_out + floor * max_v +
@@ -206,6 +289,7 @@ ForwardErrors expect_forward_matches_reference(const Problem& p, const std::stri
 struct Gradients {
   Tensor dq, dk, dv;
   std::vector<float> dsinks;
+  Tensor dbias{DType::f32, {1, 1, 1, 1}};  // the bias's shape, contiguous
 };
 
 Gradients run_backward(const Problem& p, AttentionImpl impl, int threads) {
@@ -220,6 +304,11 @@ Gradients run_backward(const Problem& p, AttentionImpl impl, int threads) {
   options.num_threads = threads;
   ModifierGradients modifier_gradients;
   if (!p.sinks.empty()) modifier_gradients.dsinks = g.dsinks.data();
+  if (p.c.bias != Bias::off) {
+    g.dbias = Tensor(p.c.bias_dtype, p.bias.view.shape);
+    g.dbias.poison();
+    modifier_gradients.dbias = g.dbias.view;
+  }
   attention_backward(impl, p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(),
                      g.dq.view, g.dk.view, g.dv.view, options, modifier_gradients);
   return g;
@@ -227,6 +316,8 @@ Gradients run_backward(const Problem& p, AttentionImpl impl, int threads) {
 
 struct ReferenceGradients {
   std::vector<double> dq, dk, dv, dsinks;
+  std::vector<double> dbias;  // the bias's shape, contiguous
+  double dbias_terms = 0.0;   // (batch, head) pairs summed into each dbias element
 };
 
 ReferenceGradients reference_gradients(const Problem& p) {
@@ -238,9 +329,25 @@ ReferenceGradients reference_gradients(const Problem& p) {
   ReferenceGradients ref{std::vector<double>(static_cast<std::size_t>(p.q.view.numel())),
                          std::vector<double>(static_cast<std::size_t>(p.k.view.numel())),
                          std::vector<double>(static_cast<std::size_t>(p.k.view.numel())),
-                         std::vector<double>(p.sinks.size())};
+                         std::vector<double>(p.sinks.size()), {}, 0.0};
+  std::vector<double> dlogits(
+      static_cast<std::size_t>(p.c.batch * p.c.heads_q * p.c.seqlen_q * p.c.seqlen_kv));
   detail::reference_backward_f64(params, ref.dq.data(), ref.dk.data(), ref.dv.data(),
-                                 p.sinks.empty() ? nullptr : ref.dsinks.data());
+                                 p.sinks.empty() ? nullptr : ref.dsinks.data(), dlogits.data());
+  if (p.c.bias == Bias::off) return ref;
+  // dbias: dlogits summed over the dims the bias broadcasts.
+  const auto& shape = p.bias.view.shape;
+  ref.dbias.assign(static_cast<std::size_t>(p.bias.view.numel()), 0.0);
+  ref.dbias_terms = static_cast<double>((shape[0] == 1 ? p.c.batch : 1) *
+                                        (shape[1] == 1 ? p.c.heads_q : 1));
+  for (std::int64_t b = 0; b < p.c.batch; ++b)
+    for (std::int64_t h = 0; h < p.c.heads_q; ++h)
+      for (std::int64_t i = 0; i < p.c.seqlen_q; ++i)
+        for (std::int64_t j = 0; j < p.c.seqlen_kv; ++j) {
+          const std::int64_t bb = shape[0] == 1 ? 0 : b, hb = shape[1] == 1 ? 0 : h;
+          ref.dbias[((bb * shape[1] + hb) * shape[2] + i) * shape[3] + j] +=
+              dlogits[((b * p.c.heads_q + h) * p.c.seqlen_q + i) * p.c.seqlen_kv + j];
+        }
   return ref;
 }
 
@@ -260,7 +367,7 @@ void expect_backward_matches_reference(const Problem& p, const ForwardErrors& fo
   const double first_order = 4.0 * p.scale() * c.head_dim * qk + p.modifier_terms() +
                              2.0 * (c.seqlen_kv + c.seqlen_q + 1) + 16.0;
   const double floor = 4.0 * u32 * p.scale() * std::sqrt(static_cast<double>(c.head_dim)) * qk +
-                       4.0 * u32 * (p.alibi_extent() + c.softcap);
+                       4.0 * u32 * (p.alibi_extent() + c.softcap + p.max_finite_bias());
   const double operand_rounding =
       c.dtype == DType::f32
           ? 0.0
@@ -287,6 +394,22 @@ void expect_backward_matches_reference(const Problem& p, const ForwardErrors& fo
         << context << " " << name << ": flash [" << flash_error.index << "] = " << flash_error.got
         << ", reference " << flash_error.want << " (standard max error " << standard_error.value
         << ")";
+  }
+  if (p.c.bias != Bias::off) {
+    // dbias (header): n terms, each within 2 first-order bounds of P times 2·D·max|dO|·max|v|.
+    const double per_term = 2.0 * u32 * first_order * 2.0 * c.head_dim * max_dout * max_abs(p.v);
+    const double max_dbias = max_abs_finite(ref.dbias);
+    const double standard_bound = ref.dbias_terms * per_term +
+                                  unit_roundoff(c.bias_dtype) * max_dbias;
+    const MaxError standard_error = max_error(standard.dbias, ref.dbias);
+    const MaxError flash_error = max_error(flash.dbias, ref.dbias);
+    EXPECT_LE(standard_error.value, standard_bound)
+        << context << " dbias: standard [" << standard_error.index << "] = " << standard_error.got
+        << ", reference " << standard_error.want;
+    EXPECT_LE(flash_error.value,
+              4.0 * standard_error.value + standard_bound + ref.dbias_terms * operand_rounding)
+        << context << " dbias: flash [" << flash_error.index << "] = " << flash_error.got
+        << ", reference " << flash_error.want;
   }
   if (p.sinks.empty()) return;
   // dσ_h = −Σ exp(σ_h − lse)·D_i over B·Sq rows, from the forward's out and lse: each term moves
@@ -380,6 +503,63 @@ std::vector<ModifierCase> modifier_grid() {
     ModifierCase decode{1, 1, 300, 4, 1, 128, 6.0f, Alibi::shared, true};
     decode.dtype = dtype;
     grid.push_back(decode);
+  }
+  // Additive biases of every broadcast shape and layout, f16 and bf16 biases, −inf entries,
+  // with and without the other modifiers, over shapes that break tiling.
+  const std::array<std::int64_t, 6> bias_shapes[] = {
+      {1, 1, 1, 1, 1, 32}, {2, 7, 9, 2, 2, 40}, {1, 113, 203, 4, 2, 59}, {1, 203, 113, 2, 1, 64},
+      {2, 130, 130, 2, 2, 128}};
+  int m = 0;
+  for (const auto& s : bias_shapes) {
+    for (Bias bias : {Bias::full, Bias::shared, Bias::per_head, Bias::per_batch,
+                      Bias::row_broadcast, Bias::transposed}) {
+      ModifierCase c{s[0], s[1], s[2], s[3], s[4], s[5]};
+      c.bias = bias;
+      c.causal = m % 2 == 0;
+      c.threads = 1 + m % 3;
+      c.head_major = m % 5 == 0;
+      c.bias_dtype = m % 7 == 3 ? DType::f16 : (m % 7 == 5 ? DType::bf16 : DType::f32);
+      c.infinite_bias = m % 4 == 1;
+      if (m % 6 == 4) c.softcap = 5.0f, c.alibi = Alibi::shared, c.sinks = true;
+      grid.push_back(c);
+      ++m;
+    }
+  }
+  // Masks: random, documents, and whole rows and blocks dropped, alone and with a bias, the
+  // causal mask, GQA and the other modifiers; the decode shapes (which a mask sends to the
+  // tiled path) and f16 / bf16 inputs.
+  for (Mask mask : {Mask::random, Mask::documents, Mask::empty_rows}) {
+    for (const auto& s : bias_shapes) {
+      ModifierCase c{s[0], s[1], s[2], s[3], s[4], s[5]};
+      c.mask = mask;
+      c.causal = m % 2 == 0;
+      c.threads = 1 + m % 3;
+      if (m % 3 == 1) c.bias = Bias::shared, c.infinite_bias = true;
+      if (m % 4 == 2) c.sinks = true, c.softcap = 4.0f;
+      grid.push_back(c);
+      ++m;
+    }
+  }
+  ModifierCase document_blocks{1, 300, 300, 2, 1, 64};
+  document_blocks.mask = Mask::empty_rows;
+  document_blocks.causal = true;
+  document_blocks.bias = Bias::full;
+  grid.push_back(document_blocks);
+  for (std::int64_t sq : {1, 3}) {
+    ModifierCase decode{2, sq, 700, 8, 2, 64};
+    decode.bias = Bias::per_head;
+    decode.mask = sq == 1 ? Mask::off : Mask::random;
+    decode.sinks = true;
+    grid.push_back(decode);
+  }
+  for (DType dtype : {DType::f16, DType::bf16}) {
+    ModifierCase c{1, 131, 197, 4, 2, 64};
+    c.dtype = dtype;
+    c.bias = Bias::per_batch;
+    c.bias_dtype = dtype;
+    c.mask = Mask::documents;
+    c.causal = true;
+    grid.push_back(c);
   }
   return grid;
 }

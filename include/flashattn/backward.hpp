@@ -19,6 +19,11 @@ struct ModifierGradients {
   // fp32 [heads_q], for options.sinks: dL/dsink_h = − Σ over batch and rows of
   // exp(sink_h − lse) · rowsum(dO ∘ O). Null: not computed.
   float* dsinks = nullptr;
+  // For options.bias: dL/dbias, the logits' gradient P ∘ (dP − D_i) summed over the dims the
+  // bias broadcasts; the bias's shape and dtype, any strides that give each element its own
+  // address. Data null: not computed. The flash and standard paths take an fp32 scratch of
+  // [batch, heads_q, seqlen_q, seqlen_kv] for it, then sum in a fixed order.
+  TensorView dbias;
 };
 
 // FlashAttention-2 backward: P is recomputed block by block from lse; no memory proportional to

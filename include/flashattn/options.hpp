@@ -4,6 +4,8 @@
 #include <optional>
 #include <span>
 
+#include "flashattn/tensor.hpp"
+
 namespace flashattn {
 
 struct AttentionOptions {
@@ -20,7 +22,8 @@ struct AttentionOptions {
   std::int64_t window_right = -1;
   // Score modifiers, applied in this order (docs/semantics.md, "Score modifiers"):
   //   s = scale·q·k  ->  softcap·tanh(s / softcap)  ->  − slope_h·|i + seqlen_kv − seqlen_q − j|
-  //   ->  causal / window mask  ->  softmax whose denominator also holds exp(sink_h)
+  //   ->  + bias[b, h, i, j]  ->  mask, causal, window  ->  softmax whose denominator also holds
+  //   exp(sink_h)
   // Soft capping of the scores (Gemma 2): 0 = off; otherwise finite and > 0.
   float softcap = 0.0f;
   // ALiBi slopes, fp32: [heads_q] for every batch entry, or [batch, heads_q]; empty = off. The
@@ -33,6 +36,15 @@ struct AttentionOptions {
   // Σ_j p_j = 1 − exp(sink − lse), and lse includes the sink. A row that sees no key gets output
   // 0 and lse = its sink. Finite values.
   std::span<const float> sinks;
+  // Additive bias on the logits (T5, relative positions), f32, f16 or bf16, shape
+  // [batch | 1, heads_q | 1, seqlen_q, seqlen_kv]: a dim of 1 is shared by every batch entry or
+  // head. Any strides (0 included); data null = off. A −inf entry masks its key.
+  ConstTensorView bias;
+  // Boolean mask (document and prefix-LM masks), true = the key is kept; same shapes and
+  // broadcasting as the bias; data null = off. Blocks that it masks entirely are skipped.
+  // With a bias or a mask, a row whose every key is masked (−inf) gets output 0 and lse −inf
+  // (its sink with sinks), as a row outside the causal mask does, and never NaN.
+  MaskView mask;
   // Worker threads for the call, 0 to kMaxThreads; 0 means all the OpenMP runtime offers.
   int num_threads = 0;
 };

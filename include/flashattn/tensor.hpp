@@ -31,6 +31,14 @@ struct BasicTensorView {
 using TensorView = BasicTensorView<void*>;
 using ConstTensorView = BasicTensorView<const void*>;
 
+// A read-only 4-d view of booleans, one byte each (C++ bool, numpy's bool, torch.bool): 0 is
+// false, any other byte true. Element strides, any sign-free values.
+struct MaskView {
+  const bool* data = nullptr;
+  std::array<std::int64_t, 4> shape{};
+  std::array<std::int64_t, 4> strides{};
+};
+
 // Row-major (C order) strides for `shape`.
 constexpr std::array<std::int64_t, 4> contiguous_strides(const std::array<std::int64_t, 4>& shape) {
   return {shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1};

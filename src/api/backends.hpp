@@ -20,8 +20,11 @@ void flash_forward(const AttentionParams& params);
 // own; the others by way of add_sink_gradients). reference_backward_f64 writes contiguous fp64
 // dq [batch, seqlen_q, heads_q, head_dim], dk and dv [batch, seqlen_kv, heads_kv, head_dim], and
 // dsinks [heads_q] when not null.
+// dlogits_f64, when not null, receives the logits' gradient, contiguous
+// [batch, heads_q, seqlen_q, seqlen_kv] (0 where masked).
 void reference_backward_f64(const BackwardParams& params, double* dq_f64, double* dk_f64,
-                            double* dv_f64, double* dsinks_f64 = nullptr);
+                            double* dv_f64, double* dsinks_f64 = nullptr,
+                            double* dlogits_f64 = nullptr);
 void reference_backward(const BackwardParams& params);
 void standard_backward(const BackwardParams& params);
 void flash_backward(const BackwardParams& params);
@@ -29,6 +32,12 @@ void flash_backward(const BackwardParams& params);
 // Adds to sums[h] the sinks' gradient of every row of params (flashattn::ModifierGradients),
 // − exp(σ_h − lse) · rowsum(dO ∘ O), from the forward's out and lse; params.forward has sinks.
 void add_sink_gradients(const BackwardParams& params, double* sums);
+
+// params.dbias from the logits' gradient of every (batch, query head, row, key), contiguous
+// [batch, heads_q, seqlen_q, seqlen_kv]: summed in fp64 over the dims the bias broadcasts, in a
+// fixed order.
+void store_bias_gradient(const BackwardParams& params, const float* dlogits);
+void store_bias_gradient(const BackwardParams& params, const double* dlogits);
 
 // Merges two partial states into params.out and params.lse (cpu/merge_states.cpp).
 void merge_states(const MergeParams& params);

@@ -3,12 +3,14 @@
 #include "flashattn/backward.hpp"
 
 #include <cmath>
+#include <limits>
 #include <new>
 #include <string>
 #include <vector>
 
 #include "api/backends.hpp"
 #include "api/memory.hpp"
+#include "util/convert.hpp"
 #include "util/parallel.hpp"
 #include "util/rows.hpp"
 
@@ -40,6 +42,47 @@ void add_sink_gradients(const BackwardParams& bp, double* sums) {
   for (std::int64_t h = 0; h < p.heads_q; ++h) sums[h] += head_sums[h];
 }
 
+namespace {
+
+template <class T>
+void store_bias_gradient_of(const BackwardParams& bp, const T* dlogits) {
+  const AttentionParams& p = bp.forward;
+  const TensorView& dbias = bp.dbias;
+  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv;
+  const std::int64_t bias_batch = dbias.shape[0], bias_heads = dbias.shape[1];
+  // dbias[bb, hb, i, j] sums the (b, h) that read it: every b when the bias has batch 1 (bb = 0),
+  // else b = bb; likewise for the heads.
+  parallel_tasks(
+      p.num_threads, bias_batch * bias_heads * Sq, [] { return 0; },
+      [&](int&, std::int64_t task) {
+        const std::int64_t bb = task / (bias_heads * Sq), hb = task / Sq % bias_heads,
+                           i = task % Sq;
+        const std::int64_t b_begin = bias_batch == 1 ? 0 : bb, b_end = bias_batch == 1 ? p.batch : bb + 1;
+        const std::int64_t h_begin = bias_heads == 1 ? 0 : hb,
+                           h_end = bias_heads == 1 ? p.heads_q : hb + 1;
+        for (std::int64_t j = 0; j < Skv; ++j) {
+          double sum = 0.0;
+          for (std::int64_t b = b_begin; b < b_end; ++b) {
+            for (std::int64_t h = h_begin; h < h_end; ++h) {
+              sum += static_cast<double>(dlogits[((b * p.heads_q + h) * Sq + i) * Skv + j]);
+            }
+          }
+          const std::int64_t offset = bb * dbias.strides[0] + hb * dbias.strides[1] +
+                                      i * dbias.strides[2] + j * dbias.strides[3];
+          store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sum));
+        }
+      });
+}
+
+}  // namespace
+
+void store_bias_gradient(const BackwardParams& bp, const float* dlogits) {
+  store_bias_gradient_of(bp, dlogits);
+}
+void store_bias_gradient(const BackwardParams& bp, const double* dlogits) {
+  store_bias_gradient_of(bp, dlogits);
+}
+
 }  // namespace detail
 
 namespace {
@@ -52,12 +95,30 @@ void run_backward(const char* caller, AttentionImpl impl,
                   const ConstTensorView& out, const float* lse, const TensorView& dq,
                   const TensorView& dk, const TensorView& dv, const AttentionOptions& options,
                   const ModifierGradients& modifier_gradients) {
-  const detail::BackwardParams params = detail::make_backward_params(
+  detail::BackwardParams params = detail::make_backward_params(
       caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
-  const std::int64_t needed = detail::backward_scratch_bytes(impl, params);
-  detail::check_scratch_fits(caller, impl, params.forward, needed);
+  const detail::AttentionParams& f = params.forward;
+  // dbias: the logits' gradient of every (batch, head, row, key), summed after the backend.
+  const bool dlogits_scratch = params.dbias.data != nullptr && impl != AttentionImpl::reference;
+  std::int64_t dlogits_count = 0;
+  if (params.dbias.data != nullptr &&
+      (__builtin_mul_overflow(f.batch * f.heads_q, f.seqlen_q, &dlogits_count) ||
+       __builtin_mul_overflow(dlogits_count, f.seqlen_kv, &dlogits_count) ||
+       dlogits_count > std::numeric_limits<std::int64_t>::max() / 8)) {
+    throw Error(std::string(caller) + ": dbias: the [batch, heads_q, seqlen_q, seqlen_kv] scratch " +
+                "it needs overflows a 64-bit byte count");
+  }
+  const std::int64_t backend_bytes = detail::backward_scratch_bytes(impl, params);
+  const std::int64_t dlogits_bytes = dlogits_count * (dlogits_scratch ? 4 : 8);
+  const std::int64_t needed = backend_bytes > std::numeric_limits<std::int64_t>::max() - dlogits_bytes
+                                  ? std::numeric_limits<std::int64_t>::max()
+                                  : backend_bytes + dlogits_bytes;
+  detail::check_scratch_fits(caller, impl, f, needed);
   try {
+    std::vector<float> dlogits(dlogits_scratch ? static_cast<std::size_t>(dlogits_count) : 0);
+    params.dlogits = dlogits_scratch ? dlogits.data() : nullptr;
     backend(params);
+    if (dlogits_scratch) detail::store_bias_gradient(params, dlogits.data());
     // The reference derives its own from the P it recomputes.
     if (params.dsinks != nullptr && impl != AttentionImpl::reference) {
       std::vector<double> sums(static_cast<std::size_t>(params.forward.heads_q), 0.0);

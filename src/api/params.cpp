@@ -52,6 +52,12 @@ struct ByteSpan {
   }
 };
 
+template <class Pointer>
+std::int64_t element_size(const BasicTensorView<Pointer>& view) {
+  return static_cast<std::int64_t>(dtype_size(view.dtype));
+}
+std::int64_t element_size(const MaskView&) { return 1; }
+
 template <class View>
 ByteSpan byte_span(const char* caller, const char* name, const View& view) {
   if (element_count(caller, name, view) == 0) return {};
@@ -65,7 +71,7 @@ ByteSpan byte_span(const char* caller, const char* name, const View& view) {
     }
   }
   std::int64_t bytes = 0;
-  if (__builtin_mul_overflow(last + 1, static_cast<std::int64_t>(dtype_size(view.dtype)), &bytes)) {
+  if (__builtin_mul_overflow(last + 1, element_size(view), &bytes)) {
     fail(caller, name, ": extent of ", last + 1, " elements overflows a 64-bit byte count");
   }
   const auto begin = reinterpret_cast<std::uintptr_t>(view.data);
@@ -224,12 +230,66 @@ ByteSpan float_span(const char* caller, const char* name, const float* values, s
   return {begin, end};
 }
 
+using WrittenSpans = std::initializer_list<std::pair<const char*, ByteSpan>>;
+
+// A bias or mask view (`name`) of shape [batch | 1, heads_q | 1, seqlen_q, seqlen_kv], checked
+// and seen as the full shape (broadcast dims stride 0); not overlapping `written`.
+template <class View>
+LogitView checked_logit_view(const char* caller, const char* name, const View& view,
+                             const std::array<std::int64_t, 4>& full, WrittenSpans written) {
+  for (int d = 0; d < 4; ++d) {
+    if (view.strides[d] < 0) {
+      fail(caller, name, ": expected non-negative strides, got strides ",
+           shape_string(view.strides));
+    }
+  }
+  const std::array<std::int64_t, 4>& shape = view.shape;
+  if ((shape[0] != 1 && shape[0] != full[0]) || (shape[1] != 1 && shape[1] != full[1]) ||
+      shape[2] != full[2] || shape[3] != full[3]) {
+    fail(caller, name, ": expected shape [", full[0], " or 1, ", full[1], " or 1, ", full[2], ", ",
+         full[3], "] ([batch | 1, heads_q | 1, seqlen_q, seqlen_kv]), got ", shape_string(shape));
+  }
+  const ByteSpan span = byte_span(caller, name, view);
+  for (const auto& [other, other_span] : written) {
+    if (span.overlaps(other_span)) {
+      fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
+    }
+  }
+  LogitView logits;
+  logits.data = view.data;
+  logits.batch = shape[0] == 1 ? 0 : view.strides[0];
+  logits.head = shape[1] == 1 ? 0 : view.strides[1];
+  logits.row = view.strides[2];
+  logits.key = view.strides[3];
+  return logits;
+}
+
 // The score modifiers of `options` for `batch` entries of `heads_q` query heads, checked; their
-// fp32 arrays must not overlap what the call writes (`written`).
+// arrays must not overlap what the call writes (`written`). `logit_shape` is the
+// [batch, heads_q, seqlen_q, seqlen_kv] that a bias or mask covers; null where the call takes
+// neither (a varlen batch or a KV cache).
 ScoreModifiers checked_modifiers(const char* caller, const AttentionOptions& options,
-                                 std::int64_t batch, std::int64_t heads_q,
-                                 std::initializer_list<std::pair<const char*, ByteSpan>> written) {
+                                 std::int64_t batch, std::int64_t heads_q, WrittenSpans written,
+                                 const std::array<std::int64_t, 4>* logit_shape) {
   ScoreModifiers modifiers;
+  if (logit_shape == nullptr) {
+    if (options.bias.data != nullptr) {
+      fail(caller, "bias: expected none (a bias is taken by the dense forward and backward "
+                   "only), got a ", shape_string(options.bias.shape), " view");
+    }
+    if (options.mask.data != nullptr) {
+      fail(caller, "mask: expected none (a mask is taken by the dense forward and backward "
+                   "only), got a ", shape_string(options.mask.shape), " view");
+    }
+  } else {
+    if (options.bias.data != nullptr) {
+      modifiers.bias = checked_logit_view(caller, "bias", options.bias, *logit_shape, written);
+      modifiers.bias.dtype = options.bias.dtype;
+    }
+    if (options.mask.data != nullptr) {
+      modifiers.mask = checked_logit_view(caller, "mask", options.mask, *logit_shape, written);
+    }
+  }
   if (!std::isfinite(options.softcap) || options.softcap < 0.0f) {
     fail(caller, "softcap: expected a finite value >= 0 (0 = off), got ", options.softcap);
   }
@@ -319,8 +379,11 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   }
 
   AttentionParams params = checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
+  // A varlen batch (modifier_batch given) takes no bias or mask: its rows are packed.
+  const std::array<std::int64_t, 4> logit_shape = {batch, heads_q, seqlen_q, seqlen_kv};
   params.modifiers = checked_modifiers(caller, options, modifier_batch < 0 ? batch : modifier_batch,
-                                       heads_q, {{"out", out_span}, {"lse", lse_span}});
+                                       heads_q, {{"out", out_span}, {"lse", lse_span}},
+                                       modifier_batch < 0 ? &logit_shape : nullptr);
   return params;
 }
 
@@ -389,6 +452,44 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
     }
     written_spans.push_back({"dsinks", dsinks_span});
   }
+  if (options.bias.data != nullptr) read_spans.push_back({"bias", byte_span(caller, "bias", options.bias)});
+  if (options.mask.data != nullptr) read_spans.push_back({"mask", byte_span(caller, "mask", options.mask)});
+  const TensorView& dbias = modifier_gradients.dbias;
+  if (dbias.data != nullptr) {
+    if (f.modifiers.bias.data == nullptr) {
+      fail(caller, "dbias: expected none without options.bias (there is no bias to derive)");
+    }
+    if (dbias.shape != options.bias.shape) {
+      fail(caller, "dbias: expected shape ", shape_string(options.bias.shape), " (as bias), got ",
+           shape_string(dbias.shape));
+    }
+    if (dbias.dtype != options.bias.dtype) {
+      fail(caller, "dbias: expected dtype ", dtype_name(options.bias.dtype), " (as bias), got ",
+           dtype_name(dbias.dtype));
+    }
+    for (int d = 0; d < 4; ++d) {
+      if (dbias.strides[d] < 0) {
+        fail(caller, "dbias: expected non-negative strides, got strides ",
+             shape_string(dbias.strides));
+      }
+    }
+    if (self_overlapping(dbias)) {
+      fail(caller, "dbias: expected strides that give every element its own address, got strides ",
+           shape_string(dbias.strides), " for shape ", shape_string(dbias.shape));
+    }
+    const ByteSpan span = byte_span(caller, "dbias", dbias);
+    for (const auto& [other, other_span] : read_spans) {
+      if (span.overlaps(other_span)) {
+        fail(caller, "dbias: expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+    for (const auto& [other, other_span] : written_spans) {
+      if (span.overlaps(other_span)) {
+        fail(caller, "dbias: expected memory disjoint from ", other, ", got overlapping buffers");
+      }
+    }
+    written_spans.push_back({"dbias", span});
+  }
   for (const auto& [name, view] : gradients) {
     if (self_overlapping(*view)) {
       fail(caller, name, ": expected strides that give every element its own address, got strides ",
@@ -417,6 +518,7 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
   params.dk_strides = strides_of(dk.strides);
   params.dv_strides = strides_of(dv.strides);
   params.dsinks = modifier_gradients.dsinks;
+  params.dbias = dbias;
   return params;
 }
 
@@ -591,7 +693,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   a = checked_params(q, k_cache, v_cache, out, lse, options, scale, capacity);
   a.modifiers = checked_modifiers(
       caller, options, batch, heads_q,
-      {{"out", out_span}, {"lse", lse_span}, {"k_cache", k_cache_span}, {"v_cache", v_cache_span}});
+      {{"out", out_span}, {"lse", lse_span}, {"k_cache", k_cache_span}, {"v_cache", v_cache_span}},
+      nullptr);
   if (paged) {
     a.block_table = cache.block_table;
     a.block_table_stride = cache.pages_per_sequence;

@@ -41,16 +41,40 @@ inline void mask_invisible(float* scores, KeyRange row_keys, std::int64_t key_be
   std::fill(scores + visible_end, scores + width, kMasked);
 }
 
+// A bias or mask (options.hpp) seen as [batch, heads_q, seqlen_q, seqlen_kv]: the element
+// strides of the dims it broadcasts are 0. `dtype` is the bias's; a mask's elements are bytes.
+struct LogitView {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  std::int64_t batch = 0, head = 0, row = 0, key = 0;
+
+  std::int64_t offset(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+    return b * batch + h * head + i * row + j * key;
+  }
+  float bias(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+    return load_f32(data, dtype, offset(b, h, i, j));
+  }
+  bool kept(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
+    return static_cast<const unsigned char*>(data)[offset(b, h, i, j)] != 0;
+  }
+};
+
 // The score modifiers of AttentionOptions (options.hpp), checked: at their defaults when off.
 struct ScoreModifiers {
   float softcap = 0.0f;                 // > 0 when on
   const float* alibi_slopes = nullptr;  // [batch | 1, heads_q]
   std::int64_t alibi_batch_stride = 0;  // heads_q for per-entry slopes, 0 for shared ones
   const float* sinks = nullptr;         // [heads_q]
+  LogitView bias, mask;                 // data null when off
 
+  // Whether a −inf logit is a masked key, so that a row with nothing else gets output 0 and
+  // lse −inf rather than 0/0 (options.hpp).
+  bool masks_logits() const { return bias.data != nullptr || mask.data != nullptr; }
   // Whether the logits differ from scale·q·k: the fast paths then turn each score tile into
   // logits first (cpu::modify_scores) and run their softmax steps with scale 1.
-  bool change_logits() const { return softcap > 0.0f || alibi_slopes != nullptr; }
+  bool change_logits() const {
+    return softcap > 0.0f || alibi_slopes != nullptr || masks_logits();
+  }
   float alibi_slope(std::int64_t b, std::int64_t h) const {
     return alibi_slopes == nullptr ? 0.0f : alibi_slopes[b * alibi_batch_stride + h];
   }
@@ -146,6 +170,11 @@ struct BackwardParams {
   void* dv = nullptr;
   Strides dout_strides, dq_strides, dk_strides, dv_strides;
   float* dsinks = nullptr;  // [heads_q], when asked for (flashattn::ModifierGradients)
+  // For dbias (flashattn::ModifierGradients): the logits' gradient of every (batch, query head,
+  // row, key), fp32 contiguous [batch, heads_q, seqlen_q, seqlen_kv], which the backends write
+  // (0 where masked) and the API layer sums into dbias. Null: not asked for.
+  float* dlogits = nullptr;
+  TensorView dbias;
 };
 
 // Two partial attention states and where their merge goes (flashattn/merge.hpp): fp32 outputs

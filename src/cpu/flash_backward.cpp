@@ -398,7 +398,8 @@ BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scrat
   // A pair with masked (row, key) pairs and an infinity or NaN on either side adds its gradients
   // over the visible pairs only (cpu/kernels/visible_gradients.hpp).
   const bool fully_visible = p.key_range(pair.row_begin).end >= kv.end &&
-                             p.key_range(pair.row_begin + pair.rows - 1).begin <= kv.begin;
+                             p.key_range(pair.row_begin + pair.rows - 1).begin <= kv.begin &&
+                             p.modifiers.mask.data == nullptr;
   pair.visible_only = !fully_visible && !(kv.finite && queries.finite(task.slot, g, n));
   if (!pair.bf16 && !kv.fp32_packed) pack_key_block_fp32(p, tiles, t, task.b, task.h_kv, kv);
   return pair;
@@ -465,16 +466,29 @@ void value_gradient_step(const BackwardTiles& tiles, Scratch& t, const Task& tas
 }
 
 // dS = scale · P ∘ (dO·Vᵀ − D_i)                                        [rows x keys_padded]
-void score_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
+// (for dbias, the logits' gradient P ∘ (dP − D_i) is copied out on the way)
+void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
                          const Task& task, const KeyBlock& kv, const BlockPair& pair) {
+  const AttentionParams& p = bp.forward;
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
   score_product(p, tiles, t.dscores.data(), kv, pair,
                 pair.bf16 ? queries.dout_bf16(task.slot, pair.g, pair.n) : nullptr, t.v_bf16.data(),
                 pair.dout, t.v_packed_t.data());
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
-                             queries.delta(task.slot, pair.g, pair.n), p.scale, pair.rows,
-                             kv.keys_padded);
+                             queries.delta(task.slot, pair.g, pair.n),
+                             bp.dlogits ? 1.0f : p.scale, pair.rows, kv.keys_padded);
+  if (bp.dlogits != nullptr) {
+    const std::int64_t head = task.h_kv * p.group_size() + pair.g;
+    for (std::int64_t i = 0; i < pair.rows; ++i) {
+      float* ds = t.dscores.data() + i * ld_s;
+      std::copy_n(ds, kv.keys,
+                  bp.dlogits + ((task.b * p.heads_q + head) * p.seqlen_q + pair.row_begin + i) *
+                                       p.seqlen_kv +
+                                   kv.begin);
+      for (std::int64_t j = 0; j < kv.keys_padded; ++j) ds[j] *= p.scale;
+    }
+  }
   if (t.softcap_derivative.empty()) return;
   // Through the softcap: dS ∘= 1 − tanh²                                [rows x keys]
   for (std::int64_t i = 0; i < pair.rows; ++i) {
@@ -508,7 +522,7 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
       load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
                    p.k_strides.offset(b, kv.begin + j, task.h_kv), D);
     }
-    cpu::add_visible_gradients(p, {row_begin, rows, kv.begin, kv.keys, D, t.probabilities.data(),
+    cpu::add_visible_gradients(p, {b, h, row_begin, rows, kv.begin, kv.keys, D, t.probabilities.data(),
                                    t.dscores.data(), ld_s, t.q_rows.data(), D, t.dout_rows.data(),
                                    D, t.k_rows.data(), D, dq, Dp, t.dk.data(), t.dv.data(), Dp});
   } else if (pair.bf16) {
@@ -558,10 +572,16 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
     const RowBlocks row_blocks = row_blocks_that_see(p, tiles, kv);
     for (std::int64_t g = 0; g < p.group_size(); ++g) {
       for (std::int64_t n = row_blocks.first; n < row_blocks.end; ++n) {
+        // A pair that the mask drops entirely adds nothing.
+        const std::int64_t row_begin = n * tiles.rows;
+        if (!cpu::mask_keeps_some(p, task.b, task.h_kv * p.group_size() + g, row_begin,
+                                  row_begin + task.queries->rows(n), kv.begin, kv.end)) {
+          continue;
+        }
         const BlockPair pair = start_pair(bp, tiles, t, task, kv, g, n);
         probabilities_step(p, tiles, t, task, kv, pair);
         value_gradient_step(tiles, t, task, kv, pair);
-        score_gradient_step(p, tiles, t, task, kv, pair);
+        score_gradient_step(bp, tiles, t, task, kv, pair);
         gradients_step(bp, tiles, t, task, kv, pair);
       }
     }

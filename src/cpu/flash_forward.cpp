@@ -175,7 +175,7 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
                                                                 : p.tile_scale() * block.row_max[i];
     const cpu::RowNormalizer normalizer =
         cpu::normalize_row(row_max, block.row_sum[i], p.key_range(task.position(i)).empty(),
-                           cpu::sink_logit(p, task.head(i)));
+                           cpu::sink_logit(p, task.head(i)), p.modifiers.masks_logits());
     for (std::int64_t d = 0; d < p.head_dim; ++d) acc_row[d] *= normalizer.inverse_sum;
     store_row_f32(p.out, p.dtype, p.out_strides.offset(task.b, task.position(i), task.head(i)),
                   acc_row, p.head_dim, stream_out);
@@ -194,6 +194,19 @@ bool sees_all_keys(const AttentionParams& p, const TaskRows& task, std::int64_t 
                    std::int64_t key_end) {
   return p.key_range(task.position_begin + task.positions - 1).begin <= key_begin &&
          p.key_range(task.position_begin).end >= key_end;
+}
+
+// Whether the mask keeps some key of [key_begin, key_end) for some row of the block: a block it
+// drops entirely is not visited (true without a mask).
+bool mask_keeps_some(const AttentionParams& p, const TaskRows& task, std::int64_t key_begin,
+                     std::int64_t key_end) {
+  for (std::int64_t head = task.first_head; head < task.first_head + task.heads; ++head) {
+    if (cpu::mask_keeps_some(p, task.b, head, task.position_begin,
+                             task.position_begin + task.positions, key_begin, key_end)) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // The packed K/V block [key_begin, key_begin + keys) that a task's Q blocks read in turn.
@@ -271,12 +284,16 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
     // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
     // that never saw it.
     for (std::int64_t i = 0; i < rows; ++i) {
-      const KeyRange row_keys = p.key_range(task.position(row_lo + i));
-      const std::int64_t first = std::clamp(row_keys.begin, kv.begin, kv.end) - kv.begin;
-      const std::int64_t last = std::clamp(row_keys.end, kv.begin, kv.end) - kv.begin;
-      if (first >= last) continue;
-      cpu::accumulate_pv_tile(acc + i * Dp, Dp, scores + i * ld_scores, ld_scores,
-                              t.v_packed.data(), keys, first, last, 1, Dp);
+      const std::int64_t row = row_lo + i;
+      const KeyRange row_keys = p.key_range(task.position(row));
+      cpu::for_each_kept_run(p, task.b, task.head(row), task.position(row),
+                             std::clamp(row_keys.begin, kv.begin, kv.end),
+                             std::clamp(row_keys.end, kv.begin, kv.end),
+                             [&](std::int64_t first, std::int64_t last) {
+                               cpu::accumulate_pv_tile(acc + i * Dp, Dp, scores + i * ld_scores,
+                                                       ld_scores, t.v_packed.data(), keys,
+                                                       first - kv.begin, last - kv.begin, 1, Dp);
+                             });
     }
   };
 
@@ -328,10 +345,12 @@ void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out,
        key_begin < task_keys.end; key_begin += tiles.keys) {
     KeyBlock kv{key_begin, std::min(key_begin + tiles.keys, p.seqlen_kv), 0, 0, true, true};
     visitors.clear();
-    bool all_visible = true;
+    // With a mask, keys inside the causal range may be dropped: P·V then checks its values.
+    bool all_visible = p.modifiers.mask.data == nullptr;
     for (QueryBlock& block : blocks) {
       const KeyRange seen = block_keys(p, block.rows);
       if (seen.begin >= kv.end || seen.end <= kv.begin) continue;
+      if (!mask_keeps_some(p, block.rows, kv.begin, kv.end)) continue;
       visitors.push_back(&block);
       all_visible = all_visible && sees_all_keys(p, block.rows, kv.begin, kv.end);
     }

@@ -13,8 +13,9 @@
 namespace flashattn::detail {
 
 // The logit of key j for query row `row` of (batch b, query head h), from x = scale·q·k:
-// softcap·tanh(x / softcap), then − slope·|row + seqlen_kv − seqlen_q − j|. When
-// `softcap_derivative` is given it receives d logit / dx (1 without a softcap).
+// softcap·tanh(x / softcap), then − slope·|row + seqlen_kv − seqlen_q − j|, then + bias; −inf
+// where the mask drops the key. When `softcap_derivative` is given it receives d logit / dx (1
+// without a softcap).
 inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int64_t h,
                               std::int64_t row, std::int64_t j, double x,
                               double* softcap_derivative = nullptr) {
@@ -29,6 +30,10 @@ inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int
   if (m.alibi_slopes != nullptr) {
     const double distance = static_cast<double>(row + p.seqlen_kv - p.seqlen_q - j);
     logit -= static_cast<double>(m.alibi_slope(b, h)) * std::abs(distance);
+  }
+  if (m.bias.data != nullptr) logit += static_cast<double>(m.bias.bias(b, h, row, j));
+  if (m.mask.data != nullptr && !m.mask.kept(b, h, row, j)) {
+    logit = -std::numeric_limits<double>::infinity();
   }
   if (softcap_derivative != nullptr) *softcap_derivative = derivative;
   return logit;

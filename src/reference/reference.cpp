@@ -51,13 +51,22 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
   double sum = std::exp(sink - shift);
   std::vector<double>& output = buffers.output;
   for (std::int64_t d = 0; d < D; ++d) output[d] = 0.0;
+  const LogitView& mask = p.modifiers.mask;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    if (mask.data != nullptr && !mask.kept(b, h, row, j)) continue;  // as if outside the range
     const double weight = std::exp(scores[j] - shift);
     sum += weight;
     const std::int64_t v_offset = p.v_strides.offset(b, j, h_kv);
     for (std::int64_t d = 0; d < D; ++d) {
       output[d] += weight * static_cast<double>(load_f32(p.v, p.dtype, v_offset + d));
     }
+  }
+  // With a bias or mask, a row whose logits are all −inf has every key masked (no sink: a sink
+  // keeps sum > 0).
+  if (sum == 0.0 && p.modifiers.masks_logits()) {
+    for (std::int64_t d = 0; d < D; ++d) out_row[d] = 0.0;
+    if (lse) *lse = -std::numeric_limits<double>::infinity();
+    return;
   }
   for (std::int64_t d = 0; d < D; ++d) out_row[d] = output[d] / sum;
   if (lse) *lse = shift + std::log(sum);

@@ -5,8 +5,9 @@
 //   P_ij = exp(z_ij − lse_i), lse_i = log(exp(σ_h) + Σ_j exp(z_ij))
 //   dP_ij = dO_i·v_j        D_i = Σ_j P_ij dP_ij    dS_ij = P_ij (dP_ij − D_i) · dz_ij/dx_ij
 //   dq_i = scale Σ_j dS_ij k_j      dk_j += scale dS_ij q_i      dv_j += P_ij dO_i
-//   dσ_h −= exp(σ_h − lse_i) · D_i
-// (dk, dv summed over the GQA group; dz/dx = 1 − tanh² under a softcap, else 1).
+//   dσ_h −= exp(σ_h − lse_i) · D_i      dbias_ij = P_ij (dP_ij − D_i)
+// (dk, dv summed over the GQA group; dz/dx = 1 − tanh² under a softcap, else 1). Keys that the
+// mask drops are skipped like those outside the causal range.
 
 #include <cmath>
 #include <limits>
@@ -35,10 +36,11 @@ struct GroupGradients {
   std::int64_t base, kv_row;
 };
 
-// Query row `row` of (batch b, query head h): writes dq[0, D), adds its terms to the group's
-// dK and dV rows, and returns its term of dσ_h.
+// Query row `row` of (batch b, query head h): writes dq[0, D) and, when not null, the logits'
+// gradient dlogits[0, seqlen_kv), adds its terms to the group's dK and dV rows, and returns its
+// term of dσ_h.
 double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
-                              std::int64_t row, RowBuffers& buffers, double* dq,
+                              std::int64_t row, RowBuffers& buffers, double* dq, double* dlogits,
                               const GroupGradients& group) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, h_kv = p.kv_head(h);
@@ -48,6 +50,9 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     return static_cast<double>(load_f32(base, p.dtype, strides.offset(b, s, head) + d));
   };
   for (std::int64_t d = 0; d < D; ++d) dq[d] = 0.0;
+  if (dlogits != nullptr) {
+    for (std::int64_t j = 0; j < p.seqlen_kv; ++j) dlogits[j] = 0.0;
+  }
   const KeyRange keys = p.key_range(row);
   if (keys.empty()) return 0.0;
 
@@ -70,8 +75,13 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     probabilities[j] = std::exp(probabilities[j] - shift);
     sum += probabilities[j];
   }
+  // With a bias or mask, a row whose logits are all −inf has every key masked: no gradient.
+  if (sum == 0.0 && p.modifiers.masks_logits()) return 0.0;
+  const LogitView& mask = p.modifiers.mask;
+  auto dropped = [&](std::int64_t j) { return mask.data != nullptr && !mask.kept(b, h, row, j); };
   double row_delta = 0.0;  // D_i
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+    if (dropped(j)) continue;
     probabilities[j] /= sum;
     double dot = 0.0;
     for (std::int64_t d = 0; d < D; ++d) {
@@ -81,7 +91,10 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     row_delta += probabilities[j] * dot;
   }
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-    const double dscore = probabilities[j] * (dprobabilities[j] - row_delta) * derivatives[j];
+    if (dropped(j)) continue;
+    const double dlogit = probabilities[j] * (dprobabilities[j] - row_delta);
+    if (dlogits != nullptr) dlogits[j] = dlogit;
+    const double dscore = dlogit * derivatives[j];
     const std::int64_t kv = group.base + j * group.kv_row;
     for (std::int64_t d = 0; d < D; ++d) {
       dq[d] += scale * dscore * read(p.k, p.k_strides, j, h_kv, d);
@@ -95,7 +108,7 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
 }  // namespace
 
 void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk_f64,
-                            double* dv_f64, double* dsinks_f64) {
+                            double* dv_f64, double* dsinks_f64, double* dlogits_f64) {
   const AttentionParams& p = bp.forward;
   const std::int64_t D = p.head_dim, Skv = p.seqlen_kv;
   auto make_buffers = [&] {
@@ -119,7 +132,10 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
     for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
       for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
         double* dq = dq_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
-        const double sink_term = reference_backward_row(bp, b, h, row, buffers, dq, group);
+        double* dlogits =
+            dlogits_f64 ? dlogits_f64 + ((b * p.heads_q + h) * p.seqlen_q + row) * Skv : nullptr;
+        const double sink_term =
+            reference_backward_row(bp, b, h, row, buffers, dq, dlogits, group);
         if (dsinks_f64) sink_terms[(b * p.heads_q + h) * p.seqlen_q + row] = sink_term;
       }
     }
@@ -143,8 +159,12 @@ void reference_backward(const BackwardParams& bp) {
   std::vector<double> dk(static_cast<std::size_t>(p.batch * p.seqlen_kv * p.heads_kv * D));
   std::vector<double> dv(dk.size());
   std::vector<double> dsinks(bp.dsinks ? static_cast<std::size_t>(p.heads_q) : 0);
-  reference_backward_f64(bp, dq.data(), dk.data(), dv.data(), bp.dsinks ? dsinks.data() : nullptr);
+  std::vector<double> dlogits(
+      bp.dbias.data ? static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q * p.seqlen_kv) : 0);
+  reference_backward_f64(bp, dq.data(), dk.data(), dv.data(), bp.dsinks ? dsinks.data() : nullptr,
+                         bp.dbias.data ? dlogits.data() : nullptr);
   for (std::size_t h = 0; h < dsinks.size(); ++h) bp.dsinks[h] = static_cast<float>(dsinks[h]);
+  if (bp.dbias.data) store_bias_gradient(bp, dlogits.data());
 
   auto store = [&](void* base, const Strides& strides, const std::vector<double>& values,
                    std::int64_t seqlen, std::int64_t heads) {

@@ -32,16 +32,17 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // In place: row of logits -> row of probabilities, zeros outside the visible keys. The row is
 // `width` floats (seqlen_kv padded to whole vectors); max, exp and sum run through the SIMD
 // softmax kernel of the FlashAttention path, applied to the whole row as one tile. `sink` joins
-// the normalizer (-inf: no sink). Returns the row's logsumexp (the sink's logit, -inf without
-// one, when no key is visible).
-float softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink) {
+// the normalizer (-inf: no sink); `masks_logits` as for cpu::normalize_row. Returns the row's
+// logsumexp (the sink's logit, -inf without one, when no key is visible).
+float softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink, bool masks_logits) {
   std::fill(scores, scores + keys.begin, kNegativeInfinity);
   std::fill(scores + keys.end, scores + width, kNegativeInfinity);
   float max_score = kNegativeInfinity, sum = 0.0f;
   if (!keys.empty()) {
     cpu::online_softmax_tile(scores, width, 1.0f, &max_score, &sum, nullptr, 0, 1, width, 0);
   }
-  const cpu::RowNormalizer normalizer = cpu::normalize_row(max_score, sum, keys.empty(), sink);
+  const cpu::RowNormalizer normalizer =
+      cpu::normalize_row(max_score, sum, keys.empty(), sink, masks_logits);
   if (keys.empty()) std::fill(scores, scores + width, 0.0f);
   for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= normalizer.inverse_sum;
   return normalizer.lse;
@@ -79,7 +80,8 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     if (p.modifiers.change_logits()) {
       cpu::modify_scores(scores, nullptr, Skv, 1.0f, cpu::row_modifiers(p, b, h, row, 0, Skv));
     }
-    const float lse = softmax_row(scores, width, p.key_range(row), sink);
+    const float lse =
+        softmax_row(scores, width, p.key_range(row), sink, p.modifiers.masks_logits());
     if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
   }
   // O = P·V                                                    [Sq x D]
@@ -98,17 +100,20 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
                 v.data, v.stride, 0.0f, out, out_stride);
   } else if (Skv > 0) {
     // A masked key has p = 0, but 0 · inf = NaN: with a non-finite value row, each row takes
-    // only its visible keys.
+    // only its visible keys (each run of them that the mask keeps).
     for (std::int64_t row = 0; row < Sq; ++row) {
       const KeyRange keys = p.key_range(row);
       std::fill_n(out + row * out_stride, D, 0.0f);
-      if (keys.empty()) continue;
       // One row of P times the visible rows of V, [1 x n]·[n x D], through sgemm (the only BLAS
       // routine the sanitizer builds' plain-loop stand-in provides).
-      const std::int64_t n = keys.end - keys.begin;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, D, n, 1.0f,
-                  t.scores.data() + row * width + keys.begin, n, v.data + keys.begin * v.stride,
-                  v.stride, 0.0f, out + row * out_stride, D);
+      cpu::for_each_kept_run(p, b, h, row, keys.begin, keys.end,
+                             [&](std::int64_t first, std::int64_t last) {
+                               const std::int64_t n = last - first;
+                               cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, D, n, 1.0f,
+                                           t.scores.data() + row * width + first, n,
+                                           v.data + first * v.stride, v.stride, 1.0f,
+                                           out + row * out_stride, D);
+                             });
     }
   } else {
     for (std::int64_t row = 0; row < Sq; ++row) {

@@ -93,7 +93,15 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, 1.0f, dout.data, dout.stride,
                   v.data, v.stride, 0.0f, t.dscores.data(), width);
       cpu::softmax_gradient_tile(t.dscores.data(), width, t.probabilities.data(), width,
-                                 t.delta.data(), p.scale, Sq, width);
+                                 t.delta.data(), bp.dlogits ? 1.0f : p.scale, Sq, width);
+      if (bp.dlogits != nullptr) {
+        // dbias: the logits' gradient P ∘ (dP − D_i) out, then dS scaled as above.
+        for (std::int64_t row = 0; row < Sq; ++row) {
+          float* ds = t.dscores.data() + row * width;
+          std::copy_n(ds, Skv, bp.dlogits + ((b * p.heads_q + h) * Sq + row) * Skv);
+          for (std::int64_t j = 0; j < width; ++j) ds[j] *= p.scale;
+        }
+      }
       if (capped) {
         for (std::int64_t row = 0; row < Sq; ++row) {
           float* ds = t.dscores.data() + row * width;
@@ -104,7 +112,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
       // dQ = dS·K, dK += dSᵀ·Q                                       [Sq x D], [Skv x D]
       if (visible_only) {
         std::fill(t.dq.begin(), t.dq.end(), 0.0f);
-        cpu::add_visible_gradients(p, {0, Sq, 0, Skv, D, t.probabilities.data(), t.dscores.data(),
+        cpu::add_visible_gradients(p, {b, h, 0, Sq, 0, Skv, D, t.probabilities.data(), t.dscores.data(),
                                        width, q.data, q.stride, dout.data, dout.stride, k.data,
                                        k.stride, t.dq.data(), D, t.dk.data(), t.dv.data(), D});
       } else {

@@ -8,18 +8,25 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "api/params.hpp"
 
 namespace flashattn::detail::cpu {
 
-// One row's modifiers: its query head's softcap and ALiBi slope, and the distance from the
-// diagonal of the row's first key in the tile (row + seqlen_kv − seqlen_q − key).
+// One row's modifiers: its query head's softcap and ALiBi slope, the distance from the
+// diagonal of the row's first key in the tile (row + seqlen_kv − seqlen_q − key), and where the
+// row's bias and mask start at that key (null when off), with their element strides along keys.
 struct RowModifiers {
   float softcap;
   float slope;
   std::int64_t first_distance;
+  const void* bias = nullptr;
+  DType bias_dtype = DType::f32;
+  std::int64_t bias_stride = 0;
+  const unsigned char* mask = nullptr;
+  std::int64_t mask_stride = 0;
 };
 
 // The modifiers of query row `row` of (batch b, query head h) for a tile whose first key is
@@ -27,29 +34,91 @@ struct RowModifiers {
 inline RowModifiers row_modifiers(const AttentionParams& p, std::int64_t b, std::int64_t h,
                                   std::int64_t row, std::int64_t key_begin,
                                   std::int64_t seqlen_kv) {
-  return {p.modifiers.softcap, p.modifiers.alibi_slope(b, h),
-          row + seqlen_kv - p.seqlen_q - key_begin};
+  const ScoreModifiers& m = p.modifiers;
+  RowModifiers modifiers{m.softcap, m.alibi_slope(b, h), row + seqlen_kv - p.seqlen_q - key_begin};
+  if (m.bias.data != nullptr) {
+    modifiers.bias = static_cast<const char*>(m.bias.data) +
+                     m.bias.offset(b, h, row, key_begin) * dtype_size(m.bias.dtype);
+    modifiers.bias_dtype = m.bias.dtype;
+    modifiers.bias_stride = m.bias.key;
+  }
+  if (m.mask.data != nullptr) {
+    modifiers.mask = static_cast<const unsigned char*>(m.mask.data) + m.mask.offset(b, h, row, key_begin);
+    modifiers.mask_stride = m.mask.key;
+  }
+  return modifiers;
+}
+
+// Whether the mask keeps some key of [key_begin, key_end) for some row of [row_begin, row_end)
+// of (batch b, query head h): a block it drops entirely is skipped. True without a mask.
+inline bool mask_keeps_some(const AttentionParams& p, std::int64_t b, std::int64_t h,
+                            std::int64_t row_begin, std::int64_t row_end, std::int64_t key_begin,
+                            std::int64_t key_end) {
+  const LogitView& mask = p.modifiers.mask;
+  if (mask.data == nullptr) return true;
+  const auto* bytes = static_cast<const unsigned char*>(mask.data);
+  const std::int64_t n = key_end - key_begin;
+  for (std::int64_t row = row_begin; row < row_end; ++row) {
+    const unsigned char* keys = bytes + mask.offset(b, h, row, key_begin);
+    std::int64_t j = 0;
+    if (mask.key == 1) {  // eight keys a word
+      for (; j + 8 <= n; j += 8) {
+        std::uint64_t word;
+        std::memcpy(&word, keys + j, sizeof word);
+        if (word != 0) return true;
+      }
+    }
+    for (; j < n; ++j) {
+      if (keys[j * mask.key] != 0) return true;
+    }
+  }
+  return false;
+}
+
+// Calls add(first_run, last_run) for each run of consecutive keys of [first, last) that the mask
+// keeps for query row `row` of (batch b, query head h); the whole range without a mask. For the
+// P·V of rows whose value rows hold an infinity or a NaN: a dropped key's 0·inf must not reach
+// the row, as it does not in the reference, which skips dropped keys.
+template <class Add>
+void for_each_kept_run(const AttentionParams& p, std::int64_t b, std::int64_t h, std::int64_t row,
+                       std::int64_t first, std::int64_t last, Add&& add) {
+  const LogitView& mask = p.modifiers.mask;
+  if (mask.data == nullptr) {
+    if (first < last) add(first, last);
+    return;
+  }
+  std::int64_t j = first;
+  while (j < last) {
+    while (j < last && !mask.kept(b, h, row, j)) ++j;
+    const std::int64_t run = j;
+    while (j < last && mask.kept(b, h, row, j)) ++j;
+    if (run < j) add(run, j);
+  }
 }
 
 // In place, for j < n: x = scale·scores[j], then softcap·tanh(x / softcap) (softcap > 0), then
-// − slope·|first_distance − j| (slope != 0). With `derivative` not null, derivative[j] receives
-// d logit / dx: 1 − tanh²(x / softcap), or 1 without a softcap (the backward's chain rule). n
-// need not be a whole number of vectors. Distances beyond 2^24 round to fp32.
+// − slope·|first_distance − j| (slope != 0), then + bias[j] (a bias), then −inf where mask[j] is
+// 0 (a mask). With `derivative` not null, derivative[j] receives d logit / dx: 1 − tanh²(x /
+// softcap), or 1 without a softcap (the backward's chain rule). n need not be a whole number of
+// vectors. Distances beyond 2^24 round to fp32.
 void modify_scores(float* scores, float* derivative, std::int64_t n, float scale,
                    const RowModifiers& row);
 
 // The epilogue of one row of an online softmax: what its accumulator is multiplied by, and its
 // lse. `row_max` is the largest logit the row saw (-inf when none), `sum` Σ exp(logit − row_max),
 // `sink` the query head's sink logit (-inf without sinks), which joins the normalizer on the
-// larger of the two maxima. A row that sees no key gets 0 and lse = sink; one whose visible logits
-// are all -inf (an infinite input) gets 0/0 = NaN without a sink, as the reference does.
+// larger of the two maxima. A row that sees no key gets 0 and lse = sink; so does one whose
+// logits are all -inf under a bias or mask (`masks_logits`: those keys are masked). Otherwise a
+// row whose visible logits are all -inf (an infinite input) gets 0/0 = NaN without a sink, as
+// the reference does.
 struct RowNormalizer {
   float inverse_sum;
   float lse;
 };
-inline RowNormalizer normalize_row(float row_max, float sum, bool no_key_seen, float sink) {
+inline RowNormalizer normalize_row(float row_max, float sum, bool no_key_seen, float sink,
+                                   bool masks_logits) {
   constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
-  if (no_key_seen) return {0.0f, sink};
+  if (no_key_seen || (masks_logits && sum == 0.0f)) return {0.0f, sink};
   if (sink == kNegativeInfinity) {
     return {1.0f / sum, (row_max == kNegativeInfinity ? 0.0f : row_max) + std::log(sum)};
   }

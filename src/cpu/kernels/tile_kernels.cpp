@@ -464,7 +464,9 @@ void SoftmaxGradientTile(float* HWY_RESTRICT dp, std::int64_t ld_dp, const float
 // The score modifiers on one row (score_modifiers.hpp): here beside the softmax, whose exp
 // the softcap's tanh uses.
 void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, std::int64_t n,
-                  float scale, float softcap, float slope, std::int64_t first_distance) {
+                  float scale, const RowModifiers& row) {
+  const float softcap = row.softcap, slope = row.slope;
+  const std::int64_t first_distance = row.first_distance;
   const Tag tag;
   const auto N = static_cast<std::int64_t>(hn::Lanes(tag));
   const Vec scale_vec = hn::Set(tag, scale);
@@ -476,6 +478,12 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
   // The last vector's lanes past n: through a buffer, so that n need not be a whole vector.
   HWY_ALIGN float tail_scores[hn::MaxLanes(tag)];
   HWY_ALIGN float tail_derivative[hn::MaxLanes(tag)];
+  // A bias that is not contiguous fp32, and any mask, go through these one vector at a time.
+  HWY_ALIGN float bias_lanes[hn::MaxLanes(tag)];
+  HWY_ALIGN std::uint32_t keep_lanes[hn::MaxLanes(tag)];
+  const bool contiguous_bias = row.bias_dtype == DType::f32 && row.bias_stride == 1;
+  const hn::RebindToUnsigned<Tag> utag;
+  const Vec minus_infinity = hn::Set(tag, -std::numeric_limits<float>::infinity());
   for (std::int64_t j = 0; j < n; j += N) {
     const std::int64_t count = n - j < N ? n - j : N;
     float* s = scores + j;
@@ -504,6 +512,24 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
       const Vec distance =
           hn::Sub(hn::Set(tag, static_cast<float>(first_distance - j)), lane_offsets);
       logit = hn::NegMulAdd(slope_vec, hn::Abs(distance), logit);
+    }
+    if (row.bias != nullptr) {
+      if (contiguous_bias && count == N) {
+        logit = hn::Add(logit, hn::LoadU(tag, static_cast<const float*>(row.bias) + j));
+      } else {
+        for (std::int64_t i = 0; i < N; ++i) {
+          bias_lanes[i] = i < count ? load_f32(row.bias, row.bias_dtype, (j + i) * row.bias_stride)
+                                    : 0.0f;
+        }
+        logit = hn::Add(logit, hn::Load(tag, bias_lanes));
+      }
+    }
+    if (row.mask != nullptr) {
+      for (std::int64_t i = 0; i < N; ++i) {
+        keep_lanes[i] = i < count ? row.mask[(j + i) * row.mask_stride] : 1u;
+      }
+      const auto dropped = hn::RebindMask(tag, hn::Eq(hn::Load(utag, keep_lanes), hn::Zero(utag)));
+      logit = hn::IfThenElse(dropped, minus_infinity, logit);
     }
     hn::StoreU(logit, tag, s);
     if (count < N) {
@@ -922,7 +948,7 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
 void modify_scores(float* scores, float* derivative, std::int64_t n, float scale,
                    const RowModifiers& row) {
   HWY_DYNAMIC_DISPATCH(ModifyScores)
-  (scores, derivative, n, scale, row.softcap, row.slope, row.first_distance);
+  (scores, derivative, n, scale, row);
 }
 
 void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, std::int64_t count,

@@ -12,9 +12,10 @@
 
 namespace flashattn::detail::cpu {
 
-// Rows [row_begin, row_begin + rows) of one query head against keys [key_begin,
-// key_begin + keys). Row-major fp32 operands, element (r, d) at data[r·ld + d].
+// Rows [row_begin, row_begin + rows) of query head `head` of batch entry `batch` against keys
+// [key_begin, key_begin + keys). Row-major fp32 operands, element (r, d) at data[r·ld + d].
 struct VisibleGradientTile {
+  std::int64_t batch, head;
   std::int64_t row_begin, rows, key_begin, keys, head_dim;
   const float* probabilities;  // P [rows x keys]
   const float* dscores;        // dS, scaled [rows x keys]
@@ -33,7 +34,8 @@ struct VisibleGradientTile {
 };
 
 // dV_j += Σ_i P_ij·dO_i, dK_j += Σ_i dS_ij·Q_i, dQ_i += Σ_j dS_ij·K_j over the pairs where
-// query position row_begin + i sees key key_begin + j (p.key_range). Plain loops: the path of
+// query position row_begin + i sees key key_begin + j (p.key_range) and the mask, if any, keeps
+// it. Plain loops: the path of
 // non-finite inputs only.
 void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& tile);
 
