@@ -586,6 +586,18 @@ TEST(ModifiersReference, BackwardMatchesFiniteDifferences) {
       {1, 5, 6, 2, 1, 8, 0.0f, Alibi::per_entry, false, true},
       {2, 4, 7, 2, 2, 8, 0.0f, Alibi::off, true, true},
       {1, 6, 5, 4, 2, 8, 2.0f, Alibi::shared, true, false},
+      [] {
+        ModifierCase c{2, 4, 6, 2, 1, 8, 1.5f, Alibi::off, true, true};
+        c.bias = Bias::per_head;
+        c.mask = Mask::random;
+        return c;
+      }(),
+      [] {
+        ModifierCase c{2, 5, 5, 2, 2, 8};
+        c.bias = Bias::full;
+        c.infinite_bias = true;
+        return c;
+      }(),
   };
   for (const ModifierCase& c : cases) {
     Problem p(c, test_seed() ^ std::hash<std::string>{}(describe(c)));
@@ -633,6 +645,18 @@ TEST(ModifiersReference, BackwardMatchesFiniteDifferences) {
           ref.dsinks[h], [&] { return p.sinks[h]; }, [&](float x) { p.sinks[h] = x; },
           "dsinks[" + std::to_string(h) + "]");
     }
+    if (c.bias == Bias::off) continue;
+    std::int64_t flat = 0;
+    p.bias.for_each_index([&](auto a, auto b, auto i, auto j) {
+      const std::int64_t index = flat++;
+      if (!std::isfinite(p.bias.at(a, b, i, j))) {
+        EXPECT_EQ(ref.dbias[index], 0.0) << describe(c) << " dbias at a -inf bias";
+        return;
+      }
+      expect_derivative(
+          ref.dbias[index], [&] { return p.bias.at(a, b, i, j); },
+          [&](float x) { p.bias.set(a, b, i, j, x); }, "dbias[" + std::to_string(index) + "]");
+    });
   }
 }
 
@@ -689,6 +713,79 @@ TEST(ModifierExamples, AlibiCountsDistanceFromTheBottomRightDiagonal) {
   TinyProblem().expect(options, (4.0 * a + 16.0) / (a + 2.0), std::log(a + 2.0), 1e-6);
 }
 
+TEST(ModifierExamples, BiasAddsToTheLogits) {
+  // Bias (ln 2, 0): logits (ln 2, ln 2), weights 1 : 1, out = 6, lse = ln 4.
+  const float bias[] = {std::log(2.0f), 0.0f};
+  AttentionOptions options;
+  options.bias = contiguous_view(bias, {1, 1, 1, 2});
+  TinyProblem().expect(options, 6.0, std::log(4.0), 1e-6);
+}
+
+TEST(ModifierExamples, MaskDropsAKey) {
+  // Key 1 dropped: out = v0 = 4, lse = logit 0 = 0.
+  const bool keep[] = {true, false};
+  AttentionOptions options;
+  options.mask = MaskView{keep, {1, 1, 1, 2}, {2, 2, 2, 1}};
+  TinyProblem().expect(options, 4.0, 0.0, 1e-6);
+}
+
+// With a bias or mask, a row whose every key is masked gets 0 and lse −inf (its sink with
+// sinks) on every path, never 0/0.
+TEST(ModifierExamples, RowWhoseKeysAreAllMaskedGetsZero) {
+  const bool drop[] = {false, false};
+  const float minus_infinity[] = {-INFINITY, -INFINITY};
+  const float sink = 0.5f;
+  for (int variant = 0; variant < 3; ++variant) {
+    TinyProblem tiny;
+    AttentionOptions options;
+    options.softmax_scale = 1.0f;
+    if (variant == 0) options.mask = MaskView{drop, {1, 1, 1, 2}, {2, 2, 2, 1}};
+    if (variant >= 1) options.bias = contiguous_view(minus_infinity, {1, 1, 1, 2});
+    if (variant == 2) options.sinks = std::span<const float>(&sink, 1);
+    for (AttentionImpl impl :
+         {AttentionImpl::reference, AttentionImpl::standard, AttentionImpl::flash}) {
+      Tensor out(DType::f32, {1, 1, 1, 1});
+      out.poison();
+      float lse = NAN;
+      attention_forward(impl, tiny.q.view, tiny.k.view, tiny.v.view, out.view, &lse, options);
+      EXPECT_EQ(out.at(0, 0, 0, 0), 0.0f) << impl_name(impl) << " variant " << variant;
+      EXPECT_EQ(lse, variant == 2 ? sink : -INFINITY) << impl_name(impl) << " variant " << variant;
+    }
+  }
+}
+
+// A document mask (block-diagonal) gives what the same −inf bias gives, bit for bit on the flash
+// path, though it skips the blocks that the bias computes.
+TEST(ModifierExamples, DocumentMaskEqualsMinusInfinityBias) {
+  const std::int64_t S = 700, H = 2, D = 64;
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, {1, S, H, D}), k(DType::f32, {1, S, H, D}), v(DType::f32, {1, S, H, D});
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  const std::int64_t ends[] = {130, 300, 301, 700};
+  auto document = [&](std::int64_t i) {
+    return std::upper_bound(std::begin(ends), std::end(ends), i) - std::begin(ends);
+  };
+  std::vector<std::uint8_t> keep(S * S);
+  std::vector<float> bias(S * S);
+  for (std::int64_t i = 0; i < S; ++i)
+    for (std::int64_t j = 0; j < S; ++j) {
+      keep[i * S + j] = document(i) == document(j);
+      bias[i * S + j] = keep[i * S + j] ? 0.0f : -INFINITY;
+    }
+  AttentionOptions with_mask, with_bias;
+  with_mask.causal = with_bias.causal = true;
+  with_mask.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), {1, 1, S, S}, {0, 0, S, 1}};
+  with_bias.bias = contiguous_view(bias.data(), {1, 1, S, S});
+  Tensor out_mask(DType::f32, q.view.shape), out_bias(DType::f32, q.view.shape);
+  std::vector<float> lse_mask(H * S), lse_bias(H * S);
+  flash_attention_forward(q.view, k.view, v.view, out_mask.view, lse_mask.data(), with_mask);
+  flash_attention_forward(q.view, k.view, v.view, out_bias.view, lse_bias.data(), with_bias);
+  EXPECT_EQ(out_mask.bytes, out_bias.bytes);
+  EXPECT_EQ(lse_mask, lse_bias);
+}
+
 // A row that sees no key (here: there are none): output 0 and lse = its sink on every path.
 TEST(ModifierExamples, RowWithoutKeysGetsItsSinkAsLse) {
   TinyProblem tiny;
@@ -707,10 +804,12 @@ TEST(ModifierExamples, RowWithoutKeysGetsItsSinkAsLse) {
   }
 }
 
-// Bitwise the same for any thread count, modifiers and dsinks included.
+// Bitwise the same for any thread count, modifiers, dsinks and dbias included.
 TEST(ModifiersDeterminism, BitwiseIdenticalForAnyThreadCount) {
   for (std::int64_t seqlen_q : {1, 300}) {
     ModifierCase c{2, seqlen_q, 300, 4, 2, 64, 4.0f, Alibi::per_entry, true, true};
+    c.bias = Bias::per_head;
+    c.mask = Mask::random;
     const Problem p(c, test_seed());
     const Gradients one = run_backward(p, AttentionImpl::flash, 1);
     for (int threads : {2, 3}) {
@@ -724,6 +823,7 @@ TEST(ModifiersDeterminism, BitwiseIdenticalForAnyThreadCount) {
       EXPECT_EQ(other.dq.bytes, one.dq.bytes) << describe(c) << " threads " << threads;
       EXPECT_EQ(other.dk.bytes, one.dk.bytes) << describe(c) << " threads " << threads;
       EXPECT_EQ(other.dsinks, one.dsinks) << describe(c) << " threads " << threads;
+      EXPECT_EQ(other.dbias.bytes, one.dbias.bytes) << describe(c) << " threads " << threads;
     }
   }
 }
@@ -981,6 +1081,156 @@ TEST(ModifierValidation, BadInputsAreRefused) {
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("dsinks"), std::string::npos) << error.what();
   }
+}
+
+// Bad biases and masks: one clear Error naming the argument, nothing written.
+TEST(ModifierValidation, BadBiasesAndMasksAreRefused) {
+  const std::int64_t B = 2, Sq = 3, Skv = 5, Hq = 4, Hkv = 2, D = 8;
+  Tensor q(DType::f32, {B, Sq, Hq, D}), k(DType::f32, {B, Skv, Hkv, D}),
+      v(DType::f32, {B, Skv, Hkv, D}), out(DType::f32, {B, Sq, Hq, D});
+  std::vector<float> lse(B * Hq * Sq);
+  Tensor bias(DType::f32, {B, Hq, Sq, Skv});
+  std::vector<std::uint8_t> keep(B * Hq * Sq * Skv, 1);
+  const MaskView mask{reinterpret_cast<const bool*>(keep.data()), {B, Hq, Sq, Skv},
+                      contiguous_strides({B, Hq, Sq, Skv})};
+  auto expect_refused = [&](const AttentionOptions& options, const std::string& needle) {
+    out.fill(7.0f);
+    try {
+      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
+    }
+    EXPECT_EQ(out.at(0, 0, 0, 0), 7.0f) << needle;
+  };
+  for (const std::array<std::int64_t, 4>& shape :
+       {std::array<std::int64_t, 4>{3, Hq, Sq, Skv}, {B, 2, Sq, Skv}, {B, Hq, Skv, Sq},
+        {1, 1, Sq, 1}, {B, Hq, Sq, Skv + 1}}) {
+    AttentionOptions options;
+    options.bias = ConstTensorView{bias.view.data, DType::f32, shape, contiguous_strides(shape)};
+    expect_refused(options, "bias: expected shape [2 or 1, 4 or 1, 3, 5]");
+    options = {};
+    options.mask = MaskView{mask.data, shape, contiguous_strides(shape)};
+    expect_refused(options, "mask: expected shape [2 or 1, 4 or 1, 3, 5]");
+  }
+  {
+    AttentionOptions options;
+    options.bias = bias.view;
+    options.bias.strides[2] = -1;
+    expect_refused(options, "bias: expected non-negative strides");
+    options.bias = ConstTensorView{out.view.data, DType::f32, {1, 1, Sq, Skv}, {0, 0, Skv, 1}};
+    expect_refused(options, "bias: expected memory disjoint from out");
+    options = {};
+    options.mask = MaskView{static_cast<const bool*>(out.view.data), {1, 1, Sq, Skv},
+                            {0, 0, Skv, 1}};
+    expect_refused(options, "mask: expected memory disjoint from out");
+  }
+  // Broadcast shapes and any strides are accepted.
+  {
+    AttentionOptions options;
+    options.bias = ConstTensorView{bias.view.data, DType::f32, {1, Hq, Sq, Skv}, {0, 0, 0, 0}};
+    options.mask = MaskView{mask.data, {B, 1, Sq, Skv}, {1, 0, 3, 7}};
+    EXPECT_NO_THROW(flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options));
+  }
+  // Varlen and the KV cache take neither.
+  {
+    AttentionOptions options;
+    options.bias = ConstTensorView{bias.view.data, DType::f32, {1, 1, Sq, Skv}, {0, 0, Skv, 1}};
+    const std::int32_t cu[] = {0, Sq};
+    Tensor packed_q(DType::f32, {1, Sq, Hq, D}), packed_k(DType::f32, {1, Sq, Hkv, D}),
+        packed_out(DType::f32, {1, Sq, Hq, D});
+    try {
+      varlen_attention_forward(AttentionImpl::flash, packed_q.view, packed_k.view, packed_k.view,
+                               cu, cu, 1, packed_out.view, nullptr, options);
+      ADD_FAILURE() << "varlen accepted a bias";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("bias: expected none"), std::string::npos)
+          << error.what();
+    }
+    options = {};
+    options.mask = mask;
+    const std::int32_t lengths[] = {1, 2};
+    Tensor one(DType::f32, {B, 1, Hq, D}), one_out(DType::f32, {B, 1, Hq, D});
+    try {
+      kvcache_attention_forward(one.view, KVCacheView{k.view, v.view}, lengths, NewKeysValues{},
+                                one_out.view, nullptr, options);
+      ADD_FAILURE() << "the KV cache accepted a mask";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("mask: expected none"), std::string::npos)
+          << error.what();
+    }
+  }
+  // dbias: without a bias, of another shape or dtype, overlapping a gradient.
+  Tensor dout(DType::f32, q.view.shape), dq(DType::f32, q.view.shape), dk(DType::f32, k.view.shape),
+      dv(DType::f32, k.view.shape);
+  AttentionOptions with_bias;
+  with_bias.bias = ConstTensorView{bias.view.data, DType::f32, {1, Hq, Sq, Skv},
+                                   contiguous_strides({1, Hq, Sq, Skv})};
+  Tensor dbias(DType::f32, {1, Hq, Sq, Skv}), wrong_shape(DType::f32, {B, Hq, Sq, Skv}),
+      wrong_dtype(DType::f16, {1, Hq, Sq, Skv});
+  auto expect_backward_refused = [&](const AttentionOptions& options, const TensorView& target,
+                                     const std::string& needle) {
+    ModifierGradients gradients;
+    gradients.dbias = target;
+    try {
+      flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                               dk.view, dv.view, options, gradients);
+      ADD_FAILURE() << "accepted; expected an error naming " << needle;
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
+    }
+  };
+  flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), with_bias);
+  expect_backward_refused({}, dbias.view, "dbias: expected none without options.bias");
+  expect_backward_refused(with_bias, wrong_shape.view, "dbias: expected shape [1, 4, 3, 5]");
+  expect_backward_refused(with_bias, wrong_dtype.view, "dbias: expected dtype f32");
+  expect_backward_refused(with_bias,
+                          TensorView{dq.view.data, DType::f32, {1, Hq, Sq, Skv},
+                                     contiguous_strides({1, Hq, Sq, Skv})},
+                          "dq: expected memory disjoint from dbias");
+  expect_backward_refused(
+      with_bias, TensorView{dbias.view.data, DType::f32, {1, Hq, Sq, Skv}, {0, 0, 0, 1}},
+      "dbias: expected strides that give every element its own address");
+  ModifierGradients gradients;
+  gradients.dbias = dbias.view;
+  EXPECT_NO_THROW(flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(),
+                                           dq.view, dk.view, dv.view, with_bias, gradients));
+}
+
+// The bias and mask steps of modify_scores on every SIMD target: contiguous and strided f32,
+// f16 and bf16 biases, contiguous and strided masks, over a ragged length.
+TEST(ModifyScoresKernel, AddsBiasAndDropsMaskedKeysOnEveryTarget) {
+  const std::int64_t n = 37;
+  std::mt19937_64 rng(test_seed());
+  std::normal_distribution<float> normal;
+  std::vector<float> scores(n), bias_f32(3 * n);
+  std::vector<std::uint16_t> bias_f16(3 * n), bias_bf16(3 * n);
+  std::vector<unsigned char> keep(3 * n);
+  for (float& x : scores) x = normal(rng);
+  for (std::int64_t i = 0; i < 3 * n; ++i) {
+    bias_f32[i] = normal(rng);
+    bias_f16[i] = f16_from_f32(bias_f32[i]);
+    bias_bf16[i] = bf16_from_f32(bias_f32[i]);
+    keep[i] = static_cast<unsigned char>(i % 3 == 0 ? 0 : i % 5);  // any non-zero byte keeps
+  }
+  on_every_target([&] {
+    for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+      for (std::int64_t stride : {1, 3}) {
+        const void* bias = dtype == DType::f32   ? static_cast<const void*>(bias_f32.data())
+                           : dtype == DType::f16 ? static_cast<const void*>(bias_f16.data())
+                                                 : static_cast<const void*>(bias_bf16.data());
+        detail::cpu::RowModifiers row{0.0f, 0.0f, 0, bias, dtype, stride, keep.data(), stride};
+        std::vector<float> got = scores;
+        detail::cpu::modify_scores(got.data(), nullptr, n, 0.5f, row);
+        for (std::int64_t j = 0; j < n; ++j) {
+          const float want = keep[j * stride] == 0
+                                 ? -INFINITY
+                                 : 0.5f * scores[j] + load_f32(bias, dtype, j * stride);
+          EXPECT_EQ(got[j], want) << dtype_name(dtype) << " stride " << stride << " j " << j;
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
