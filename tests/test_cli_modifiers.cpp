@@ -1,5 +1,5 @@
-// The score modifiers on the command line: `flashattn run --softcap --alibi --sinks --dsinks`
-// against the library on the same inputs, the JSON line's "softcap" and "modifiers", `flashattn
+// The score modifiers on the command line: `flashattn run --softcap --alibi --sinks --dsinks
+// --bias --mask --dbias` against the library on the same inputs, the JSON line's "softcap" and "modifiers", `flashattn
 // demo --softcap --alibi`, and the bad inputs (each one line on stderr, a non-zero exit, no file
 // left behind). Run as a subprocess in a fresh directory per test.
 
@@ -124,6 +124,119 @@ TEST_F(CliModifiersTest, RunWithEveryModifierMatchesTheLibrary) {
   expect_file("dv.npy", data(dv), dv.bytes.size() / 4);
   expect_file("dsinks.npy", dsinks.data(), dsinks.size());
   EXPECT_EQ(npy::read_npy(path("dsinks.npy")).shape, (std::vector<std::int64_t>{4}));
+}
+
+// A numpy bool array ('|b1') of `shape` from bytes.
+void save_mask(const std::string& file, const std::vector<std::uint8_t>& keep,
+               std::vector<std::int64_t> shape) {
+  std::ofstream out(file, std::ios::binary);
+  out << npy::make_header("|b1", shape);
+  out.write(reinterpret_cast<const char*>(keep.data()), static_cast<std::streamsize>(keep.size()));
+}
+
+// --bias (2-d, broadcast over batch and heads), --mask (4-d, per batch entry) and --dbias: the
+// library's results bit for bit, dbias in the bias file's shape.
+TEST_F(CliModifiersTest, RunWithBiasAndMaskMatchesTheLibrary) {
+  const Shape q_shape{2, 9, 4, 16}, kv_shape{2, 13, 2, 16};
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape),
+      dout(DType::f32, q_shape), bias(DType::f32, {1, 1, 9, 13});
+  for (Tensor* t : {&q, &k, &v, &dout, &bias}) t->fill_normal(rng);
+  std::vector<std::uint8_t> keep(2 * 9 * 13);
+  std::bernoulli_distribution coin(0.6);
+  for (auto& byte : keep) byte = coin(rng);
+  save(q, "q.npy");
+  save(k, "k.npy");
+  save(v, "v.npy");
+  save(dout, "do.npy");
+  npy::write_npy(path("bias.npy"), reinterpret_cast<const float*>(bias.bytes.data()),
+                 std::vector<std::int64_t>{9, 13});
+  save_mask(path("mask.npy"), keep, {2, 1, 9, 13});
+
+  const Completed completed =
+      run({"run", "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("v.npy"), "--out",
+           path("out.npy"), "--dout", path("do.npy"), "--dq", path("dq.npy"), "--dk",
+           path("dk.npy"), "--dv", path("dv.npy"), "--bias", path("bias.npy"), "--mask",
+           path("mask.npy"), "--dbias", path("dbias.npy"), "--threads", "2", "--repeat", "1"});
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  const auto json = parse_json_line(completed.out.substr(0, completed.out.size() - 1));
+  EXPECT_EQ(json.at("modifiers"), "[\"bias\", \"mask\"]");
+
+  AttentionOptions options;
+  options.bias = bias.view;
+  options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), {2, 1, 9, 13},
+                          contiguous_strides({2, 1, 9, 13})};
+  options.num_threads = 2;
+  Tensor out(DType::f32, q_shape), dq(DType::f32, q_shape), dk(DType::f32, kv_shape),
+      dv(DType::f32, kv_shape), dbias(DType::f32, {1, 1, 9, 13});
+  std::vector<float> lse(2 * 4 * 9);
+  flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+  ModifierGradients gradients;
+  gradients.dbias = dbias.view;
+  flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                           dk.view, dv.view, options, gradients);
+  auto expect_file = [&](const std::string& name, const Tensor& want) {
+    const npy::Array array = npy::read_npy(path(name));
+    const auto* values = reinterpret_cast<const float*>(want.bytes.data());
+    ASSERT_EQ(array.f32.size(), want.bytes.size() / 4) << name;
+    for (std::size_t i = 0; i < array.f32.size(); ++i)
+      EXPECT_EQ(array.f32[i], values[i]) << name << "[" << i << "]";
+  };
+  expect_file("out.npy", out);
+  expect_file("dq.npy", dq);
+  expect_file("dbias.npy", dbias);
+  EXPECT_EQ(npy::read_npy(path("dbias.npy")).shape, (std::vector<std::int64_t>{9, 13}));
+}
+
+// Bad biases and masks: one line on stderr, exit 1 or 2, nothing written.
+TEST_F(CliModifiersTest, BadBiasesAndMasksFailCleanly) {
+  Tensor q(DType::f32, {2, 3, 4, 8}), k(DType::f32, {2, 5, 2, 8});
+  std::mt19937_64 rng(test_seed());
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  save(q, "q.npy");
+  save(k, "k.npy");
+  save(q, "do.npy");
+  save(std::vector<float>(15, 0.5f), {3, 5}, "bias.npy");
+  save(std::vector<float>(15, 0.5f), {5, 3}, "transposed.npy");
+  save(std::vector<float>(15, 0.5f), {15}, "flat.npy");
+  save(std::vector<float>(45, 0.5f), {3, 1, 3, 5}, "batch3.npy");
+  save_mask(path("mask.npy"), std::vector<std::uint8_t>(15, 1), {3, 5});
+  save_mask(path("mask_shape.npy"), std::vector<std::uint8_t>(15, 1), {5, 3});
+  save_mask(path("mask_byte.npy"), std::vector<std::uint8_t>(15, 2), {3, 5});
+  const std::vector<std::string> inputs = {"run",         "--q",         path("q.npy"),
+                                           "--k",         path("k.npy"), "--v",
+                                           path("k.npy"), "--out",       path("out.npy")};
+  const std::vector<std::string> before = entries();
+  struct BadCase {
+    std::vector<std::string> flags;
+    int exit_code;
+    std::string message;
+  };
+  const BadCase cases[] = {
+      {{"--bias", path("transposed.npy")}, 1, "bias: expected shape [2 or 1, 4 or 1, 3, 5]"},
+      {{"--bias", path("flat.npy")}, 1, "bias: expected a rank-2 array"},
+      {{"--bias", path("batch3.npy")}, 1, "bias: expected shape"},
+      {{"--bias", path("mask.npy")}, 1, "unsupported dtype '|b1'"},
+      {{"--mask", path("bias.npy")}, 1, "a mask must be numpy bool ('|b1')"},
+      {{"--mask", path("mask_shape.npy")}, 1, "mask: expected shape"},
+      {{"--mask", path("mask_byte.npy")}, 1, "a numpy bool holds 0 or 1"},
+      {{"--dbias", path("db.npy")}, 2, "--dbias: expected --bias"},
+      {{"--bias", path("bias.npy"), "--dbias", path("db.npy")}, 2, "--dbias: expected --bias"},
+  };
+  for (const BadCase& bad : cases) {
+    std::vector<std::string> command = inputs;
+    command.insert(command.end(), bad.flags.begin(), bad.flags.end());
+    const Completed completed = run(command);
+    const std::string text = bad.flags[0] + " " + bad.flags[1];
+    EXPECT_EQ(completed.exit_code, bad.exit_code) << text << "\n" << completed.err;
+    if (bad.exit_code == 1) {
+      expect_one_error_line(completed, text, bad.message);
+    } else {
+      EXPECT_NE(completed.err.find(bad.message), std::string::npos) << text << completed.err;
+    }
+    EXPECT_EQ(entries(), before) << text;
+  }
 }
 
 TEST_F(CliModifiersTest, RunWithoutModifiersReportsNone) {

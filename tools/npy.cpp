@@ -295,7 +295,16 @@ std::vector<float> Array::to_f32() const {
   return widened;
 }
 
-Array read_npy(const std::filesystem::path& path) {
+namespace {
+
+// A file's shape and data bytes: float32 or float16 for read_npy, '|b1' for read_npy_bool.
+struct RawArray {
+  DType dtype = DType::f32;  // floats only
+  std::vector<std::int64_t> shape;
+  std::vector<std::uint8_t> bytes;
+};
+
+RawArray read_raw(const std::filesystem::path& path, bool booleans) {
   const FileDescriptor file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (file.get() < 0) fail(path, "cannot open: " + errno_text(errno));
   struct stat info {};
@@ -339,8 +348,14 @@ Array read_npy(const std::filesystem::path& path) {
   }
 
   HeaderDict dict = HeaderParser(path, header_text).parse();
-  Array array;
-  array.dtype = dtype_from_descr(path, dict.descr);
+  RawArray array;
+  if (booleans && dict.descr != "|b1") {
+    const std::string description = dtype_description(dict.descr);
+    fail(path, "unsupported dtype '" + dict.descr + "'" +
+                   (description.empty() ? "" : " (" + description + ")") +
+                   ": a mask must be numpy bool ('|b1')");
+  }
+  if (!booleans) array.dtype = dtype_from_descr(path, dict.descr);
   if (dict.fortran_order) {
     fail(path,
          "fortran_order True is not supported: expected C order (save "
@@ -348,7 +363,8 @@ Array read_npy(const std::filesystem::path& path) {
   }
   array.shape = std::move(dict.shape);
 
-  const std::uint64_t item_size = dtype_size(array.dtype);
+  const std::uint64_t item_size = booleans ? 1 : dtype_size(array.dtype);
+  const char* type_name = booleans ? "bool" : array.dtype == DType::f32 ? "float32" : "float16";
   std::uint64_t expected_bytes = item_size;
   for (const std::int64_t dim : array.shape) {
     if (__builtin_mul_overflow(expected_bytes, static_cast<std::uint64_t>(dim), &expected_bytes)) {
@@ -357,25 +373,45 @@ Array read_npy(const std::filesystem::path& path) {
   }
   const std::uint64_t data_bytes = file_size - data_offset;
   if (data_bytes != expected_bytes) {
-    const std::string needs = "shape " + shape_repr(array.shape) + " of " +
-                              (array.dtype == DType::f32 ? "float32" : "float16") + " needs " +
+    const std::string needs = "shape " + shape_repr(array.shape) + " of " + type_name + " needs " +
                               std::to_string(expected_bytes) + " data bytes, the file has " +
                               std::to_string(data_bytes);
     fail(path, (data_bytes < expected_bytes ? "truncated data: " : "data size mismatch: ") + needs);
   }
 
-  void* destination = nullptr;
-  if (array.dtype == DType::f32) {
-    array.f32.resize(expected_bytes / item_size);
-    destination = array.f32.data();
-  } else {
-    array.f16.resize(expected_bytes / item_size);
-    destination = array.f16.data();
-  }
-  if (read_fully(path, file.get(), destination, expected_bytes) != expected_bytes) {
+  array.bytes.resize(expected_bytes);
+  if (read_fully(path, file.get(), array.bytes.data(), expected_bytes) != expected_bytes) {
     fail(path, "truncated data: the file ended while reading it");
   }
   return array;
+}
+
+}  // namespace
+
+Array read_npy(const std::filesystem::path& path) {
+  RawArray raw = read_raw(path, false);
+  Array array;
+  array.dtype = raw.dtype;
+  array.shape = std::move(raw.shape);
+  if (array.dtype == DType::f32) {
+    array.f32.resize(raw.bytes.size() / sizeof(float));
+    std::memcpy(array.f32.data(), raw.bytes.data(), raw.bytes.size());
+  } else {
+    array.f16.resize(raw.bytes.size() / sizeof(std::uint16_t));
+    std::memcpy(array.f16.data(), raw.bytes.data(), raw.bytes.size());
+  }
+  return array;
+}
+
+BoolArray read_npy_bool(const std::filesystem::path& path) {
+  RawArray raw = read_raw(path, true);
+  for (std::size_t i = 0; i < raw.bytes.size(); ++i) {
+    if (raw.bytes[i] > 1) {
+      fail(path, "element " + std::to_string(i) + " is byte " + std::to_string(raw.bytes[i]) +
+                     ": a numpy bool holds 0 or 1");
+    }
+  }
+  return {std::move(raw.shape), std::move(raw.bytes)};
 }
 
 std::string make_header(std::string_view descr, std::span<const std::int64_t> shape,

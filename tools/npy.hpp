@@ -4,7 +4,7 @@
 // https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 //
 // Reading accepts little-endian float32 ('<f4') and float16 ('<f2') arrays in C order, of any
-// rank. Writing produces float32 C-order version 1.0 files, header padded to a multiple of 64
+// rank, and numpy bool ('|b1') arrays where a mask is read. Writing produces float32 C-order version 1.0 files, header padded to a multiple of 64
 // bytes as NumPy does. Every failure raises flashattn::Error with a message that names the file.
 
 #include <cstdint>
@@ -32,6 +32,14 @@ struct Array {
 };
 
 Array read_npy(const std::filesystem::path& path);
+
+// A boolean array ('|b1', numpy's bool) in C order: one byte per element, 0 or 1.
+struct BoolArray {
+  std::vector<std::int64_t> shape;
+  std::vector<std::uint8_t> values;
+};
+
+BoolArray read_npy_bool(const std::filesystem::path& path);
 
 // The header of a version 1.0 file (magic, version, length, dict, padding): `descr` is written
 // as given, e.g. "<f4". Exposed so that tests can build files of other dtypes and layouts.

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@ struct RunOptions {
   std::string q_path, k_path, v_path, out_path, lse_path;
   std::string dout_path, dq_path, dk_path, dv_path;  // all empty or all set
   std::string alibi_path, sinks_path, dsinks_path;   // score modifiers; dsinks needs both
+  std::string bias_path, mask_path, dbias_path;      // dbias needs the bias and the backward
   std::string softcap = "0";
   bool causal = false;
   std::string window = "-1,-1";
@@ -83,6 +85,22 @@ std::vector<float> read_modifier(const char* flag, const std::string& path,
   return array.to_f32();
 }
 
+// A bias or mask file must be 2-d [seqlen_q, seqlen_kv] or 4-d.
+void check_logit_rank(const char* flag, const std::vector<std::int64_t>& shape,
+                      const std::string& path) {
+  if (shape.size() != 2 && shape.size() != 4) {
+    throw Error(std::string(flag) + ": expected a rank-2 array [seqlen_q, seqlen_kv] or rank-4 " +
+                "[batch | 1, heads_q | 1, seqlen_q, seqlen_kv], got shape " + shape_text(shape) +
+                " in " + path);
+  }
+}
+
+// A 2-d bias or mask seen as [1, 1, seqlen_q, seqlen_kv].
+std::array<std::int64_t, 4> logit_shape(const std::vector<std::int64_t>& shape) {
+  if (shape.size() == 2) return {1, 1, shape[0], shape[1]};
+  return {shape[0], shape[1], shape[2], shape[3]};
+}
+
 ConstTensorView view_of(const npy::Array& array) {
   return contiguous_view(array.data(), array.dtype,
                          {array.shape[0], array.shape[1], array.shape[2], array.shape[3]});
@@ -107,12 +125,15 @@ class Output {
     return contiguous_view(data, dtype_, shape_);
   }
 
-  void write(npy::Writer& writer) {
+  void write(npy::Writer& writer) { write(writer, shape_); }
+
+  // The same elements under another shape of as many (a 2-d bias's gradient).
+  void write(npy::Writer& writer, std::span<const std::int64_t> shape) {
     if (dtype_ == DType::f16) {
       f32_.resize(f16_.size());
       for (std::size_t i = 0; i < f16_.size(); ++i) f32_[i] = f32_from_f16(f16_[i]);
     }
-    writer.write(f32_.data(), shape_);
+    writer.write(f32_.data(), shape);
   }
 
  private:
@@ -138,7 +159,7 @@ void check_distinct(const std::vector<std::pair<const char*, std::string>>& outp
   }
 }
 
-// The score modifiers that are on, as JSON strings: "softcap", "alibi", "sinks".
+// The score modifiers that are on, as JSON strings: "softcap", "alibi", "sinks", "bias", "mask".
 std::string modifier_names(const AttentionOptions& options) {
   std::string names;
   auto add = [&](bool on, const char* name) {
@@ -147,6 +168,8 @@ std::string modifier_names(const AttentionOptions& options) {
   add(options.softcap > 0.0f, "softcap");
   add(!options.alibi_slopes.empty(), "alibi");
   add(!options.sinks.empty(), "sinks");
+  add(options.bias.data != nullptr, "bias");
+  add(options.mask.data != nullptr, "mask");
   return names;
 }
 
@@ -155,6 +178,7 @@ int run_attention(const RunOptions& options) {
   const std::array<std::int64_t, 2> window = *parse_window(options.window);
   const bool backward = !options.dout_path.empty();
   const bool dsinks = !options.dsinks_path.empty();
+  const bool dbias = !options.dbias_path.empty();
 
   // Open the outputs first, so that an unwritable destination fails before any work is done.
   std::vector<std::pair<const char*, std::string>> outputs = {{"--out", options.out_path}};
@@ -165,6 +189,7 @@ int run_attention(const RunOptions& options) {
     outputs.emplace_back("--dv", options.dv_path);
   }
   if (dsinks) outputs.emplace_back("--dsinks", options.dsinks_path);
+  if (dbias) outputs.emplace_back("--dbias", options.dbias_path);
   check_distinct(outputs);
   npy::Writer out_writer(options.out_path);
   std::unique_ptr<npy::Writer> lse_writer, dq_writer, dk_writer, dv_writer;
@@ -176,6 +201,8 @@ int run_attention(const RunOptions& options) {
   }
   std::unique_ptr<npy::Writer> dsinks_writer;
   if (dsinks) dsinks_writer = std::make_unique<npy::Writer>(options.dsinks_path);
+  std::unique_ptr<npy::Writer> dbias_writer;
+  if (dbias) dbias_writer = std::make_unique<npy::Writer>(options.dbias_path);
 
   const npy::Array q = read_operand("q", "[batch, seqlen_q, heads_q, head_dim]", options.q_path);
   const npy::Array k = read_operand("k", "[batch, seqlen_kv, heads_kv, head_dim]", options.k_path);
@@ -207,7 +234,29 @@ int run_attention(const RunOptions& options) {
     sinks = read_modifier("sinks", options.sinks_path, {{heads}}, heads_text + " ([heads_q])");
   }
 
+  // Bias (float32 or float16) and mask (bool): [seqlen_q, seqlen_kv], or
+  // [batch | 1, heads_q | 1, seqlen_q, seqlen_kv]; the library checks the dims against q and k.
+  npy::Array bias;
+  if (!options.bias_path.empty()) {
+    bias = npy::read_npy(options.bias_path);
+    check_logit_rank("bias", bias.shape, options.bias_path);
+  }
+  npy::BoolArray mask;
+  if (!options.mask_path.empty()) {
+    mask = npy::read_npy_bool(options.mask_path);
+    check_logit_rank("mask", mask.shape, options.mask_path);
+  }
+
   AttentionOptions attention;
+  if (!bias.shape.empty()) {
+    const std::array<std::int64_t, 4> shape = logit_shape(bias.shape);
+    attention.bias = contiguous_view(bias.data(), bias.dtype, shape);
+  }
+  if (!mask.shape.empty()) {
+    const std::array<std::int64_t, 4> shape = logit_shape(mask.shape);
+    attention.mask = MaskView{reinterpret_cast<const bool*>(mask.values.data()), shape,
+                              contiguous_strides(shape)};
+  }
   if (!options.scale.empty()) attention.softmax_scale = *parse_scale(options.scale);
   attention.softcap = *parse_softcap(options.softcap);
   attention.alibi_slopes = slopes;
@@ -233,6 +282,7 @@ int run_attention(const RunOptions& options) {
   // The gradients have the inputs' dtype, as the forward's output; allocated only when asked.
   std::optional<Output> dq, dk, dv;
   std::vector<float> sink_gradients(dsinks ? sinks.size() : 0);
+  std::optional<Output> bias_gradient;
   double backward_seconds = 0.0;
   if (backward) {
     dq.emplace(q.dtype, q_shape);
@@ -240,6 +290,10 @@ int run_attention(const RunOptions& options) {
     dv.emplace(q.dtype, kv_shape);
     ModifierGradients modifier_gradients;
     if (dsinks) modifier_gradients.dsinks = sink_gradients.data();
+    if (dbias) {
+      bias_gradient.emplace(bias.dtype, logit_shape(bias.shape));
+      modifier_gradients.dbias = bias_gradient->view();
+    }
     auto compute_backward = [&] {
       attention_backward(impl, view_of(dout), view_of(q), view_of(k), view_of(v), out.view(),
                          lse.data(), dq->view(), dk->view(), dv->view(), attention,
@@ -258,6 +312,7 @@ int run_attention(const RunOptions& options) {
     dk->write(*dk_writer);
     dv->write(*dv_writer);
   }
+  if (dbias) bias_gradient->write(*dbias_writer, bias.shape);
   if (dsinks) {
     dsinks_writer->write(sink_gradients.data(),
                          std::array<std::int64_t, 1>{static_cast<std::int64_t>(sinks.size())});
@@ -310,8 +365,11 @@ Action add_run_command(CLI::App& app) {
       "--softcap C caps each scaled score at C·tanh(s / C); --alibi SLOPES.npy (float32, "
       "[heads_q] or [batch, heads_q]) adds -slope·|i + seqlen_kv - seqlen_q - j|; --sinks "
       "SINKS.npy (float32 [heads_q]) adds each head's sink logit to the softmax's normalizer, and "
-      "with the backward --dsinks OUT.npy writes its gradient. Nothing is written unless the run "
-      "succeeds."
+      "with the backward --dsinks OUT.npy writes its gradient; --bias BIAS.npy (float32 or "
+      "float16, [seqlen_q, seqlen_kv] or [batch | 1, heads_q | 1, seqlen_q, seqlen_kv]) is added "
+      "to the logits, and with the backward --dbias OUT.npy writes its gradient in its shape; "
+      "--mask MASK.npy (numpy bool, the same shapes) keeps the keys that are true. Nothing is "
+      "written unless the run succeeds."
       "\nExit codes: 0 success, 1 invalid input or file error, 2 bad command line.");
   command->add_option("--q", options->q_path, "Queries .npy")->required();
   command->add_option("--k", options->k_path, "Keys .npy")->required();
@@ -330,6 +388,14 @@ Action add_run_command(CLI::App& app) {
   command->add_option("--dsinks", options->dsinks_path,
                       "Gradient of the sinks output .npy (float32, [heads_q]); with --sinks and "
                       "the backward");
+  command->add_option("--bias", options->bias_path,
+                      "Additive bias .npy (float32/float16), [seqlen_q, seqlen_kv] or "
+                      "[batch|1, heads_q|1, seqlen_q, seqlen_kv]");
+  command->add_option("--mask", options->mask_path,
+                      "Boolean mask .npy (numpy bool, true = keep), shaped as a bias");
+  command->add_option("--dbias", options->dbias_path,
+                      "Gradient of the bias output .npy (float32, the bias's shape); with --bias "
+                      "and the backward");
   command->add_flag("--causal", options->causal, "Causal mask, aligned to the bottom-right corner");
   add_window_option(command, &options->window);
   command->add_option("--scale", options->scale, "Softmax scale (default 1/sqrt(head_dim))")
@@ -366,6 +432,10 @@ Action add_run_command(CLI::App& app) {
     if (!options->dsinks_path.empty() && (options->sinks_path.empty() || given == 0)) {
       throw CLI::ValidationError(
           "--dsinks: expected --sinks and the backward's --dout, --dq, --dk, --dv with it");
+    }
+    if (!options->dbias_path.empty() && (options->bias_path.empty() || given == 0)) {
+      throw CLI::ValidationError(
+          "--dbias: expected --bias and the backward's --dout, --dq, --dk, --dv with it");
     }
   });
   return [options] { return run_attention(*options); };
