@@ -1,9 +1,9 @@
 // libFuzzer target: the attention API. The input bytes choose the path, dtype, a small shape,
 // each tensor's memory layout (dim order, padding, stride-0 broadcast of an input), the options
 // (causal, window, scale, GQA group, threads, lse or not), the data (including NaN, ±inf and
-// denormals), the score modifiers (softcap, ALiBi slopes of either length, sinks; each sometimes
-// a value or length the API must refuse) and, for one input in eight, a corruption that makes
-// the call invalid.
+// denormals), the score modifiers (softcap, ALiBi slopes of either length, sinks, a bias and a
+// mask of any broadcast shape and layout; each sometimes a value, length or shape the API must
+// refuse) and, for one input in eight, a corruption that makes the call invalid.
 //
 // Invalid calls must raise flashattn::Error and leave out and lse untouched. Valid calls must
 // not throw, must write every element of out (and lse) and nothing around them, and must match
@@ -34,6 +34,9 @@
 //   sinks σ: the sink's logit is exact, but the epilogue's σ − max or max − σ rounds, which
 //     shifts every weight as a logit error of u·(|σ| + max_j |z_j|) would (2u, for the
 //     two orders); its exp, product and sum add 4u to the mixing term.
+//   bias β: the sum rounds, u·(|z_j| + |β|), and |z_j| grows by |β|; a −inf bias and a key the
+//     mask drops give the key weight 0 exactly on every path, so they add no error (and a row
+//     with nothing else gets 0 and lse −inf, as in the reference).
 // Δ is then the largest logit error of the row, and the bounds above hold as they are: a sink
 // only adds one exactly known term to the normalizer, so each weight still moves by a factor
 // within e^(±2Δ), and an output with sinks is a combination of the visible values whose
@@ -74,6 +77,7 @@ struct Problem {
   AttentionOptions options;
   std::vector<float> alibi_slopes, sinks;  // what options.alibi_slopes and options.sinks view
   bool refused_modifier = false;           // a modifier the API must refuse
+  FuzzedLogitViews logit_views;            // what options.bias and options.mask view
   std::string description;
 
   flashattn::ConstTensorView view(const Tensor& t) const {
@@ -192,6 +196,9 @@ Problem make_problem(FuzzedDataProvider& in) {
   fill(p.k, p.dtype, in, k_exponent, specials, true);
   fill(p.v, p.dtype, in, v_exponent, specials, true);
   fuzzed_modifiers(in, p, shape);
+  p.logit_views = fuzzed_logit_views(in, shape);
+  p.logit_views.apply(p.options);
+  p.refused_modifier = p.refused_modifier || p.logit_views.refused;
 
   std::ostringstream text;
   text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype);
@@ -201,6 +208,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "out", p.out);
   describe_options(text, p.options);
   describe_modifiers(text, p);
+  p.logit_views.describe(text);
   text << " lse " << !p.lse_bytes.empty() << " specials " << specials;
   p.description = text.str();
   return p;
@@ -349,6 +357,10 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
         const double* q_row = q_abs.data() + ((b * Sq + row) * Hq + h) * D;
         double delta = 0.0, v_max = 0.0, logit_max = 0.0;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          if (modifiers.mask.data != nullptr && !modifiers.mask.kept(b, h, row, j)) continue;
+          const double bias =
+              modifiers.bias.data != nullptr ? modifiers.bias.bias(b, h, row, j) : 0.0;
+          if (std::isinf(bias)) continue;
           const double* k_row = k_abs.data() + key_row(j) * D;
           double magnitude = 0.0;
           for (std::int64_t d = 0; d < D; ++d) magnitude += q_row[d] * k_row[d];
@@ -363,6 +375,10 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
             const double alibi = slope * static_cast<double>(std::abs(row + Skv - Sq - j));
             error += kU32 * (logit + 2 * alibi);
             logit += alibi;
+          }
+          if (bias != 0.0) {
+            error += kU32 * (logit + std::abs(bias));
+            logit += std::abs(bias);
           }
           delta = std::max(delta, error);
           logit_max = std::max(logit_max, logit);

@@ -1,8 +1,9 @@
 // libFuzzer target: the backward API. The input bytes choose the path, dtype, a small shape,
 // each tensor's memory layout (dim order, padding, stride-0 broadcast of an input), the options
 // (causal, window, scale, GQA group, threads), the data (NaN, ±inf and denormals included), the
-// score modifiers (softcap, ALiBi slopes of either length, sinks with or without dsinks; each
-// sometimes a value, length or dsinks buffer the API must refuse) and, for one input in eight,
+// score modifiers (softcap, ALiBi slopes of either length, sinks with or without dsinks, a bias
+// with or without dbias, a mask; each sometimes a value, length, shape or dsinks buffer the API
+// must refuse) and, for one input in eight,
 // a corruption that makes the call invalid. out and lse come from the flash forward of the same
 // inputs and valid modifiers, as in training.
 //
@@ -49,7 +50,12 @@
 // sum in fp64, so each row's term is off by |exp(σ − lse)·D_i,given − exp(σ − lse_exact)·
 // D_i,exact| (the forward's rounding, known here) plus exp(σ − lse)·((D + 3)·u·Σ_d |dO_id·out_id|
 // + D·t) (the fp32 D_i, rounded once more to fp32, with a u to spare for the fp64 exp and
-// sums), and the result is rounded once to fp32.
+// sums), and the result is rounded once to fp32. A bias adds u·(|z_ij| + |β_ij|) to the logit's
+// error (fuzz_attention.cpp); keys whose logit is −inf (a −inf bias, a key the mask drops) have
+// P = dS = 0 on every path, and a row with no other key has zero gradients. dbias sums the
+// logits' gradient P ∘ (dP − D_i) (dS before the softcap's g and the scale) over the dims the
+// bias broadcasts, in fp64, rounded once to the bias's dtype: within the sum of those terms'
+// e_dS.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -90,16 +96,25 @@ struct Problem {
   // lse) runs without them.
   bool refused_softcap = false, refused_alibi = false, refused_sinks = false;
   bool refused_dsinks = false;  // dsinks without sinks, or aliasing them
+  FuzzedLogitViews logit_views;  // what options.bias and options.mask view
+  Tensor dbias;                  // ModifierGradients::dbias when want_dbias
+  bool want_dbias = false;
   std::string description;
 
   bool refused_modifier() const {
-    return refused_softcap || refused_alibi || refused_sinks || refused_dsinks;
+    return refused_softcap || refused_alibi || refused_sinks || refused_dsinks ||
+           logit_views.refused;
+  }
+  flashattn::TensorView dbias_view() {
+    if (!want_dbias) return {};
+    return {dbias.buffer.bytes.data(), logit_views.bias_dtype, dbias.shape, dbias.strides};
   }
   AttentionOptions forward_options() const {
     AttentionOptions forward = options;
     if (refused_softcap) forward.softcap = 0.0f;
     if (refused_alibi) forward.alibi_slopes = {};
     if (refused_sinks) forward.sinks = {};
+    if (logit_views.refused) forward.bias = {}, forward.mask = {};
     return forward;
   }
 
@@ -226,6 +241,13 @@ Problem make_problem(FuzzedDataProvider& in) {
     fill(*input, p.dtype, in, in.ConsumeIntegralInRange(-12, 12), specials, true);
   }
   fuzzed_modifiers(in, p, shape);
+  p.logit_views = fuzzed_logit_views(in, shape);
+  p.logit_views.apply(p.options);
+  if (p.logit_views.has_bias && in.ConsumeBool()) {
+    p.want_dbias = true;
+    p.dbias = fuzzed_layout(in, p.logit_views.bias_dtype, p.logit_views.bias.shape, false);
+    mark_view(p.dbias);
+  }
 
   std::ostringstream text;
   text << flashattn::impl_name(p.impl) << " " << flashattn::dtype_name(p.dtype);
@@ -239,6 +261,8 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "dv", p.dv);
   describe_options(text, p.options);
   describe_modifiers(text, p);
+  p.logit_views.describe(text);
+  if (p.want_dbias) describe_tensor(text, "dbias", p.dbias);
   text << " specials " << specials;
   p.description = text.str();
   return p;
@@ -316,6 +340,7 @@ struct Operands {
 // derived above.
 struct Bounds {
   std::vector<double> dq, dk, dv, dsinks;
+  std::vector<double> dlogits;  // [B, Hq, Sq, Skv], the logits' gradient's (dbias asked for)
 };
 
 __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
@@ -331,7 +356,10 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
   const flashattn::detail::ScoreModifiers& modifiers = f.modifiers;
   const double softcap = modifiers.softcap;
   Bounds bound{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()),
-               std::vector<double>(x.k.size()), std::vector<double>(static_cast<std::size_t>(Hq))};
+               std::vector<double>(x.k.size()), std::vector<double>(static_cast<std::size_t>(Hq)),
+               std::vector<double>(bp.dbias.data == nullptr
+                                       ? 0
+                                       : static_cast<std::size_t>(B * Hq * Sq * Skv))};
   // Per visible key of one row: the logit, its d/d(scale·s), dP, and the upper bounds and
   // errors of P and dS.
   std::vector<double> scores(static_cast<std::size_t>(Skv)), derivative(scores.size()),
@@ -362,12 +390,16 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           scores[j] = flashattn::detail::reference_logit(f, b, h, i, j, scale * s, &derivative[j]);
           max_score = std::max(max_score, scores[j]);
         }
+        // Under a bias or mask, a row whose logits are all −inf has zero gradients.
+        if (modifiers.masks_logits() && max_score == -INFINITY) continue;
+        auto dropped = [&](std::int64_t j) { return scores[j] == -INFINITY; };
         double sum = std::exp(sink - max_score);
         for (std::int64_t j = keys.begin; j < keys.end; ++j) sum += std::exp(scores[j] - max_score);
         const double lse_exact = max_score + std::log(sum);
         const double lse = p.lse[static_cast<std::size_t>(f.lse_index(b, h, i))];
         double delta_exact = 0.0, delta_given = 0.0, delta_abs = 0.0;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          if (dropped(j)) continue;
           double dot = 0.0;
           for (std::int64_t d = 0; d < D; ++d) dot += dout[d] * kv_row(x.v, j)[d];
           dp[j] = dot;
@@ -385,7 +417,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           const double weight = std::exp(sink - lse), weight_exact = std::exp(sink - lse_exact);
           double weighted_abs = 0.0;
           for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-            weighted_abs += std::exp(scores[j] - lse_exact) * std::abs(dp[j]);
+            if (!dropped(j)) weighted_abs += std::exp(scores[j] - lse_exact) * std::abs(dp[j]);
           }
           dsink_error +=
               std::abs(weight * delta_given - weight_exact * delta_exact) +
@@ -393,6 +425,10 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           dsink_magnitude += weight * delta_abs + weight_exact * weighted_abs;
         }
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          if (dropped(j)) {
+            p_err[j] = p_hi[j] = ds_err[j] = ds_hi[j] = 0.0;
+            continue;
+          }
           double magnitude = 0.0, dp_abs = 0.0;
           for (std::int64_t d = 0; d < D; ++d) {
             magnitude += std::abs(q[d] * kv_row(x.k, j)[d]);
@@ -410,6 +446,11 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           if (slope > 0) {
             const double alibi = slope * static_cast<double>(std::abs(i + Skv - Sq - j));
             logit_error += u * (logit + 2 * alibi);
+            logit += alibi;
+          }
+          if (modifiers.bias.data != nullptr) {
+            const double bias = std::abs(static_cast<double>(modifiers.bias.bias(b, h, i, j)));
+            logit_error += u * (logit + bias);
           }
           const double epsilon =
               logit_error + u * std::abs(scores[j] - lse) + 4 * u + std::abs(lse - lse_exact);
@@ -421,6 +462,9 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           ds_err[j] =
               p_err[j] * centered + exact * (dp_err + delta_err) + 3 * u * p_hi[j] * centered;
           ds_hi[j] = p_hi[j] * centered;
+          if (!bound.dlogits.empty()) {
+            bound.dlogits[static_cast<std::size_t>(((b * Hq + h) * Sq + i) * Skv + j)] = ds_err[j];
+          }
           if (softcap > 0) {
             const double tanh = std::sqrt(std::max(0.0, 1.0 - derivative[j]));
             const double tanh_err = std::min(score_error / softcap, 2.0) + 6 * u;
@@ -465,8 +509,11 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   std::vector<double> ref_dq(static_cast<std::size_t>(B * Sq * Hq * D));
   std::vector<double> ref_dk(static_cast<std::size_t>(B * Skv * Hkv * D)), ref_dv(ref_dk.size());
   std::vector<double> ref_dsinks(bp.dsinks == nullptr ? 0 : static_cast<std::size_t>(Hq));
+  std::vector<double> ref_dlogits(
+      bp.dbias.data == nullptr ? 0 : static_cast<std::size_t>(B * Hq * Sq * Skv));
   flashattn::detail::reference_backward_f64(bp, ref_dq.data(), ref_dk.data(), ref_dv.data(),
-                                            bp.dsinks == nullptr ? nullptr : ref_dsinks.data());
+                                            bp.dsinks == nullptr ? nullptr : ref_dsinks.data(),
+                                            bp.dbias.data == nullptr ? nullptr : ref_dlogits.data());
   const bool exact = p.impl == AttentionImpl::reference;
   Bounds bound;
   if (!exact) {
@@ -526,6 +573,33 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
       finding(p, std::string("wrote padding element ") + std::to_string(written) + " of " + g.name);
     }
   }
+  // dbias: the reference's and the bound's logit gradients summed over the broadcast dims.
+  if (bp.dbias.data != nullptr) {
+    const flashattn::TensorView& dbias = bp.dbias;
+    const DType dtype = dbias.dtype;
+    for_each_index(dbias.shape, [&](auto bb, auto hb, auto i, auto j) {
+      double want = 0.0, derived = 0.0;
+      for (std::int64_t b = 0; b < B; ++b) {
+        for (std::int64_t h = 0; h < Hq; ++h) {
+          if ((dbias.shape[0] != 1 && b != bb) || (dbias.shape[1] != 1 && h != hb)) continue;
+          const auto at = static_cast<std::size_t>(((b * Hq + h) * Sq + i) * Skv + j);
+          want += ref_dlogits[at];
+          if (!exact) derived += bound.dlogits[at];
+        }
+      }
+      const double got = load_f32(dbias.data, dtype, p.dbias.offset(bb, hb, i, j));
+      double tolerance = 0.0;
+      if (!matches(got, want, derived, unit_roundoff(dtype), half_smallest_denormal(dtype),
+                   largest_finite(dtype), tolerance)) {
+        std::ostringstream what;
+        what << "dbias[" << bb << ", " << hb << ", " << i << ", " << j << "] = " << got
+             << ", reference " << want << ", tolerance " << tolerance;
+        finding(p, what.str());
+      }
+    });
+    const std::int64_t written = written_around_view(p.dbias, dtype);
+    if (written >= 0) finding(p, "wrote padding element " + std::to_string(written) + " of dbias");
+  }
   // dsinks is fp32 whatever the dtype.
   for (std::size_t h = 0; h < ref_dsinks.size(); ++h) {
     const double got = bp.dsinks[h], want = ref_dsinks[h];
@@ -555,7 +629,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   Call c{p.view(p.dout), p.view(p.q),  p.view(p.k),  p.view(p.v), p.view(p.out),
          p.lse.data(),   p.view(p.dq), p.view(p.dk), p.view(p.dv)};
-  const flashattn::ModifierGradients modifier_gradients{p.dsinks};
+  const flashattn::ModifierGradients modifier_gradients{p.dsinks, p.dbias_view()};
 
   // A corruption that cannot apply skips the input, unless a refused modifier makes the call
   // invalid anyway.
@@ -570,14 +644,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if (invalid) {
     const std::vector<std::uint8_t> before[] = {p.dq.buffer.bytes, p.dk.buffer.bytes,
-                                                p.dv.buffer.bytes, p.dsinks_bytes};
+                                                p.dv.buffer.bytes, p.dsinks_bytes,
+                                                p.dbias.buffer.bytes};
     const std::vector<float> sinks_before = p.sinks;
     try {
       flashattn::attention_backward(p.impl, c.dout, c.q, c.k, c.v, c.out, c.lse, c.dq, c.dk, c.dv,
                                     p.options, modifier_gradients);
     } catch (const flashattn::Error&) {
       if (p.dq.buffer.bytes != before[0] || p.dk.buffer.bytes != before[1] ||
-          p.dv.buffer.bytes != before[2] || p.dsinks_bytes != before[3]) {
+          p.dv.buffer.bytes != before[2] || p.dsinks_bytes != before[3] ||
+          p.dbias.buffer.bytes != before[4]) {
         finding(p, "an invalid call wrote a gradient before raising Error");
       }
       // Compared bitwise: a refused sink may be NaN.

@@ -252,4 +252,118 @@ inline std::vector<double> finite_magnitudes(const void* base, DType dtype,
   return result;
 }
 
+// An additive bias and a boolean mask (options.hpp) picked by the input, decoded after
+// everything else so that older corpus inputs decode as before (both off). Each is on for a
+// quarter of the inputs that reach it; one in eight of those is given a shape the API must
+// refuse. The bias: [B|1, Hq|1, Sq, Skv] of f32, f16 or bf16 in a fuzzed layout (a stride-0
+// dim included), small integers times 2^e, −inf for about one entry in sixteen when the input
+// says so. The mask: the same shapes, contiguous, with a key stride of 2, or one row for all
+// (row stride 0); each byte keeps its key with a fuzzed density.
+struct FuzzedLogitViews {
+  Tensor bias;
+  DType bias_dtype = DType::f32;
+  bool has_bias = false;
+  std::vector<std::uint8_t> mask_bytes;
+  Shape mask_shape{}, mask_strides{};
+  bool has_mask = false;
+  bool refused = false;
+
+  void apply(flashattn::AttentionOptions& options) const {
+    if (has_bias) {
+      options.bias = {bias.buffer.bytes.data(), bias_dtype, bias.shape, bias.strides};
+    }
+    if (has_mask) {
+      options.mask = {reinterpret_cast<const bool*>(mask_bytes.data()), mask_shape, mask_strides};
+    }
+  }
+
+  void describe(std::ostream& text) const {
+    text << " bias";
+    if (has_bias) {
+      text << " " << flashattn::dtype_name(bias_dtype) << " [" << bias.shape[0] << ", "
+           << bias.shape[1] << ", " << bias.shape[2] << ", " << bias.shape[3] << "] strides ["
+           << bias.strides[0] << ", " << bias.strides[1] << ", " << bias.strides[2] << ", "
+           << bias.strides[3] << "]";
+    } else {
+      text << " none";
+    }
+    text << " mask";
+    if (has_mask) {
+      text << " [" << mask_shape[0] << ", " << mask_shape[1] << ", " << mask_shape[2] << ", "
+           << mask_shape[3] << "] strides [" << mask_strides[0] << ", " << mask_strides[1] << ", "
+           << mask_strides[2] << ", " << mask_strides[3] << "]";
+    } else {
+      text << " none";
+    }
+    if (refused) text << " (refused shape)";
+  }
+};
+
+inline FuzzedLogitViews fuzzed_logit_views(FuzzedDataProvider& in, const FuzzedShape& shape) {
+  FuzzedLogitViews views;
+  const std::int64_t heads_q = shape.heads_kv * shape.group;
+  // [B | 1, Hq | 1, Sq, Skv], or for a refused one a dim the API does not accept.
+  auto logit_shape = [&](bool refused) -> Shape {
+    Shape dims{in.ConsumeBool() ? shape.batch : 1, in.ConsumeBool() ? heads_q : 1, shape.seqlen_q,
+               shape.seqlen_kv};
+    if (refused) {
+      switch (in.ConsumeIntegralInRange(0, 2)) {
+        case 0:
+          dims[2] += 1;
+          break;
+        case 1:
+          dims[3] += 1;
+          break;
+        default:
+          dims[1] = heads_q + 1;
+          break;
+      }
+    }
+    return dims;
+  };
+  if (in.ConsumeIntegralInRange(0, 3) == 0) {
+    const bool refused = in.ConsumeIntegralInRange(0, 7) == 0;
+    views.has_bias = true;
+    views.refused = views.refused || refused;
+    views.bias_dtype = fuzzed_dtype(in);
+    views.bias = fuzzed_layout(in, views.bias_dtype, logit_shape(refused), true);
+    const int exponent = in.ConsumeIntegralInRange(-8, 6);
+    const bool minus_infinity = in.ConsumeBool();
+    for_each_index(views.bias.shape, [&](auto a, auto b, auto c, auto d) {
+      const std::uint8_t byte = in.ConsumeIntegral<std::uint8_t>();
+      const float value = minus_infinity && byte < 16 ? -std::numeric_limits<float>::infinity()
+                                                      : value_from(byte, exponent, false, false);
+      store_f32(views.bias.buffer.bytes.data(), views.bias_dtype, views.bias.offset(a, b, c, d),
+                value);
+    });
+  }
+  if (in.ConsumeIntegralInRange(0, 3) == 0) {
+    const bool refused = in.ConsumeIntegralInRange(0, 7) == 0;
+    views.has_mask = true;
+    views.refused = views.refused || refused;
+    views.mask_shape = logit_shape(refused);
+    const Shape& dims = views.mask_shape;
+    const int layout = in.ConsumeIntegralInRange(0, 2);
+    const std::int64_t key_stride = layout == 1 ? 2 : 1;
+    views.mask_strides = {dims[1] * dims[2] * dims[3] * key_stride,
+                          dims[2] * dims[3] * key_stride, layout == 2 ? 0 : dims[3] * key_stride,
+                          key_stride};
+    bool empty = false;
+    std::int64_t extent = 1;
+    for (int d = 0; d < 4; ++d) {
+      empty = empty || dims[d] == 0;
+      extent += (dims[d] - 1) * views.mask_strides[d];
+    }
+    views.mask_bytes.assign(static_cast<std::size_t>(empty ? 1 : extent), 0);
+    const int density = in.ConsumeIntegralInRange(0, 4);  // keeps density / 4 of the keys
+    for_each_index(dims, [&](auto a, auto b, auto c, auto d) {
+      const std::int64_t at = a * views.mask_strides[0] + b * views.mask_strides[1] +
+                              c * views.mask_strides[2] + d * views.mask_strides[3];
+      views.mask_bytes[static_cast<std::size_t>(at)] =
+          in.ConsumeIntegralInRange(0, 3) < density ? 1 : 0;
+    });
+  }
+  return views;
+}
+
 }  // namespace fuzz_support

@@ -482,10 +482,7 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
     const std::int64_t head = task.h_kv * p.group_size() + pair.g;
     for (std::int64_t i = 0; i < pair.rows; ++i) {
       float* ds = t.dscores.data() + i * ld_s;
-      std::copy_n(ds, kv.keys,
-                  bp.dlogits + ((task.b * p.heads_q + head) * p.seqlen_q + pair.row_begin + i) *
-                                       p.seqlen_kv +
-                                   kv.begin);
+      cpu::store_dlogits_row(bp, task.b, head, pair.row_begin + i, kv.begin, kv.keys, ds);
       for (std::int64_t j = 0; j < kv.keys_padded; ++j) ds[j] *= p.scale;
     }
   }

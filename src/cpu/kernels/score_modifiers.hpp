@@ -96,6 +96,24 @@ void for_each_kept_run(const AttentionParams& p, std::int64_t b, std::int64_t h,
   }
 }
 
+// For dbias: the logits' gradient ds[0, n) of query row `row` of (batch b, query head h), keys
+// [key_begin, key_begin + n), into bp.dlogits; 0 for the keys the row does not see or the mask
+// drops, as in the reference (their P = 0 times an infinite dP would be NaN).
+inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
+                              std::int64_t row, std::int64_t key_begin, std::int64_t n,
+                              const float* ds) {
+  const AttentionParams& p = bp.forward;
+  float* dlogits = bp.dlogits + ((b * p.heads_q + h) * p.seqlen_q + row) * p.seqlen_kv + key_begin;
+  const KeyRange keys = p.key_range(row);
+  const LogitView& mask = p.modifiers.mask;
+  for (std::int64_t j = 0; j < n; ++j) {
+    const std::int64_t key = key_begin + j;
+    const bool seen = key >= keys.begin && key < keys.end &&
+                      (mask.data == nullptr || mask.kept(b, h, row, key));
+    dlogits[j] = seen ? ds[j] : 0.0f;
+  }
+}
+
 // In place, for j < n: x = scale·scores[j], then softcap·tanh(x / softcap) (softcap > 0), then
 // − slope·|first_distance − j| (slope != 0), then + bias[j] (a bias), then −inf where mask[j] is
 // 0 (a mask). With `derivative` not null, derivative[j] receives d logit / dx: 1 − tanh²(x /
