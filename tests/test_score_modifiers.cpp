@@ -754,6 +754,60 @@ TEST(ModifierExamples, RowWhoseKeysAreAllMaskedGetsZero) {
   }
 }
 
+// A row whose keys a bias or mask masks entirely is 0, and adds nothing to any gradient, even
+// with an infinite value row among its keys and an infinite dO row (the libFuzzer harnesses
+// found acc·0 and P·dO = 0·inf making it NaN).
+TEST(ModifierExamples, FullyMaskedRowStaysZeroWithInfiniteValues) {
+  const std::int64_t S = 6, H = 1, D = 4;
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, {1, S, H, D}), k(DType::f32, {1, S, H, D}), v(DType::f32, {1, S, H, D}),
+      dout(DType::f32, {1, S, H, D});
+  for (Tensor* t : {&q, &k, &v, &dout}) t->fill_normal(rng);
+  v.set(0, 1, 0, 2, INFINITY);
+  dout.set(0, 3, 0, 0, INFINITY);
+  std::vector<float> bias(S * S, 0.0f);
+  std::vector<std::uint8_t> keep(S * S, 1);
+  for (std::int64_t j = 0; j < S; ++j) bias[3 * S + j] = -INFINITY;  // row 3: every key −inf
+  for (std::int64_t j = 0; j < S; ++j) keep[3 * S + j] = 0;          // or dropped
+  for (int variant = 0; variant < 2; ++variant) {
+    for (bool sinks : {false, true}) {
+      const float sink = 0.25f;
+      AttentionOptions options;
+      if (variant == 0) options.bias = contiguous_view(bias.data(), {1, 1, S, S});
+      if (variant == 1) {
+        options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), {1, 1, S, S},
+                                {0, 0, S, 1}};
+      }
+      if (sinks) options.sinks = std::span<const float>(&sink, 1);
+      for (AttentionImpl impl :
+           {AttentionImpl::reference, AttentionImpl::standard, AttentionImpl::flash}) {
+        const std::string context = std::string(impl_name(impl)) + " variant " +
+                                    std::to_string(variant) + (sinks ? " sinks" : "");
+        Tensor out(DType::f32, q.view.shape);
+        std::vector<float> lse(S);
+        attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
+        for (std::int64_t d = 0; d < D; ++d) EXPECT_EQ(out.at(0, 3, 0, d), 0.0f) << context;
+        EXPECT_EQ(lse[3], sinks ? sink : -INFINITY) << context;
+        Tensor dq(DType::f32, q.view.shape), dk(DType::f32, k.view.shape),
+            dv(DType::f32, k.view.shape);
+        float dsink = NAN;
+        ModifierGradients gradients;
+        if (sinks) gradients.dsinks = &dsink;
+        attention_backward(impl, dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                           dk.view, dv.view, options, gradients);
+        for (std::int64_t d = 0; d < D; ++d) EXPECT_EQ(dq.at(0, 3, 0, d), 0.0f) << context;
+        // Row 3's infinite dO reaches no dV: only the value row 1 (infinite) may be non-finite.
+        for (std::int64_t j = 0; j < S; ++j) {
+          if (j == 1) continue;
+          for (std::int64_t d = 0; d < D; ++d) {
+            EXPECT_TRUE(std::isfinite(dv.at(0, j, 0, d))) << context << " dv key " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
 // A document mask (block-diagonal) gives what the same −inf bias gives, bit for bit on the flash
 // path, though it skips the blocks that the bias computes.
 TEST(ModifierExamples, DocumentMaskEqualsMinusInfinityBias) {

@@ -10,6 +10,7 @@
 
 #include "api/backends.hpp"
 #include "api/memory.hpp"
+#include "cpu/kernels/score_modifiers.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
 #include "util/rows.hpp"
@@ -31,9 +32,11 @@ void add_sink_gradients(const BackwardParams& bp, double* sums) {
           row_deltas(deltas.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.q_dtype, b, h,
                      0, p.seqlen_q, p.head_dim);
           for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
-            // A row that sees no key has output 0 and adds nothing, whatever its dO holds.
+            // A row that sees no key (or whose keys a bias or mask masked) has output 0 and adds
+            // nothing, whatever its dO holds.
             if (p.key_range(row).empty()) continue;
             const double lse = p.lse[p.lse_index(b, h, row)];
+            if (cpu::row_fully_masked(p, h, static_cast<float>(lse))) continue;
             sum -= std::exp(sink - lse) * static_cast<double>(deltas[row]);
           }
         }

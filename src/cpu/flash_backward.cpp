@@ -399,7 +399,7 @@ BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scrat
   // over the visible pairs only (cpu/kernels/visible_gradients.hpp).
   const bool fully_visible = p.key_range(pair.row_begin).end >= kv.end &&
                              p.key_range(pair.row_begin + pair.rows - 1).begin <= kv.begin &&
-                             p.modifiers.mask.data == nullptr;
+                             !p.modifiers.masks_logits();
   pair.visible_only = !fully_visible && !(kv.finite && queries.finite(task.slot, g, n));
   if (!pair.bf16 && !kv.fp32_packed) pack_key_block_fp32(p, tiles, t, task.b, task.h_kv, kv);
   return pair;
@@ -482,7 +482,8 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
     const std::int64_t head = task.h_kv * p.group_size() + pair.g;
     for (std::int64_t i = 0; i < pair.rows; ++i) {
       float* ds = t.dscores.data() + i * ld_s;
-      cpu::store_dlogits_row(bp, task.b, head, pair.row_begin + i, kv.begin, kv.keys, ds);
+      cpu::store_dlogits_row(bp, task.b, head, pair.row_begin + i, kv.begin, kv.keys, ds,
+                             queries.lse(task.slot, pair.g, pair.n)[i]);
       for (std::int64_t j = 0; j < kv.keys_padded; ++j) ds[j] *= p.scale;
     }
   }
@@ -519,8 +520,9 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
       load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
                    p.k_strides.offset(b, kv.begin + j, task.h_kv), D);
     }
-    cpu::add_visible_gradients(p, {b, h, row_begin, rows, kv.begin, kv.keys, D, t.probabilities.data(),
-                                   t.dscores.data(), ld_s, t.q_rows.data(), D, t.dout_rows.data(),
+    cpu::add_visible_gradients(p, {b, h, row_begin, rows, kv.begin, kv.keys, D,
+                                   task.queries->lse(task.slot, pair.g, pair.n),
+                                   t.probabilities.data(), t.dscores.data(), ld_s, t.q_rows.data(), D, t.dout_rows.data(),
                                    D, t.k_rows.data(), D, dq, Dp, t.dk.data(), t.dv.data(), Dp});
   } else if (pair.bf16) {
     cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.bf16_keys, t.dscores.data(), ld_s,

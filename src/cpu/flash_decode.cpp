@@ -430,7 +430,9 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
         cpu::normalize_row(max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
                            p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head),
                            p.modifiers.masks_logits());
-    for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= normalizer.inverse_sum;
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      out_row[d] = normalizer.empty ? 0.0f : out_row[d] * normalizer.inverse_sum;
+    }
     if (plan.bf16_pairs) {
       cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
       out_row = buffer + Dp;

@@ -176,7 +176,9 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
     const cpu::RowNormalizer normalizer =
         cpu::normalize_row(row_max, block.row_sum[i], p.key_range(task.position(i)).empty(),
                            cpu::sink_logit(p, task.head(i)), p.modifiers.masks_logits());
-    for (std::int64_t d = 0; d < p.head_dim; ++d) acc_row[d] *= normalizer.inverse_sum;
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      acc_row[d] = normalizer.empty ? 0.0f : acc_row[d] * normalizer.inverse_sum;
+    }
     store_row_f32(p.out, p.dtype, p.out_strides.offset(task.b, task.position(i), task.head(i)),
                   acc_row, p.head_dim, stream_out);
     if (p.lse) p.lse[p.lse_index(task.b, task.head(i), task.position(i))] = normalizer.lse;

@@ -33,8 +33,10 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // `width` floats (seqlen_kv padded to whole vectors); max, exp and sum run through the SIMD
 // softmax kernel of the FlashAttention path, applied to the whole row as one tile. `sink` joins
 // the normalizer (-inf: no sink); `masks_logits` as for cpu::normalize_row. Returns the row's
-// logsumexp (the sink's logit, -inf without one, when no key is visible).
-float softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink, bool masks_logits) {
+// normalizer: its logsumexp (the sink's logit, -inf without one, when no key is visible), and
+// whether the row's output is exactly 0 (`empty`, its scores then all 0).
+cpu::RowNormalizer softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink,
+                               bool masks_logits) {
   std::fill(scores, scores + keys.begin, kNegativeInfinity);
   std::fill(scores + keys.end, scores + width, kNegativeInfinity);
   float max_score = kNegativeInfinity, sum = 0.0f;
@@ -43,9 +45,9 @@ float softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink, 
   }
   const cpu::RowNormalizer normalizer =
       cpu::normalize_row(max_score, sum, keys.empty(), sink, masks_logits);
-  if (keys.empty()) std::fill(scores, scores + width, 0.0f);
+  if (normalizer.empty) std::fill(scores, scores + width, 0.0f);
   for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= normalizer.inverse_sum;
-  return normalizer.lse;
+  return normalizer;
 }
 
 }  // namespace
@@ -54,6 +56,7 @@ namespace {
 
 struct HeadScratch {
   std::vector<float> scores, q_copy, k_copy, v_copy, out_copy;
+  std::vector<unsigned char> empty_rows;  // whether each row's output is exactly 0
 };
 
 // One (batch, head). `row_threads` > 1 spreads the softmax rows over that many threads (used when
@@ -74,15 +77,17 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
   }
   // P = softmax(modifiers(A) + M), row by row                  [Sq x Skv]
   const float sink = cpu::sink_logit(p, h);
+  t.empty_rows.assign(static_cast<std::size_t>(Sq), 0);
 #pragma omp parallel for num_threads(row_threads) if (row_threads > 1)
   for (std::int64_t row = 0; row < Sq; ++row) {
     float* scores = t.scores.data() + row * width;
     if (p.modifiers.change_logits()) {
       cpu::modify_scores(scores, nullptr, Skv, 1.0f, cpu::row_modifiers(p, b, h, row, 0, Skv));
     }
-    const float lse =
+    const cpu::RowNormalizer normalizer =
         softmax_row(scores, width, p.key_range(row), sink, p.modifiers.masks_logits());
-    if (p.lse) p.lse[p.lse_index(b, h, row)] = lse;
+    t.empty_rows[static_cast<std::size_t>(row)] = normalizer.empty;
+    if (p.lse) p.lse[p.lse_index(b, h, row)] = normalizer.lse;
   }
   // O = P·V                                                    [Sq x D]
   float* out = nullptr;
@@ -104,6 +109,7 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     for (std::int64_t row = 0; row < Sq; ++row) {
       const KeyRange keys = p.key_range(row);
       std::fill_n(out + row * out_stride, D, 0.0f);
+      if (t.empty_rows[static_cast<std::size_t>(row)]) continue;
       // One row of P times the visible rows of V, [1 x n]·[n x D], through sgemm (the only BLAS
       // routine the sanitizer builds' plain-loop stand-in provides).
       cpu::for_each_kept_run(p, b, h, row, keys.begin, keys.end,

@@ -98,7 +98,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
         // dbias: the logits' gradient P ∘ (dP − D_i) out, then dS scaled as above.
         for (std::int64_t row = 0; row < Sq; ++row) {
           float* ds = t.dscores.data() + row * width;
-          cpu::store_dlogits_row(bp, b, h, row, 0, Skv, ds);
+          cpu::store_dlogits_row(bp, b, h, row, 0, Skv, ds, t.lse[row]);
           for (std::int64_t j = 0; j < width; ++j) ds[j] *= p.scale;
         }
       }
@@ -112,7 +112,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
       // dQ = dS·K, dK += dSᵀ·Q                                       [Sq x D], [Skv x D]
       if (visible_only) {
         std::fill(t.dq.begin(), t.dq.end(), 0.0f);
-        cpu::add_visible_gradients(p, {b, h, 0, Sq, 0, Skv, D, t.probabilities.data(), t.dscores.data(),
+        cpu::add_visible_gradients(p, {b, h, 0, Sq, 0, Skv, D, t.lse.data(), t.probabilities.data(), t.dscores.data(),
                                        width, q.data, q.stride, dout.data, dout.stride, k.data,
                                        k.stride, t.dq.data(), D, t.dk.data(), t.dv.data(), D});
       } else {

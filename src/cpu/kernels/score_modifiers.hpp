@@ -96,19 +96,33 @@ void for_each_kept_run(const AttentionParams& p, std::int64_t b, std::int64_t h,
   }
 }
 
+// Query head h's sink logit, or -inf without sinks.
+inline float sink_logit(const AttentionParams& p, std::int64_t h) {
+  return p.modifiers.sinks ? p.modifiers.sinks[h] : -std::numeric_limits<float>::infinity();
+}
+
+// Whether a row of query head h whose forward gave `lse` had every key masked by a bias or mask
+// (the forward's epilogue then set lse to the sink, -inf without sinks: normalize_row). Such a
+// row adds nothing to any gradient, as in the reference; 0·inf from its dO must not reach them.
+inline bool row_fully_masked(const AttentionParams& p, std::int64_t h, float lse) {
+  return p.modifiers.masks_logits() && lse == sink_logit(p, h);
+}
+
 // For dbias: the logits' gradient ds[0, n) of query row `row` of (batch b, query head h), keys
 // [key_begin, key_begin + n), into bp.dlogits; 0 for the keys the row does not see or the mask
-// drops, as in the reference (their P = 0 times an infinite dP would be NaN).
+// drops, and for a fully masked row (`lse`, as row_fully_masked), as in the reference (their
+// P = 0 times an infinite dP would be NaN).
 inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
                               std::int64_t row, std::int64_t key_begin, std::int64_t n,
-                              const float* ds) {
+                              const float* ds, float lse) {
   const AttentionParams& p = bp.forward;
   float* dlogits = bp.dlogits + ((b * p.heads_q + h) * p.seqlen_q + row) * p.seqlen_kv + key_begin;
   const KeyRange keys = p.key_range(row);
   const LogitView& mask = p.modifiers.mask;
+  const bool masked_row = row_fully_masked(p, h, lse);
   for (std::int64_t j = 0; j < n; ++j) {
     const std::int64_t key = key_begin + j;
-    const bool seen = key >= keys.begin && key < keys.end &&
+    const bool seen = !masked_row && key >= keys.begin && key < keys.end &&
                       (mask.data == nullptr || mask.kept(b, h, row, key));
     dlogits[j] = seen ? ds[j] : 0.0f;
   }
@@ -129,14 +143,19 @@ void modify_scores(float* scores, float* derivative, std::int64_t n, float scale
 // logits are all -inf under a bias or mask (`masks_logits`: those keys are masked). Otherwise a
 // row whose visible logits are all -inf (an infinite input) gets 0/0 = NaN without a sink, as
 // the reference does.
+// `empty`: the row is one of the first two kinds, whose output is exactly 0 (written as 0, not
+// as acc·0, which a non-finite value of a masked key would make NaN).
 struct RowNormalizer {
   float inverse_sum;
   float lse;
+  bool empty = false;
 };
 inline RowNormalizer normalize_row(float row_max, float sum, bool no_key_seen, float sink,
                                    bool masks_logits) {
   constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
-  if (no_key_seen || (masks_logits && sum == 0.0f)) return {0.0f, sink};
+  if (no_key_seen || (masks_logits && row_max == kNegativeInfinity && !std::isnan(sum))) {
+    return {0.0f, sink, true};
+  }
   if (sink == kNegativeInfinity) {
     return {1.0f / sum, (row_max == kNegativeInfinity ? 0.0f : row_max) + std::log(sum)};
   }
@@ -144,11 +163,6 @@ inline RowNormalizer normalize_row(float row_max, float sum, bool no_key_seen, f
   const float rescale = row_max == kNegativeInfinity ? 0.0f : std::exp(row_max - max);
   const float total = sum * rescale + std::exp(sink - max);
   return {rescale / total, max + std::log(total)};
-}
-
-// Query head h's sink logit, or -inf without sinks.
-inline float sink_logit(const AttentionParams& p, std::int64_t h) {
-  return p.modifiers.sinks ? p.modifiers.sinks[h] : -std::numeric_limits<float>::infinity();
 }
 
 }  // namespace flashattn::detail::cpu

@@ -17,6 +17,7 @@ namespace flashattn::detail::cpu {
 struct VisibleGradientTile {
   std::int64_t batch, head;
   std::int64_t row_begin, rows, key_begin, keys, head_dim;
+  const float* lse;            // [rows], the forward's as the backward reads it
   const float* probabilities;  // P [rows x keys]
   const float* dscores;        // dS, scaled [rows x keys]
   std::int64_t ld_scores;
@@ -35,7 +36,8 @@ struct VisibleGradientTile {
 
 // dV_j += Σ_i P_ij·dO_i, dK_j += Σ_i dS_ij·Q_i, dQ_i += Σ_j dS_ij·K_j over the pairs where
 // query position row_begin + i sees key key_begin + j (p.key_range) and the mask, if any, keeps
-// it. Plain loops: the path of
+// it, and no pair of a row that a bias or mask masked entirely (row_fully_masked). Plain loops:
+// the path of
 // non-finite inputs only.
 void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& tile);
 
