@@ -79,6 +79,21 @@ AttentionOptions BackwardOracle::slice_options() const {
     options.alibi_slopes = options.alibi_slopes.subspan(entry + first_q_head, group);
   }
   if (!options.sinks.empty()) options.sinks = options.sinks.subspan(first_q_head, group);
+  // A bias or mask: the slice's batch entry and heads where it has them (not where it
+  // broadcasts).
+  auto slice_logits = [&](auto& view, std::int64_t element) {
+    if (view.data == nullptr) return;
+    std::int64_t offset = 0;
+    if (view.shape[0] > 1) offset += batch_index_ * view.strides[0], view.shape[0] = 1;
+    if (view.shape[1] > 1) {
+      offset += static_cast<std::int64_t>(first_q_head) * view.strides[1];
+      view.shape[1] = group_;
+    }
+    view.data = reinterpret_cast<decltype(view.data)>(
+        reinterpret_cast<const char*>(view.data) + offset * element);
+  };
+  slice_logits(options.bias, static_cast<std::int64_t>(dtype_size(options.bias.dtype)));
+  slice_logits(options.mask, 1);
   return options;
 }
 

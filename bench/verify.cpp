@@ -127,9 +127,22 @@ ReferenceRows reference_rows(const HostTensor& q, const HostTensor& k, const Hos
     ConstTensorView q_row = q_full;
     q_row.data = static_cast<const char*>(q_full.data) + row * q_full.strides[1] * element;
     q_row.shape[1] = 1;
-    const RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, options);
+    RowKeys row_problem = row_keys(row, seqlen_q, seqlen_kv, options);
     ConstTensorView k_row = k_full, v_row = v_full;
     k_row.shape[1] = v_row.shape[1] = row_problem.keys;
+    // A bias or mask: the row's own, over the same first keys.
+    AttentionOptions& row_options = row_problem.options;
+    if (options.bias.data != nullptr) {
+      row_options.bias.data = static_cast<const char*>(options.bias.data) +
+                              row * options.bias.strides[2] * dtype_size(options.bias.dtype);
+      row_options.bias.shape[2] = 1;
+      row_options.bias.shape[3] = row_problem.keys;
+    }
+    if (options.mask.data != nullptr) {
+      row_options.mask.data = options.mask.data + row * options.mask.strides[2];
+      row_options.mask.shape[2] = 1;
+      row_options.mask.shape[3] = row_problem.keys;
+    }
     reference_attention_forward(q_row, k_row, v_row, row_out.view(), row_lse.data(),
                                 row_problem.options);
     // row_out is [batch, 1, heads_q, head_dim]: its flat order is already [batch, heads_q, dim].
@@ -204,9 +217,23 @@ Tolerance standard_error_bound(const HostTensor& q, const HostTensor& k, const H
     alibi = std::max(alibi, std::abs(static_cast<double>(slope)) *
                                 static_cast<double>(std::max(seqlen_q, seqlen_kv)));
   }
+  // A bias adds up to its largest finite |entry|, rounded once (a −inf entry is a masked key).
+  double bias = 0.0;
+  if (options.bias.data != nullptr) {
+    const ConstTensorView& b = options.bias;
+    for (std::int64_t i0 = 0; i0 < b.shape[0]; ++i0)
+      for (std::int64_t i1 = 0; i1 < b.shape[1]; ++i1)
+        for (std::int64_t i2 = 0; i2 < b.shape[2]; ++i2)
+          for (std::int64_t i3 = 0; i3 < b.shape[3]; ++i3) {
+            const double value = load_f32(
+                b.data, b.dtype,
+                i0 * b.strides[0] + i1 * b.strides[1] + i2 * b.strides[2] + i3 * b.strides[3]);
+            if (std::isfinite(value)) bias = std::max(bias, std::abs(value));
+          }
+  }
   const double max_score =
       (softcap > 0.0 ? std::min(softcap, scale * q_norm * k_norm) : scale * q_norm * k_norm) +
-      alibi;
+      alibi + bias;
 
   // Higham's gamma_n = n·u / (1 - n·u) bounds the relative error of n-term fp32 sums and dot
   // products in any order.
@@ -215,7 +242,7 @@ Tolerance standard_error_bound(const HostTensor& q, const HostTensor& k, const H
   const double keys = static_cast<double>(std::max<std::int64_t>(seqlen_kv, 1));
   // A score: a head_dim-term dot product and the scale.
   const double score_error = gamma(static_cast<double>(head_dim) + 1.0) * scale * q_norm * k_norm +
-                             4.0 * u * softcap + 2.0 * u * alibi;
+                             4.0 * u * softcap + 2.0 * u * alibi + u * (max_score + bias);
   // s - max: the two scores' errors, the subtraction's rounding.
   const double argument_error = 2.0 * score_error + 2.0 * u * max_score;
   // Each softmax weight exp(s - max) is then off by this factor at most (exp within 4 ulps).

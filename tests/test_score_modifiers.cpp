@@ -808,6 +808,33 @@ TEST(ModifierExamples, FullyMaskedRowStaysZeroWithInfiniteValues) {
   }
 }
 
+// A row whose sink outweighs its keys so far that lse rounds to the sink is not a masked row: a
+// NaN among its inputs still reaches its gradients (the backward fuzzer found it taken for one).
+TEST(ModifierExamples, SinkDominatedRowIsNotMasked) {
+  const std::int64_t S = 5, D = 4;
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, {1, S, 1, D}), k(DType::f32, {1, S, 1, D}), v(DType::f32, {1, S, 1, D}),
+      dout(DType::f32, {1, S, 1, D});
+  for (Tensor* t : {&q, &k, &v, &dout}) t->fill_normal(rng);
+  dout.set(0, 2, 0, 1, NAN);
+  const float sink = 300.0f;
+  std::vector<float> bias(S * S, 0.5f);
+  AttentionOptions options;
+  options.sinks = std::span<const float>(&sink, 1);
+  options.bias = contiguous_view(bias.data(), {1, 1, S, S});
+  for (AttentionImpl impl :
+       {AttentionImpl::reference, AttentionImpl::standard, AttentionImpl::flash}) {
+    Tensor out(DType::f32, q.view.shape), dq(DType::f32, q.view.shape),
+        dk(DType::f32, k.view.shape), dv(DType::f32, k.view.shape);
+    std::vector<float> lse(S);
+    attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
+    EXPECT_EQ(lse[2], sink) << impl_name(impl);
+    attention_backward(impl, dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                       dk.view, dv.view, options);
+    EXPECT_TRUE(std::isnan(dq.at(0, 2, 0, 0))) << impl_name(impl);
+  }
+}
+
 // A document mask (block-diagonal) gives what the same −inf bias gives, bit for bit on the flash
 // path, though it skips the blocks that the bias computes.
 TEST(ModifierExamples, DocumentMaskEqualsMinusInfinityBias) {

@@ -1,12 +1,16 @@
-// `flashattn modifier-bench`: what the score modifiers (softcap, ALiBi, sinks) cost the
-// FlashAttention path. On one shape (the seed's by default), each variant is first checked
+// `flashattn modifier-bench`: what the score modifiers (softcap, ALiBi, sinks, a bias, masks)
+// cost the FlashAttention path. On one shape (the seed's by default), each variant is first checked
 // against the fp64 reference on sampled rows, then timed in alternation with the plain flash call
 // on the same inputs: the median over the pairs of plain time / variant time is the variant's
 // speed as a fraction of plain flash, measured in the same stretch of a shared machine's load.
 // With --backward, each variant's backward is checked (bench/backward_check.hpp) and timed in
 // alternation with its own forward. The f32 FMA peak is measured first, the ceiling every
-// GFLOP/s is also read against.
+// GFLOP/s is also read against. The bias and mask variants run without the causal mask (the
+// targets of issue 22 are stated so), against plain flash without it: a [1, 1, S, S] f32 bias, a
+// mask that keeps everything (dense), and a document mask of four equal documents, which keeps a
+// quarter of every 64 x 64 block grid and whose speed is also read against the dense mask's.
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -48,16 +52,26 @@ struct ModifierBenchOptions {
   bool no_csv = false;
 };
 
-// One variant: which modifiers are on.
+// A variant's bias or mask.
+enum class Logits { none, bias, dense_mask, document_mask };
+
+// One variant: which modifiers are on; `full` variants run without the causal mask.
 struct Variant {
   const char* name;
   bool softcap, alibi, sinks;
+  Logits logits = Logits::none;
+  bool full = false;
 };
 constexpr Variant kVariants[] = {{"plain", false, false, false},
                                  {"softcap", true, false, false},
                                  {"alibi", false, true, false},
                                  {"sinks", false, false, true},
-                                 {"all three", true, true, true}};
+                                 {"all three", true, true, true},
+                                 {"full", false, false, false, Logits::none, true},
+                                 {"full+bias", false, false, false, Logits::bias, true},
+                                 {"full+mask", false, false, false, Logits::dense_mask, true},
+                                 {"full+docs", false, false, false, Logits::document_mask, true}};
+constexpr std::int64_t kDocuments = 4;
 
 struct VariantResult {
   Variant variant{};
@@ -103,26 +117,38 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
   std::normal_distribution<float> normal;
   for (float& sink : sinks) sink = normal(rng);
   const std::vector<std::int64_t> rows = sample_rows(o.seqlen, o.check_rows, rng);
+  // [1, 1, S, S]: a normal(0, 1) f32 bias; masks that keep every key, and four documents.
+  const std::int64_t S = o.seqlen;
+  const std::array<std::int64_t, 4> logit_shape{1, 1, S, S};
+  std::vector<float> bias(static_cast<std::size_t>(S * S));
+  for (float& value : bias) value = normal(rng);
+  std::vector<std::uint8_t> dense_mask(bias.size(), 1), document_mask(bias.size());
+  for (std::int64_t i = 0; i < S; ++i) {
+    for (std::int64_t j = 0; j < S; ++j) {
+      document_mask[i * S + j] = i * kDocuments / S == j * kDocuments / S;
+    }
+  }
+  HostTensor dbias(DType::f32, logit_shape);
 
   auto options_of = [&](const Variant& variant) {
     AttentionOptions options;
-    options.causal = o.causal;
+    options.causal = o.causal && !variant.full;
     options.num_threads = o.threads;
     if (variant.softcap) options.softcap = *parse_softcap(o.softcap);
     if (variant.alibi) options.alibi_slopes = slopes;
     if (variant.sinks) options.sinks = sinks;
+    if (variant.logits == Logits::bias) options.bias = contiguous_view(bias.data(), logit_shape);
+    if (variant.logits == Logits::dense_mask || variant.logits == Logits::document_mask) {
+      const std::vector<std::uint8_t>& keep =
+          variant.logits == Logits::dense_mask ? dense_mask : document_mask;
+      options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), logit_shape,
+                              contiguous_strides(logit_shape)};
+    }
     return options;
   };
-  const AttentionOptions plain_options = options_of(kVariants[0]);
-  const double flops =
-      attention_flops(o.batch, o.heads, o.seqlen, o.seqlen, o.head_dim, plain_options);
   HostTensor plain_out(dtype, shape), out(dtype, shape);
   std::vector<float> plain_lse(static_cast<std::size_t>(o.batch * o.heads * o.seqlen));
   std::vector<float> lse(plain_lse.size());
-  auto plain_call = [&] {
-    flash_attention_forward(q.view(), k.view(), v.view(), plain_out.view(), plain_lse.data(),
-                            plain_options);
-  };
 
   std::vector<VariantResult> results;
   for (const Variant& variant : kVariants) {
@@ -130,6 +156,12 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
     VariantResult result;
     result.variant = variant;
     const AttentionOptions options = options_of(variant);
+    // Plain flash with the variant's causal mask: what "vs plain" reads against.
+    const AttentionOptions plain_options = options_of(kVariants[variant.full ? 5 : 0]);
+    auto plain_call = [&] {
+      flash_attention_forward(q.view(), k.view(), v.view(), plain_out.view(), plain_lse.data(),
+                              plain_options);
+    };
     auto call = [&] {
       flash_attention_forward(q.view(), k.view(), v.view(), out.view(), lse.data(), options);
     };
@@ -152,6 +184,7 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
         std::vector<float> dsinks(sinks.size());
         ModifierGradients gradients;
         if (variant.sinks) gradients.dsinks = dsinks.data();
+        if (variant.logits == Logits::bias) gradients.dbias = dbias.view();
         auto backward_call = [&] {
           flash_attention_backward(dout.view(), q.view(), k.view(), v.view(), out.view(),
                                    lse.data(), dq.view(), dk.view(), dv.view(), options, gradients);
@@ -176,13 +209,14 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
 
   std::printf(
       "flashattn modifier-bench: the score modifiers on the flash path, %s\n"
-      "shape    batch %lld, heads %lld, seqlen %lld, head_dim %lld, causal, softcap %s, ALiBi the "
-      "paper's slopes, sinks normal(0, 1)\n"
+      "shape    batch %lld, heads %lld, seqlen %lld, head_dim %lld, causal (the full variants "
+      "not), softcap %s, ALiBi the paper's slopes, sinks normal(0, 1), bias [1, 1, S, S] "
+      "normal(0, 1) f32, masks [1, 1, S, S]: all kept, or %lld documents\n"
       "threads  %d; f32 FMA peak %.1f GFLOP/s (measured first); each variant timed alternately "
       "with plain flash, median of %d pairs\n\n",
       dtype_name(dtype), static_cast<long long>(o.batch), static_cast<long long>(o.heads),
       static_cast<long long>(o.seqlen), static_cast<long long>(o.head_dim), o.softcap.c_str(),
-      threads, peak_gflops, o.repeat);
+      static_cast<long long>(kDocuments), threads, peak_gflops, o.repeat);
   std::printf("%-10s %8s %10s %9s %10s %10s", "variant", "checked", "time (ms)", "GFLOP/s",
               "of peak", "vs plain");
   if (o.backward) std::printf(" %9s %13s %10s", "backward", "bwd time (ms)", "bwd / fwd");
@@ -193,6 +227,10 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
       "backward_over_forward\n";
   const Machine machine = describe_machine(threads);
   for (const VariantResult& r : results) {
+    // FLOPs of the plain problem with the variant's causal mask: a document mask's skipped
+    // blocks count as work, so its GFLOP/s reads as speed against the dense problem.
+    const double flops = attention_flops(o.batch, o.heads, o.seqlen, o.seqlen, o.head_dim,
+                                         options_of(kVariants[r.variant.full ? 5 : 0]));
     const double gflops = r.seconds > 0.0 ? flops / r.seconds * 1e-9 : 0.0;
     std::printf("%-10s %8s %10.2f %9.1f %10.3f %10.3f", r.variant.name, r.verified ? "yes" : "NO",
                 r.seconds * 1e3, gflops, gflops / peak_gflops, r.speed_vs_plain);
@@ -215,6 +253,16 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
                   backward_timed ? *r.backward->seconds : 0.0,
                   backward_timed ? *r.backward->over_forward : 0.0);
     csv_text += line;
+  }
+  VariantResult dense, documents;
+  for (const VariantResult& r : results) {
+    if (r.variant.logits == Logits::dense_mask) dense = r;
+    if (r.variant.logits == Logits::document_mask) documents = r;
+  }
+  if (dense.seconds > 0.0 && documents.seconds > 0.0) {
+    std::printf("\ndocument mask (%lld documents, a quarter of the 64 x 64 blocks kept) vs dense "
+                "mask: %.2fx the speed\n",
+                static_cast<long long>(kDocuments), dense.seconds / documents.seconds);
   }
   std::printf(
       "\nchecked: out and lse against the fp64 reference on %lld rows of every (batch, head), "
@@ -239,12 +287,15 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
 Action add_modifier_bench_command(CLI::App& app) {
   auto o = std::make_shared<ModifierBenchOptions>();
   CLI::App* command = app.add_subcommand(
-      "modifier-bench", "What softcap, ALiBi and sinks cost the flash path, checked then timed");
+      "modifier-bench",
+      "What softcap, ALiBi, sinks, a bias and masks cost the flash path, checked then timed");
   command->footer(
-      "Each variant (plain, softcap, ALiBi, sinks, all three) is checked against the fp64 "
-      "reference on sampled rows, then timed alternately with plain flash on the same inputs; "
-      "'vs plain' is the median over the pairs of plain time / variant time. With --backward each "
-      "variant's backward (dsinks included) is checked and timed against its own forward. "
+      "Each variant (plain, softcap, ALiBi, sinks, all three, causal; then without the causal "
+      "mask: plain, a [1, 1, S, S] f32 bias, a mask keeping every key, a mask of four documents) "
+      "is checked against the fp64 reference on sampled rows, then timed alternately with plain "
+      "flash (of the same causality) on the same inputs; 'vs plain' is the median over the pairs "
+      "of plain time / variant time. With --backward each variant's backward (dsinks and dbias "
+      "included) is checked and timed against its own forward. "
       "Writes <out-dir>/<YYYY-MM-DD>-<host>-modifiers.csv unless --no-csv.\nExit codes: 0 every "
       "variant checked, 1 invalid arguments, 2 bad command line, 3 a variant failed its check.");
   command->option_defaults()->always_capture_default();

@@ -36,7 +36,7 @@ void add_sink_gradients(const BackwardParams& bp, double* sums) {
             // nothing, whatever its dO holds.
             if (p.key_range(row).empty()) continue;
             const double lse = p.lse[p.lse_index(b, h, row)];
-            if (cpu::row_fully_masked(p, h, static_cast<float>(lse))) continue;
+            if (cpu::row_fully_masked(p, b, h, row, static_cast<float>(lse))) continue;
             sum -= std::exp(sink - lse) * static_cast<double>(deltas[row]);
           }
         }

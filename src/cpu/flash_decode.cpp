@@ -424,12 +424,13 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
                      Dp, 1, Dp);
     }
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
-    // (the sink); a row whose scores are all -inf gets 0/0 without a sink unless a bias or mask
-    // masked them.
+    // (the sink), as do rows whose keys a bias masks; a row whose scores are all -inf otherwise
+    // gets 0/0 without a sink.
+    const float row_max = max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max;
+    const bool no_key_seen = p.entry_key_range(b, position).empty() ||
+                             (row_max == kNegativeInfinity && p.keys_all_masked(b, head, position));
     const cpu::RowNormalizer normalizer =
-        cpu::normalize_row(max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
-                           p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head),
-                           p.modifiers.masks_logits());
+        cpu::normalize_row(row_max, sum, no_key_seen, cpu::sink_logit(p, head));
     for (std::int64_t d = 0; d < p.head_dim; ++d) {
       out_row[d] = normalizer.empty ? 0.0f : out_row[d] * normalizer.inverse_sum;
     }

@@ -174,8 +174,9 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
     const float row_max = block.row_max[i] == kNegativeInfinity ? kNegativeInfinity
                                                                 : p.tile_scale() * block.row_max[i];
     const cpu::RowNormalizer normalizer =
-        cpu::normalize_row(row_max, block.row_sum[i], p.key_range(task.position(i)).empty(),
-                           cpu::sink_logit(p, task.head(i)), p.modifiers.masks_logits());
+        cpu::normalize_row(row_max, block.row_sum[i],
+                           cpu::no_key_seen(p, task.b, task.head(i), task.position(i), row_max),
+                           cpu::sink_logit(p, task.head(i)));
     for (std::int64_t d = 0; d < p.head_dim; ++d) {
       acc_row[d] = normalizer.empty ? 0.0f : acc_row[d] * normalizer.inverse_sum;
     }

@@ -36,7 +36,6 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
   std::vector<double>& scores = buffers.scores;
   const std::int64_t q_offset = p.q_strides.offset(b, row, h);
   double max_score = sink;
-  bool all_masked = true;  // every logit −inf (a NaN is not)
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     const std::int64_t k_offset = p.k_strides.offset(b, j, h_kv);
     double dot = 0.0;
@@ -46,11 +45,10 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
     }
     scores[j] = reference_logit(p, b, h, row, j, dot * scale);
     if (scores[j] > max_score) max_score = scores[j];
-    all_masked = all_masked && scores[j] == -std::numeric_limits<double>::infinity();
   }
-  // With a bias or mask, a row whose logits are all −inf has every key masked: output 0, lse
-  // its sink (−inf without sinks), as a row outside the causal mask.
-  if (all_masked && p.modifiers.masks_logits()) {
+  // A row whose every key a bias or mask masks: output 0, lse its sink (−inf without sinks), as
+  // a row outside the causal mask.
+  if (p.keys_all_masked(b, h, row)) {
     for (std::int64_t d = 0; d < D; ++d) out_row[d] = 0.0;
     if (lse) *lse = sink;
     return;

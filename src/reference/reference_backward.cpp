@@ -61,7 +61,6 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
   std::vector<double>& derivatives = buffers.derivatives;
   const double sink = reference_sink(p, h);
   double max_score = sink;
-  bool all_masked = true;  // every logit −inf (a NaN is not)
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     double dot = 0.0;
     for (std::int64_t d = 0; d < D; ++d) {
@@ -69,7 +68,6 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     }
     probabilities[j] = reference_logit(p, b, h, row, j, dot * scale, &derivatives[j]);
     if (probabilities[j] > max_score) max_score = probabilities[j];
-    all_masked = all_masked && probabilities[j] == -std::numeric_limits<double>::infinity();
   }
   const double shift = std::isinf(max_score) && max_score < 0 ? 0.0 : max_score;
   double sum = std::exp(sink - shift);
@@ -77,9 +75,8 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     probabilities[j] = std::exp(probabilities[j] - shift);
     sum += probabilities[j];
   }
-  // With a bias or mask, a row whose logits are all −inf has every key masked: it adds nothing
-  // to any gradient, dsinks included.
-  if (p.modifiers.masks_logits() && all_masked) return 0.0;
+  // A row whose every key a bias or mask masks adds nothing to any gradient, dsinks included.
+  if (p.keys_all_masked(b, h, row)) return 0.0;
   const LogitView& mask = p.modifiers.mask;
   auto dropped = [&](std::int64_t j) { return mask.data != nullptr && !mask.kept(b, h, row, j); };
   double row_delta = 0.0;  // D_i

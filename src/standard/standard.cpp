@@ -32,11 +32,12 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // In place: row of logits -> row of probabilities, zeros outside the visible keys. The row is
 // `width` floats (seqlen_kv padded to whole vectors); max, exp and sum run through the SIMD
 // softmax kernel of the FlashAttention path, applied to the whole row as one tile. `sink` joins
-// the normalizer (-inf: no sink); `masks_logits` as for cpu::normalize_row. Returns the row's
+// the normalizer (-inf: no sink). Row `row` of (batch b, query head h). Returns the row's
 // normalizer: its logsumexp (the sink's logit, -inf without one, when no key is visible), and
 // whether the row's output is exactly 0 (`empty`, its scores then all 0).
-cpu::RowNormalizer softmax_row(float* scores, std::int64_t width, KeyRange keys, float sink,
-                               bool masks_logits) {
+cpu::RowNormalizer softmax_row(const AttentionParams& p, std::int64_t b, std::int64_t h,
+                               std::int64_t row, float* scores, std::int64_t width, float sink) {
+  const KeyRange keys = p.key_range(row);
   std::fill(scores, scores + keys.begin, kNegativeInfinity);
   std::fill(scores + keys.end, scores + width, kNegativeInfinity);
   float max_score = kNegativeInfinity, sum = 0.0f;
@@ -44,7 +45,7 @@ cpu::RowNormalizer softmax_row(float* scores, std::int64_t width, KeyRange keys,
     cpu::online_softmax_tile(scores, width, 1.0f, &max_score, &sum, nullptr, 0, 1, width, 0);
   }
   const cpu::RowNormalizer normalizer =
-      cpu::normalize_row(max_score, sum, keys.empty(), sink, masks_logits);
+      cpu::normalize_row(max_score, sum, cpu::no_key_seen(p, b, h, row, max_score), sink);
   if (normalizer.empty) std::fill(scores, scores + width, 0.0f);
   for (std::int64_t j = keys.begin; j < keys.end; ++j) scores[j] *= normalizer.inverse_sum;
   return normalizer;
@@ -84,8 +85,7 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     if (p.modifiers.change_logits()) {
       cpu::modify_scores(scores, nullptr, Skv, 1.0f, cpu::row_modifiers(p, b, h, row, 0, Skv));
     }
-    const cpu::RowNormalizer normalizer =
-        softmax_row(scores, width, p.key_range(row), sink, p.modifiers.masks_logits());
+    const cpu::RowNormalizer normalizer = softmax_row(p, b, h, row, scores, width, sink);
     t.empty_rows[static_cast<std::size_t>(row)] = normalizer.empty;
     if (p.lse) p.lse[p.lse_index(b, h, row)] = normalizer.lse;
   }

@@ -94,13 +94,15 @@ inline void row_deltas(float* delta, const void* dout, const Strides& dout_strid
 // The forward's lse of `rows` query rows of head h from row_begin, as the backward uses it. A
 // row that sees keys but whose visible scores were all -inf got out NaN (0/0) and lse -inf;
 // its lse becomes NaN so that P, and with it the row's gradients, are NaN as the reference's
-// are, while a fully masked row keeps -inf: P = 0 and zero gradients. Under a bias or mask,
-// all -inf logits are masked keys: the row is fully masked.
+// are, while a fully masked row (by the causal mask, or by a bias or mask:
+// AttentionParams::keys_all_masked) keeps -inf: P = 0 and zero gradients.
 inline void backward_row_lse(float* lse, const AttentionParams& p, std::int64_t b, std::int64_t h,
                              std::int64_t row_begin, std::int64_t rows) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const float value = p.lse[p.lse_index(b, h, row_begin + r)];
-    const bool sees_keys = !p.key_range(row_begin + r).empty() && !p.modifiers.masks_logits();
+    const bool sees_keys = value == -std::numeric_limits<float>::infinity() &&
+                           !p.key_range(row_begin + r).empty() &&
+                           !p.keys_all_masked(b, h, row_begin + r);
     lse[r] = value == -std::numeric_limits<float>::infinity() && sees_keys
                  ? std::numeric_limits<float>::quiet_NaN()
                  : value;

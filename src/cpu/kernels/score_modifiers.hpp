@@ -96,16 +96,26 @@ void for_each_kept_run(const AttentionParams& p, std::int64_t b, std::int64_t h,
   }
 }
 
+// Whether query row `row` of (batch b, query head h) sees no key: none in its range, or (its
+// logits' maximum `row_max` being -inf) a bias or mask masks them all.
+inline bool no_key_seen(const AttentionParams& p, std::int64_t b, std::int64_t h, std::int64_t row,
+                        float row_max) {
+  return p.key_range(row).empty() ||
+         (row_max == -std::numeric_limits<float>::infinity() && p.keys_all_masked(b, h, row));
+}
+
 // Query head h's sink logit, or -inf without sinks.
 inline float sink_logit(const AttentionParams& p, std::int64_t h) {
   return p.modifiers.sinks ? p.modifiers.sinks[h] : -std::numeric_limits<float>::infinity();
 }
 
-// Whether a row of query head h whose forward gave `lse` had every key masked by a bias or mask
-// (the forward's epilogue then set lse to the sink, -inf without sinks: normalize_row). Such a
-// row adds nothing to any gradient, as in the reference; 0·inf from its dO must not reach them.
-inline bool row_fully_masked(const AttentionParams& p, std::int64_t h, float lse) {
-  return p.modifiers.masks_logits() && lse == sink_logit(p, h);
+// Whether query row `row` of (batch b, query head h), whose forward gave `lse`, had every key
+// masked by a bias or mask (AttentionParams::keys_all_masked; the forward's epilogue then set
+// lse to the sink, -inf without sinks, which is checked first). Such a row adds nothing to any
+// gradient, as in the reference; 0·inf from its dO must not reach them.
+inline bool row_fully_masked(const AttentionParams& p, std::int64_t b, std::int64_t h,
+                             std::int64_t row, float lse) {
+  return p.modifiers.masks_logits() && lse == sink_logit(p, h) && p.keys_all_masked(b, h, row);
 }
 
 // For dbias: the logits' gradient ds[0, n) of query row `row` of (batch b, query head h), keys
@@ -119,7 +129,7 @@ inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int
   float* dlogits = bp.dlogits + ((b * p.heads_q + h) * p.seqlen_q + row) * p.seqlen_kv + key_begin;
   const KeyRange keys = p.key_range(row);
   const LogitView& mask = p.modifiers.mask;
-  const bool masked_row = row_fully_masked(p, h, lse);
+  const bool masked_row = row_fully_masked(p, b, h, row, lse);
   for (std::int64_t j = 0; j < n; ++j) {
     const std::int64_t key = key_begin + j;
     const bool seen = !masked_row && key >= keys.begin && key < keys.end &&
@@ -139,23 +149,19 @@ void modify_scores(float* scores, float* derivative, std::int64_t n, float scale
 // The epilogue of one row of an online softmax: what its accumulator is multiplied by, and its
 // lse. `row_max` is the largest logit the row saw (-inf when none), `sum` Σ exp(logit − row_max),
 // `sink` the query head's sink logit (-inf without sinks), which joins the normalizer on the
-// larger of the two maxima. A row that sees no key gets 0 and lse = sink; so does one whose
-// logits are all -inf under a bias or mask (`masks_logits`: those keys are masked). Otherwise a
-// row whose visible logits are all -inf (an infinite input) gets 0/0 = NaN without a sink, as
-// the reference does.
-// `empty`: the row is one of the first two kinds, whose output is exactly 0 (written as 0, not
-// as acc·0, which a non-finite value of a masked key would make NaN).
+// larger of the two maxima. A row that sees no key (`no_key_seen`: none in its range, or a bias
+// or mask masks them all, fully_masked) gets 0 and lse = sink; one whose visible logits are all
+// -inf otherwise (an infinite input) gets 0/0 = NaN without a sink, as the reference does.
+// `empty`: the row is of the first kind, whose output is exactly 0 (written as 0, not as acc·0,
+// which a non-finite value of a masked key would make NaN).
 struct RowNormalizer {
   float inverse_sum;
   float lse;
   bool empty = false;
 };
-inline RowNormalizer normalize_row(float row_max, float sum, bool no_key_seen, float sink,
-                                   bool masks_logits) {
+inline RowNormalizer normalize_row(float row_max, float sum, bool no_key_seen, float sink) {
   constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
-  if (no_key_seen || (masks_logits && row_max == kNegativeInfinity && !std::isnan(sum))) {
-    return {0.0f, sink, true};
-  }
+  if (no_key_seen) return {0.0f, sink, true};
   if (sink == kNegativeInfinity) {
     return {1.0f / sum, (row_max == kNegativeInfinity ? 0.0f : row_max) + std::log(sum)};
   }

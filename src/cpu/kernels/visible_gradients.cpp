@@ -9,7 +9,7 @@ namespace flashattn::detail::cpu {
 void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& t) {
   const std::int64_t D = t.head_dim;
   for (std::int64_t i = 0; i < t.rows; ++i) {
-    if (row_fully_masked(p, t.head, t.lse[i])) continue;
+    if (row_fully_masked(p, t.batch, t.head, t.row_begin + i, t.lse[i])) continue;
     const KeyRange visible = p.key_range(t.row_begin + i);
     const std::int64_t first = std::clamp(visible.begin - t.key_begin, std::int64_t{0}, t.keys);
     const std::int64_t last = std::clamp(visible.end - t.key_begin, std::int64_t{0}, t.keys);
