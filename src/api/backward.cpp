@@ -2,8 +2,10 @@
 
 #include "flashattn/backward.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -54,25 +56,29 @@ void store_bias_gradient_of(const BackwardParams& bp, const T* dlogits) {
   const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv;
   const std::int64_t bias_batch = dbias.shape[0], bias_heads = dbias.shape[1];
   // dbias[bb, hb, i, j] sums the (b, h) that read it: every b when the bias has batch 1 (bb = 0),
-  // else b = bb; likewise for the heads.
+  // else b = bb; likewise for the heads. Row by row, each (b, h)'s row added whole in turn: the
+  // rows lie Sq·Skv floats apart, too far to gather element by element.
   parallel_tasks(
-      p.num_threads, bias_batch * bias_heads * Sq, [] { return 0; },
-      [&](int&, std::int64_t task) {
+      p.num_threads, bias_batch * bias_heads * Sq,
+      [&] { return std::vector<double>(static_cast<std::size_t>(Skv)); },
+      [&](std::vector<double>& sums, std::int64_t task) {
         const std::int64_t bb = task / (bias_heads * Sq), hb = task / Sq % bias_heads,
                            i = task % Sq;
-        const std::int64_t b_begin = bias_batch == 1 ? 0 : bb, b_end = bias_batch == 1 ? p.batch : bb + 1;
+        const std::int64_t b_begin = bias_batch == 1 ? 0 : bb,
+                           b_end = bias_batch == 1 ? p.batch : bb + 1;
         const std::int64_t h_begin = bias_heads == 1 ? 0 : hb,
                            h_end = bias_heads == 1 ? p.heads_q : hb + 1;
-        for (std::int64_t j = 0; j < Skv; ++j) {
-          double sum = 0.0;
-          for (std::int64_t b = b_begin; b < b_end; ++b) {
-            for (std::int64_t h = h_begin; h < h_end; ++h) {
-              sum += static_cast<double>(dlogits[((b * p.heads_q + h) * Sq + i) * Skv + j]);
-            }
+        std::fill(sums.begin(), sums.end(), 0.0);
+        for (std::int64_t b = b_begin; b < b_end; ++b) {
+          for (std::int64_t h = h_begin; h < h_end; ++h) {
+            const T* row = dlogits + ((b * p.heads_q + h) * Sq + i) * Skv;
+            for (std::int64_t j = 0; j < Skv; ++j) sums[j] += static_cast<double>(row[j]);
           }
+        }
+        for (std::int64_t j = 0; j < Skv; ++j) {
           const std::int64_t offset = bb * dbias.strides[0] + hb * dbias.strides[1] +
                                       i * dbias.strides[2] + j * dbias.strides[3];
-          store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sum));
+          store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sums[j]));
         }
       });
 }
@@ -118,10 +124,25 @@ void run_backward(const char* caller, AttentionImpl impl,
                                   : backend_bytes + dlogits_bytes;
   detail::check_scratch_fits(caller, impl, f, needed);
   try {
-    std::vector<float> dlogits(dlogits_scratch ? static_cast<std::size_t>(dlogits_count) : 0);
-    params.dlogits = dlogits_scratch ? dlogits.data() : nullptr;
+    // The backends write every (row, key) of the blocks they visit: all of them unless the
+    // causal mask, a window or a mask skips some, whose entries are then zeroed first (in
+    // parallel: 4·B·Hq·Sq·Skv bytes).
+    std::unique_ptr<float[]> dlogits(
+        dlogits_scratch ? new float[static_cast<std::size_t>(dlogits_count)] : nullptr);
+    const bool skips_blocks = f.causal || f.window_left >= 0 || f.window_right >= 0 ||
+                              f.modifiers.mask.data != nullptr;
+    if (dlogits_scratch && skips_blocks) {
+      constexpr std::int64_t kChunk = std::int64_t{1} << 20;
+      detail::parallel_tasks(
+          f.num_threads, (dlogits_count + kChunk - 1) / kChunk, [] { return 0; },
+          [&](int&, std::int64_t chunk) {
+            const std::int64_t begin = chunk * kChunk;
+            std::fill_n(dlogits.get() + begin, std::min(kChunk, dlogits_count - begin), 0.0f);
+          });
+    }
+    params.dlogits = dlogits.get();
     backend(params);
-    if (dlogits_scratch) detail::store_bias_gradient(params, dlogits.data());
+    if (dlogits_scratch) detail::store_bias_gradient(params, dlogits.get());
     // The reference derives its own from the P it recomputes.
     if (params.dsinks != nullptr && impl != AttentionImpl::reference) {
       std::vector<double> sums(static_cast<std::size_t>(params.forward.heads_q), 0.0);

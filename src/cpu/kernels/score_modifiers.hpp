@@ -127,14 +127,21 @@ inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int
                               const float* ds, float lse) {
   const AttentionParams& p = bp.forward;
   float* dlogits = bp.dlogits + ((b * p.heads_q + h) * p.seqlen_q + row) * p.seqlen_kv + key_begin;
+  if (row_fully_masked(p, b, h, row, lse)) {
+    std::fill_n(dlogits, n, 0.0f);
+    return;
+  }
+  // The keys the row sees, as offsets into [0, n): copied, the rest 0.
   const KeyRange keys = p.key_range(row);
+  const std::int64_t first = std::clamp(keys.begin - key_begin, std::int64_t{0}, n);
+  const std::int64_t last = std::clamp(keys.end - key_begin, first, n);
+  std::fill_n(dlogits, first, 0.0f);
+  std::copy(ds + first, ds + last, dlogits + first);
+  std::fill(dlogits + last, dlogits + n, 0.0f);
   const LogitView& mask = p.modifiers.mask;
-  const bool masked_row = row_fully_masked(p, b, h, row, lse);
-  for (std::int64_t j = 0; j < n; ++j) {
-    const std::int64_t key = key_begin + j;
-    const bool seen = !masked_row && key >= keys.begin && key < keys.end &&
-                      (mask.data == nullptr || mask.kept(b, h, row, key));
-    dlogits[j] = seen ? ds[j] : 0.0f;
+  if (mask.data == nullptr) return;
+  for (std::int64_t j = first; j < last; ++j) {
+    if (!mask.kept(b, h, row, key_begin + j)) dlogits[j] = 0.0f;
   }
 }
 
