@@ -483,6 +483,7 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
   HWY_ALIGN std::uint32_t keep_lanes[hn::MaxLanes(tag)];
   const bool contiguous_bias = row.bias_dtype == DType::f32 && row.bias_stride == 1;
   const hn::RebindToUnsigned<Tag> utag;
+  const hn::Rebind<std::uint8_t, Tag> bytes_tag;  // one mask byte per lane
   const Vec minus_infinity = hn::Set(tag, -std::numeric_limits<float>::infinity());
   for (std::int64_t j = 0; j < n; j += N) {
     const std::int64_t count = n - j < N ? n - j : N;
@@ -525,10 +526,16 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
       }
     }
     if (row.mask != nullptr) {
-      for (std::int64_t i = 0; i < N; ++i) {
-        keep_lanes[i] = i < count ? row.mask[(j + i) * row.mask_stride] : 1u;
+      hn::Vec<decltype(utag)> keep;
+      if (row.mask_stride == 1 && count == N) {
+        keep = hn::PromoteTo(utag, hn::LoadU(bytes_tag, row.mask + j));
+      } else {
+        for (std::int64_t i = 0; i < N; ++i) {
+          keep_lanes[i] = i < count ? row.mask[(j + i) * row.mask_stride] : 1u;
+        }
+        keep = hn::Load(utag, keep_lanes);
       }
-      const auto dropped = hn::RebindMask(tag, hn::Eq(hn::Load(utag, keep_lanes), hn::Zero(utag)));
+      const auto dropped = hn::RebindMask(tag, hn::Eq(keep, hn::Zero(utag)));
       logit = hn::IfThenElse(dropped, minus_infinity, logit);
     }
     hn::StoreU(logit, tag, s);
