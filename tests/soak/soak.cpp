@@ -5,11 +5,12 @@
 //   flashattn_soak [--seconds 60] [--users 8] [--seed N]
 //
 // Each call is one of (weights in kinds()):
-//   forward    attention_forward, any path and dtype, causal/window, GQA, padded strides:
+//   forward    attention_forward, any path and dtype, causal/window, GQA, padded strides, a
+//              broadcast bias (−inf entries included) or a boolean mask for half the calls:
 //              against the fp64 reference (test_attention_vs_reference.cpp's standard-path
-//              bound, 4x for the flash path, plus the dtype's roundings);
-//   backward   attention_backward, flash or standard, f32: against the fp64 reference backward
-//              (test_backward.cpp's standard bound, 5x);
+//              bound, 4x for the flash path, plus the dtype's roundings and 4·max|bias|);
+//   backward   attention_backward, flash or standard, f32, the same biases and masks: against
+//              the fp64 reference backward (test_backward.cpp's standard bound, 5x);
 //   varlen     varlen_attention_forward on a packed ragged batch: bit for bit each sequence's
 //              attention_forward on the same rows;
 //   kvcache    kvcache_attention_forward with appends, dense and paged caches holding the same
@@ -102,16 +103,48 @@ AttentionOptions random_options(std::mt19937_64& rng) {
   return options;
 }
 
+// A bias or a mask for `options` (each for a quarter of the calls), and the storage its view reads:
+// [B | 1, Hq | 1, Sq, Skv], a bias f32 N(0, 1) with −inf for one entry in eight in half of them,
+// a mask keeping 3 keys in 4.
+struct LogitModifiers {
+  Tensor bias{DType::f32, {1, 1, 1, 1}};
+  std::vector<std::uint8_t> keep;
+  double max_bias = 0.0;  // largest finite |bias|
+
+  void pick(std::mt19937_64& rng, AttentionOptions& options, std::int64_t B, std::int64_t Hq,
+            std::int64_t Sq, std::int64_t Skv) {
+    const std::array<std::int64_t, 4> shape{rng() % 2 ? B : 1, rng() % 2 ? Hq : 1, Sq, Skv};
+    const int kind = static_cast<int>(rng() % 4);
+    if (kind == 0) {
+      bias = Tensor(DType::f32, shape);
+      bias.fill_normal(rng);
+      const bool minus_infinity = rng() % 2 == 0;
+      bias.for_each_index([&](auto a, auto b, auto i, auto j) {
+        if (minus_infinity && rng() % 8 == 0) bias.set(a, b, i, j, -INFINITY);
+        const double value = std::abs(static_cast<double>(bias.at(a, b, i, j)));
+        if (std::isfinite(value)) max_bias = std::max(max_bias, value);
+      });
+      options.bias = bias.view;
+    } else if (kind == 1) {
+      keep.resize(static_cast<std::size_t>(shape[0] * shape[1] * Sq * Skv));
+      for (auto& byte : keep) byte = rng() % 4 != 0;
+      options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), shape,
+                              contiguous_strides(shape)};
+    }
+  }
+};
+
 // Checks `got` (any dtype, [B, Sq, Hq, D]) against the fp64 reference's out within the standard
 // path's bound times `factor`; returns error / tolerance.
 double forward_ratio(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& got,
-                     const AttentionOptions& options, double factor, DType dtype) {
+                     const AttentionOptions& options, double factor, DType dtype,
+                     double max_bias) {
   const ReferenceResult want = reference(q, k, v, options);
   const double D = static_cast<double>(q.view.shape[3]);
   const double max_v = max_abs(v);
   const double bound =
       factor * kU32 * max_v *
-          (4.0 / std::sqrt(D) * D * max_abs(q) * max_abs(k) +
+          (4.0 / std::sqrt(D) * D * max_abs(q) * max_abs(k) + 4.0 * max_bias +
            2.0 * static_cast<double>(k.view.shape[1]) + 16.0) +
       2.0 * unit_roundoff(dtype) * max_v + probability_rounding_bound(dtype, max_v) + 1e-30;
   return max_error(got, want.out).value / bound;
@@ -187,7 +220,9 @@ class User {
     const Tensor v = random_tensor(rng_, type, {B, Skv, Hkv, D}, padded);
     const auto q_before = q.bytes, k_before = k.bytes, v_before = v.bytes;
     Tensor out(type, q.view.shape);
-    const AttentionOptions options = random_options(rng_);
+    AttentionOptions options = random_options(rng_);
+    LogitModifiers logits;
+    logits.pick(rng_, options, B, Hq, Sq, Skv);
     const AttentionImpl impl = std::array{AttentionImpl::flash, AttentionImpl::standard,
                                           AttentionImpl::reference}[rng_() % 3];
     attention_forward(impl, q.view, k.view, v.view, out.view, nullptr, options);
@@ -195,7 +230,7 @@ class User {
     unchanged(kForward, k, k_before, "k");
     unchanged(kForward, v, v_before, "v");
     const double factor = impl == AttentionImpl::flash ? 4.0 : 1.0;
-    check(kForward, forward_ratio(q, k, v, out, options, factor, type),
+    check(kForward, forward_ratio(q, k, v, out, options, factor, type, logits.max_bias),
           std::string(impl_name(impl)) + " out beyond its bound");
   }
 
@@ -206,7 +241,9 @@ class User {
     const Tensor k = random_tensor(rng_, DType::f32, {B, Skv, Hkv, D}, false);
     const Tensor v = random_tensor(rng_, DType::f32, {B, Skv, Hkv, D}, false);
     const Tensor dout = random_tensor(rng_, DType::f32, {B, Sq, Hq, D}, false);
-    const AttentionOptions options = random_options(rng_);
+    AttentionOptions options = random_options(rng_);
+    LogitModifiers logits;
+    logits.pick(rng_, options, B, Hq, Sq, Skv);
     const AttentionImpl impl = rng_() % 2 ? AttentionImpl::flash : AttentionImpl::standard;
     Tensor out(DType::f32, q.view.shape);
     std::vector<float> lse(static_cast<std::size_t>(B * Hq * Sq));
@@ -226,7 +263,7 @@ class User {
         5.0 * kU32 *
             (4.0 / std::sqrt(static_cast<double>(D)) * static_cast<double>(D) * max_abs(q) *
                  max_abs(k) +
-             2.0 * static_cast<double>(Sq + Skv) + 16.0) *
+             4.0 * logits.max_bias + 2.0 * static_cast<double>(Sq + Skv) + 16.0) *
             G +
         1e-30;
     double error = 0.0;
@@ -328,7 +365,7 @@ class User {
       k0.set(0, j, h, d, dense_k.at(0, j, h, d));
       v0.set(0, j, h, d, dense_v.at(0, j, h, d));
     });
-    check(kKVCache, forward_ratio(q0, k0, v0, o0, options, 1.0, q_type),
+    check(kKVCache, forward_ratio(q0, k0, v0, o0, options, 1.0, q_type, 0.0),
           "sequence 0 beyond its bound");
   }
 
@@ -355,7 +392,8 @@ class User {
     merge_attention_states(out_a.view, lse_a.data(), out_b.view, lse_b.data(), out.view, nullptr,
                            options.num_threads);
     // Two flash calls (4x the standard bound each) and the merge's few roundings.
-    check(kMerge, forward_ratio(q, k, v, out, options, 8.0, DType::f32), "merged out beyond bound");
+    check(kMerge, forward_ratio(q, k, v, out, options, 8.0, DType::f32, 0.0),
+          "merged out beyond bound");
   }
 
   Tally& tally_;
