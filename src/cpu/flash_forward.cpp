@@ -240,6 +240,16 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
     const std::int64_t key_end_padded = cpu::pad_to_lanes(key_end);
     float* scores = t.scores.data();
     float* acc = block.acc + row_lo * Dp;
+    // A bias's rows lie a whole row of keys apart, out of the prefetchers' reach: asked for
+    // now, they arrive while the product below runs.
+    const LogitView& bias = p.modifiers.bias;
+    if (bias.data != nullptr && bias.key == 1) {
+      for (std::int64_t i = row_lo; i < row_hi; ++i) {
+        prefetch_row(bias.data, bias.dtype,
+                     bias.offset(task.b, task.head(i), task.position(i), kv.begin + key_begin),
+                     key_end - key_begin);
+      }
+    }
     if (products != cpu::Bf16Products::widened) {
       cpu::bf16_tile_product(products, scores, ld_scores, false,
                              block.q_bf16 + row_lo * t.bf16_dims, t.bf16_dims, t.k_bf16.data(),
