@@ -19,7 +19,8 @@
 //   P_ij = exp(scale·s_ij − lse_i), with s_ij = q_i·k_j and a_ij = scale·Σ_d |q_id·k_jd|. The
 //     computed P is within a factor e^(±ε_ij) of it, plus 2^-125 absolute (exp flushes
 //     results below 2^-125), where ε_ij = (D + 3)·u·a_ij (the fp32 dot product and the scale)
-//     + u·|scale·s_ij − lse_i| + 4u (the subtraction and the exp) + |lse_i − lse_i,exact| (the
+//     + 2u·|scale·s_ij − lse_i| + 4u (the subtraction, its product by log2 e for the base-2
+//     exp, and the exp) + |lse_i − lse_i,exact| (the
 //     given lse is the forward's, itself rounded) + scale·D·t (flushed products, see t below).
 //   dP_ij = dO_i·v_j within (D + 2)·u·Σ_d |dO_id·v_jd| + D·t.
 //   D_i = rowsum(dO_i ∘ out_i) within |D_i,given − D_i,exact| (out is the forward's, rounded to
@@ -34,7 +35,8 @@
 // u_p = u_in for f16 and bf16 (P and dS may be rounded to the input dtype as operands, as the
 // bf16 products on AMX do) and 0 for f32; t = 2^-126 for bf16 (the tile instructions flush
 // fp32 results below the smallest normal float, and a bf16 operand below it counts as 0), else
-// 2^-149 (the absolute spacing of denormal results). Values are small integers times 2^e
+// 2^-149 (the absolute spacing of denormal results); scale·P, which the fast paths form before
+// multiplying by dP − D_i, may round by t too, an error dP − D_i then scales. Values are small integers times 2^e
 // (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32 (an f16 gradient may
 // round to ±inf where the bound reaches past 65504); where ε is so large that e^ε overflows,
 // a finite reference value is not compared.
@@ -364,7 +366,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
   // errors of P and dS.
   std::vector<double> scores(static_cast<std::size_t>(Skv)), derivative(scores.size()),
       dp(scores.size()), p_hi(scores.size()), p_err(scores.size()), ds_hi(scores.size()),
-      ds_err(scores.size());
+      ds_err(scores.size()), ds_tiny(scores.size());
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < Hq; ++h) {
       const std::int64_t h_kv = f.kv_head(h);
@@ -426,7 +428,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
         }
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           if (dropped(j)) {
-            p_err[j] = p_hi[j] = ds_err[j] = ds_hi[j] = 0.0;
+            p_err[j] = p_hi[j] = ds_err[j] = ds_hi[j] = ds_tiny[j] = 0.0;
             continue;
           }
           double magnitude = 0.0, dp_abs = 0.0;
@@ -453,7 +455,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
             logit_error += u * (logit + bias);
           }
           const double epsilon =
-              logit_error + u * std::abs(scores[j] - lse) + 4 * u + std::abs(lse - lse_exact);
+              logit_error + 2 * u * std::abs(scores[j] - lse) + 4 * u + std::abs(lse - lse_exact);
           p_err[j] = exact * std::expm1(epsilon) + 0x1p-125;
           p_hi[j] = exact + p_err[j];
           const double dp_err =
@@ -462,6 +464,9 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           ds_err[j] =
               p_err[j] * centered + exact * (dp_err + delta_err) + 3 * u * p_hi[j] * centered;
           ds_hi[j] = p_hi[j] * centered;
+          // The fast paths form scale·P first: below 2^-126 it rounds by up to t absolute, which
+          // the product with dP − D_i then scales (scale·dS's error, already scaled).
+          ds_tiny[j] = t * centered;
           if (!bound.dlogits.empty()) {
             bound.dlogits[static_cast<std::size_t>(((b * Hq + h) * Sq + i) * Skv + j)] = ds_err[j];
           }
@@ -481,9 +486,9 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           double* dk = bound.dk.data() + ((b * Skv + j) * Hkv + h_kv) * D;
           double* dv = bound.dv.data() + ((b * Skv + j) * Hkv + h_kv) * D;
           for (std::int64_t d = 0; d < D; ++d) {
-            dq[d] += scale * (ds_err[j] + gamma_q * ds_hi[j]) * std::abs(k[d]) +
+            dq[d] += (scale * (ds_err[j] + gamma_q * ds_hi[j]) + ds_tiny[j]) * std::abs(k[d]) +
                      t * (std::abs(k[d]) + 2);
-            dk[d] += scale * (ds_err[j] + gamma_kv * ds_hi[j]) * std::abs(q[d]) +
+            dk[d] += (scale * (ds_err[j] + gamma_kv * ds_hi[j]) + ds_tiny[j]) * std::abs(q[d]) +
                      t * (std::abs(q[d]) + 2);
             dv[d] +=
                 (p_err[j] + gamma_kv * p_hi[j]) * std::abs(dout[d]) + t * (std::abs(dout[d]) + 2);
