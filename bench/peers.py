@@ -72,6 +72,22 @@ def median_seconds(call, repeat):
     return statistics.median(times)
 
 
+def write_csv(out_dir, kind, common, rows):
+    """<out_dir>/<date>-<host>-<kind>.csv: date, host, the `common` columns, then each row's own;
+    written whole under a temporary name, then renamed. Returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    date, host = datetime.date.today().isoformat(), socket.gethostname()
+    path = os.path.join(out_dir, f"{date}-{host}-{kind}.csv")
+    fieldnames = ["date", "host", *common, *(rows[0] if rows else {})]
+    with open(path + ".tmp", "w", newline="", encoding="utf-8") as file:
+        writer = csv.DictWriter(file, fieldnames=fieldnames)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"date": date, "host": host, **common, **row})
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def run_flashattn(binary, q, k, v, threads, repeat, work):
     paths = {name: os.path.join(work, name + ".npy") for name in ("q", "k", "v", "out")}
     for name, array in (("q", q), ("k", k), ("v", v)):
@@ -210,20 +226,8 @@ def main():
                              "speed_over_flashattn": f"{ratio:.3f}", "verified": verified,
                              "max_error": f"{error:.3g}", "tolerance": f"{bound:.3g}"})
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"{datetime.date.today().isoformat()}-"
-                                      f"{socket.gethostname()}-peers.csv")
-    with open(path + ".tmp", "w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=["date", "host", "threads", "repeat", "seqlen_kv",
-                                                  "peer", "version", "seconds", "kv_gbps",
-                                                  "speed_over_flashattn", "verified", "max_error",
-                                                  "tolerance"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({"date": datetime.date.today().isoformat(),
-                             "host": socket.gethostname(), "threads": args.threads,
-                             "repeat": args.repeat, **row})
-    os.replace(path + ".tmp", path)
+    path = write_csv(args.out_dir, "peers", {"threads": args.threads, "repeat": args.repeat},
+                     rows)
     print(f"\nwrote {os.path.abspath(path)}")
     return 0 if all(row["verified"] for row in rows) else 3
 

@@ -33,19 +33,16 @@ Needs numpy; torch, onnxruntime and onnx are optional (pip install torch onnxrun
 """
 
 import argparse
-import csv
-import datetime
 import json
 import math
 import os
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
+
+from peers import median_seconds, write_csv  # bench/peers.py, beside this script
 
 DOCUMENTS = 4
 
@@ -73,16 +70,6 @@ def tolerance(q, k, v, bias):
     return 2.0**-24 * float(np.abs(v).max()) * (
         4.0 / math.sqrt(head_dim) * head_dim * float(np.abs(q).max()) * float(np.abs(k).max())
         + 4.0 * max_bias + 2.0 * seqlen + 16.0)
-
-
-def median_seconds(call, repeat):
-    call()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_flashattn(binary, q, k, v, case, threads, repeat, work):
@@ -233,22 +220,10 @@ def main():
                              "speed_over_flashattn": f"{ratio:.3f}", "verified": verified,
                              "max_error": f"{error:.3g}", "tolerance": f"{bound:.3g}"})
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"{datetime.date.today().isoformat()}-"
-                                      f"{socket.gethostname()}-peers-modifiers.csv")
-    with open(path + ".tmp", "w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=["date", "host", "threads", "repeat", "batch",
-                                                  "heads", "seqlen", "head_dim", "case", "peer",
-                                                  "version", "seconds", "gflops",
-                                                  "speed_over_flashattn", "verified", "max_error",
-                                                  "tolerance"])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({"date": datetime.date.today().isoformat(),
-                             "host": socket.gethostname(), "threads": args.threads,
-                             "repeat": args.repeat, "batch": args.batch, "heads": args.heads,
-                             "seqlen": args.seqlen, "head_dim": args.head_dim, **row})
-    os.replace(path + ".tmp", path)
+    path = write_csv(args.out_dir, "peers-modifiers",
+                     {"threads": args.threads, "repeat": args.repeat, "batch": args.batch,
+                      "heads": args.heads, "seqlen": args.seqlen, "head_dim": args.head_dim},
+                     rows)
     print(f"\nwrote {os.path.abspath(path)}")
     return 0 if all(row["verified"] for row in rows) else 3
 

@@ -24,9 +24,48 @@ namespace {
 
 using Shape = std::array<std::int64_t, 4>;
 
+// Flags that make a run fail: its exit code, and what its message must say.
+struct BadCase {
+  std::vector<std::string> flags;
+  int exit_code;
+  std::string message;
+};
+
 class CliModifiersTest : public CliFixture {
  protected:
   CliModifiersTest() : CliFixture("flashattn_cli_modifiers") {}
+
+  // q [2, 3, 4, 8] (also as dO) and k [2, 5, 2, 8] (also as v), random, for the bad cases.
+  void save_bad_case_inputs() const {
+    Tensor q(DType::f32, {2, 3, 4, 8}), k(DType::f32, {2, 5, 2, 8});
+    std::mt19937_64 rng(test_seed());
+    q.fill_normal(rng);
+    k.fill_normal(rng);
+    save(q, "q.npy");
+    save(k, "k.npy");
+    save(q, "do.npy");
+  }
+  std::vector<std::string> bad_case_inputs() const {
+    return {"run", "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("k.npy"), "--out",
+            path("out.npy")};
+  }
+
+  // `inputs` plus the case's flags: its exit code, one line on stderr (exit 1) or CLI11's
+  // message (exit 2) holding its message, and the work directory as `before`.
+  void expect_bad_case(const std::vector<std::string>& inputs, const BadCase& bad,
+                       const std::vector<std::string>& before) {
+    std::vector<std::string> command = inputs;
+    command.insert(command.end(), bad.flags.begin(), bad.flags.end());
+    const Completed completed = run(command);
+    const std::string text = bad.flags[0] + " " + bad.flags[1];
+    EXPECT_EQ(completed.exit_code, bad.exit_code) << text << "\n" << completed.err;
+    if (bad.exit_code == 1) {
+      expect_one_error_line(completed, text, bad.message);
+    } else {
+      EXPECT_NE(completed.err.find(bad.message), std::string::npos) << text << completed.err;
+    }
+    EXPECT_EQ(entries(), before) << text;
+  }
 
   void save(const Tensor& tensor, const std::string& name) const {
     npy::write_npy(path(name), reinterpret_cast<const float*>(tensor.bytes.data()),
@@ -190,13 +229,7 @@ TEST_F(CliModifiersTest, RunWithBiasAndMaskMatchesTheLibrary) {
 
 // Bad biases and masks: one line on stderr, exit 1 or 2, nothing written.
 TEST_F(CliModifiersTest, BadBiasesAndMasksFailCleanly) {
-  Tensor q(DType::f32, {2, 3, 4, 8}), k(DType::f32, {2, 5, 2, 8});
-  std::mt19937_64 rng(test_seed());
-  q.fill_normal(rng);
-  k.fill_normal(rng);
-  save(q, "q.npy");
-  save(k, "k.npy");
-  save(q, "do.npy");
+  save_bad_case_inputs();
   save(std::vector<float>(15, 0.5f), {3, 5}, "bias.npy");
   save(std::vector<float>(15, 0.5f), {5, 3}, "transposed.npy");
   save(std::vector<float>(15, 0.5f), {15}, "flat.npy");
@@ -204,15 +237,8 @@ TEST_F(CliModifiersTest, BadBiasesAndMasksFailCleanly) {
   save_mask(path("mask.npy"), std::vector<std::uint8_t>(15, 1), {3, 5});
   save_mask(path("mask_shape.npy"), std::vector<std::uint8_t>(15, 1), {5, 3});
   save_mask(path("mask_byte.npy"), std::vector<std::uint8_t>(15, 2), {3, 5});
-  const std::vector<std::string> inputs = {"run",         "--q",         path("q.npy"),
-                                           "--k",         path("k.npy"), "--v",
-                                           path("k.npy"), "--out",       path("out.npy")};
+  const std::vector<std::string> inputs = bad_case_inputs();
   const std::vector<std::string> before = entries();
-  struct BadCase {
-    std::vector<std::string> flags;
-    int exit_code;
-    std::string message;
-  };
   const BadCase cases[] = {
       {{"--bias", path("transposed.npy")}, 1, "bias: expected shape [2 or 1, 4 or 1, 3, 5]"},
       {{"--bias", path("flat.npy")}, 1, "bias: expected a rank-2 array"},
@@ -224,19 +250,7 @@ TEST_F(CliModifiersTest, BadBiasesAndMasksFailCleanly) {
       {{"--dbias", path("db.npy")}, 2, "--dbias: expected --bias"},
       {{"--bias", path("bias.npy"), "--dbias", path("db.npy")}, 2, "--dbias: expected --bias"},
   };
-  for (const BadCase& bad : cases) {
-    std::vector<std::string> command = inputs;
-    command.insert(command.end(), bad.flags.begin(), bad.flags.end());
-    const Completed completed = run(command);
-    const std::string text = bad.flags[0] + " " + bad.flags[1];
-    EXPECT_EQ(completed.exit_code, bad.exit_code) << text << "\n" << completed.err;
-    if (bad.exit_code == 1) {
-      expect_one_error_line(completed, text, bad.message);
-    } else {
-      EXPECT_NE(completed.err.find(bad.message), std::string::npos) << text << completed.err;
-    }
-    EXPECT_EQ(entries(), before) << text;
-  }
+  for (const BadCase& bad : cases) expect_bad_case(inputs, bad, before);
 }
 
 TEST_F(CliModifiersTest, RunWithoutModifiersReportsNone) {
@@ -255,13 +269,7 @@ TEST_F(CliModifiersTest, RunWithoutModifiersReportsNone) {
 // Each bad modifier: one line on stderr naming it, exit 1 (bad input) or 2 (bad command line),
 // and the work directory as it was.
 TEST_F(CliModifiersTest, BadModifiersFailCleanly) {
-  Tensor q(DType::f32, {2, 3, 4, 8}), k(DType::f32, {2, 5, 2, 8});
-  std::mt19937_64 rng(test_seed());
-  q.fill_normal(rng);
-  k.fill_normal(rng);
-  save(q, "q.npy");
-  save(k, "k.npy");
-  save(q, "do.npy");
+  save_bad_case_inputs();
   save(std::vector<float>(3, 0.5f), {3}, "three.npy");
   save(std::vector<float>(8, 0.5f), {4, 2}, "transposed.npy");
   save({0.5f, NAN, 0.5f, 0.5f}, {4}, "nan.npy");
@@ -270,15 +278,8 @@ TEST_F(CliModifiersTest, BadModifiersFailCleanly) {
     file << npy::make_header("<i4", std::vector<std::int64_t>{4});
     file.write("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 16);
   }
-  const std::vector<std::string> inputs = {"run",         "--q",         path("q.npy"),
-                                           "--k",         path("k.npy"), "--v",
-                                           path("k.npy"), "--out",       path("out.npy")};
+  const std::vector<std::string> inputs = bad_case_inputs();
   const std::vector<std::string> before = entries();
-  struct BadCase {
-    std::vector<std::string> flags;
-    int exit_code;
-    std::string message;
-  };
   const BadCase cases[] = {
       {{"--softcap", "-1"}, 2, "--softcap"},
       {{"--softcap", "nan"}, 2, "--softcap"},
@@ -292,19 +293,7 @@ TEST_F(CliModifiersTest, BadModifiersFailCleanly) {
       {{"--dsinks", path("ds.npy")}, 2, "--dsinks: expected --sinks"},
       {{"--sinks", path("nan.npy"), "--dsinks", path("ds.npy")}, 2, "--dsinks: expected --sinks"},
   };
-  for (const BadCase& bad : cases) {
-    std::vector<std::string> command = inputs;
-    command.insert(command.end(), bad.flags.begin(), bad.flags.end());
-    const Completed completed = run(command);
-    const std::string text = bad.flags[0] + " " + bad.flags[1];
-    EXPECT_EQ(completed.exit_code, bad.exit_code) << text << "\n" << completed.err;
-    if (bad.exit_code == 1) {
-      expect_one_error_line(completed, text, bad.message);
-    } else {
-      EXPECT_NE(completed.err.find(bad.message), std::string::npos) << text << completed.err;
-    }
-    EXPECT_EQ(entries(), before) << text;
-  }
+  for (const BadCase& bad : cases) expect_bad_case(inputs, bad, before);
   // --dsinks with the backward but a bad sink: nothing written, the gradients included.
   std::vector<std::string> command = inputs;
   command.insert(command.end(),

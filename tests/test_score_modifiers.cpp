@@ -1103,6 +1103,21 @@ TEST(ModifiersBackward, RowsWithoutKeysAddNothingToDsinks) {
   }
 }
 
+// The flash forward refuses `options` with an Error whose message holds `needle`, and leaves out
+// as it was.
+void expect_forward_refused(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                            std::vector<float>& lse, const AttentionOptions& options,
+                            const std::string& needle) {
+  out.fill(7.0f);
+  try {
+    flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+    ADD_FAILURE() << "accepted; expected an error naming " << needle;
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
+  }
+  EXPECT_EQ(out.at(0, 0, 0, 0), 7.0f) << needle;
+}
+
 // Bad modifiers: one clear Error naming the argument, nothing written.
 TEST(ModifierValidation, BadInputsAreRefused) {
   Tensor q(DType::f32, {2, 3, 4, 8}), k(DType::f32, {2, 5, 2, 8}), v(DType::f32, {2, 5, 2, 8});
@@ -1112,14 +1127,7 @@ TEST(ModifierValidation, BadInputsAreRefused) {
   const std::vector<float> with_nan = {0.5f, NAN, 0.5f, 0.5f};
   const std::vector<float> with_inf = {0.5f, 0.5f, INFINITY, 0.5f};
   auto expect_refused = [&](const AttentionOptions& options, const std::string& needle) {
-    out.fill(7.0f);
-    try {
-      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
-      ADD_FAILURE() << "accepted; expected an error naming " << needle;
-    } catch (const Error& error) {
-      EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
-    }
-    EXPECT_EQ(out.at(0, 0, 0, 0), 7.0f) << needle;
+    expect_forward_refused(q, k, v, out, lse, options, needle);
   };
   for (float cap : {-1.0f, NAN, INFINITY}) {
     AttentionOptions options;
@@ -1175,14 +1183,7 @@ TEST(ModifierValidation, BadBiasesAndMasksAreRefused) {
   const MaskView mask{reinterpret_cast<const bool*>(keep.data()), {B, Hq, Sq, Skv},
                       contiguous_strides({B, Hq, Sq, Skv})};
   auto expect_refused = [&](const AttentionOptions& options, const std::string& needle) {
-    out.fill(7.0f);
-    try {
-      flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
-      ADD_FAILURE() << "accepted; expected an error naming " << needle;
-    } catch (const Error& error) {
-      EXPECT_NE(std::string(error.what()).find(needle), std::string::npos) << error.what();
-    }
-    EXPECT_EQ(out.at(0, 0, 0, 0), 7.0f) << needle;
+    expect_forward_refused(q, k, v, out, lse, options, needle);
   };
   for (const std::array<std::int64_t, 4>& shape :
        {std::array<std::int64_t, 4>{3, Hq, Sq, Skv}, {B, 2, Sq, Skv}, {B, Hq, Skv, Sq},
