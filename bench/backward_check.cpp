@@ -89,8 +89,8 @@ AttentionOptions BackwardOracle::slice_options() const {
       offset += static_cast<std::int64_t>(first_q_head) * view.strides[1];
       view.shape[1] = group_;
     }
-    view.data = reinterpret_cast<decltype(view.data)>(
-        reinterpret_cast<const char*>(view.data) + offset * element);
+    view.data = reinterpret_cast<decltype(view.data)>(reinterpret_cast<const char*>(view.data) +
+                                                      offset * element);
   };
   slice_logits(options.bias, static_cast<std::int64_t>(dtype_size(options.bias.dtype)));
   slice_logits(options.mask, 1);

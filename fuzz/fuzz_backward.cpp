@@ -36,10 +36,10 @@
 // bf16 products on AMX do) and 0 for f32; t = 2^-126 for bf16 (the tile instructions flush
 // fp32 results below the smallest normal float, and a bf16 operand below it counts as 0), else
 // 2^-149 (the absolute spacing of denormal results); scale·P, which the fast paths form before
-// multiplying by dP − D_i, may round by t too, an error dP − D_i then scales. Values are small integers times 2^e
-// (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32 (an f16 gradient may
-// round to ±inf where the bound reaches past 65504); where ε is so large that e^ε overflows,
-// a finite reference value is not compared.
+// multiplying by dP − D_i, may round by t too, an error dP − D_i then scales. Values are small
+// integers times 2^e (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32 (an f16
+// gradient may round to ±inf where the bound reaches past 65504); where ε is so large that e^ε
+// overflows, a finite reference value is not compared.
 //
 // With score modifiers the logit z_ij replaces scale·s_ij (lse_i then includes the sink), and
 // the fp32 logit's error replaces (D + 3)·u·a_ij + scale·D·t in ε_ij, as fuzz_attention.cpp
@@ -359,9 +359,8 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
   const double softcap = modifiers.softcap;
   Bounds bound{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()),
                std::vector<double>(x.k.size()), std::vector<double>(static_cast<std::size_t>(Hq)),
-               std::vector<double>(bp.dbias.data == nullptr
-                                       ? 0
-                                       : static_cast<std::size_t>(B * Hq * Sq * Skv))};
+               std::vector<double>(
+                   bp.dbias.data == nullptr ? 0 : static_cast<std::size_t>(B * Hq * Sq * Skv))};
   // Per visible key of one row: the logit, its d/d(scale·s), dP, and the upper bounds and
   // errors of P and dS.
   std::vector<double> scores(static_cast<std::size_t>(Skv)), derivative(scores.size()),
@@ -516,9 +515,10 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   std::vector<double> ref_dsinks(bp.dsinks == nullptr ? 0 : static_cast<std::size_t>(Hq));
   std::vector<double> ref_dlogits(
       bp.dbias.data == nullptr ? 0 : static_cast<std::size_t>(B * Hq * Sq * Skv));
-  flashattn::detail::reference_backward_f64(bp, ref_dq.data(), ref_dk.data(), ref_dv.data(),
-                                            bp.dsinks == nullptr ? nullptr : ref_dsinks.data(),
-                                            bp.dbias.data == nullptr ? nullptr : ref_dlogits.data());
+  flashattn::detail::reference_backward_f64(
+      bp, ref_dq.data(), ref_dk.data(), ref_dv.data(),
+      bp.dsinks == nullptr ? nullptr : ref_dsinks.data(),
+      bp.dbias.data == nullptr ? nullptr : ref_dlogits.data());
   const bool exact = p.impl == AttentionImpl::reference;
   Bounds bound;
   if (!exact) {

@@ -345,9 +345,8 @@ inline FuzzedLogitViews fuzzed_logit_views(FuzzedDataProvider& in, const FuzzedS
     const Shape& dims = views.mask_shape;
     const int layout = in.ConsumeIntegralInRange(0, 2);
     const std::int64_t key_stride = layout == 1 ? 2 : 1;
-    views.mask_strides = {dims[1] * dims[2] * dims[3] * key_stride,
-                          dims[2] * dims[3] * key_stride, layout == 2 ? 0 : dims[3] * key_stride,
-                          key_stride};
+    views.mask_strides = {dims[1] * dims[2] * dims[3] * key_stride, dims[2] * dims[3] * key_stride,
+                          layout == 2 ? 0 : dims[3] * key_stride, key_stride};
     bool empty = false;
     std::int64_t extent = 1;
     for (int d = 0; d < 4; ++d) {

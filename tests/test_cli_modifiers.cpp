@@ -1,7 +1,7 @@
 // The score modifiers on the command line: `flashattn run --softcap --alibi --sinks --dsinks
-// --bias --mask --dbias` against the library on the same inputs, the JSON line's "softcap" and "modifiers", `flashattn
-// demo --softcap --alibi`, and the bad inputs (each one line on stderr, a non-zero exit, no file
-// left behind). Run as a subprocess in a fresh directory per test.
+// --bias --mask --dbias` against the library on the same inputs, the JSON line's "softcap" and
+// "modifiers", `flashattn demo --softcap --alibi`, and the bad inputs (each one line on stderr, a
+// non-zero exit, no file left behind). Run as a subprocess in a fresh directory per test.
 
 #include <gtest/gtest.h>
 
@@ -46,8 +46,8 @@ class CliModifiersTest : public CliFixture {
     save(q, "do.npy");
   }
   std::vector<std::string> bad_case_inputs() const {
-    return {"run", "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("k.npy"), "--out",
-            path("out.npy")};
+    return {"run", "--q",         path("q.npy"), "--k",          path("k.npy"),
+            "--v", path("k.npy"), "--out",       path("out.npy")};
   }
 
   // `inputs` plus the case's flags: its exit code, one line on stderr (exit 1) or CLI11's
@@ -192,19 +192,41 @@ TEST_F(CliModifiersTest, RunWithBiasAndMaskMatchesTheLibrary) {
                  std::vector<std::int64_t>{9, 13});
   save_mask(path("mask.npy"), keep, {2, 1, 9, 13});
 
-  const Completed completed =
-      run({"run", "--q", path("q.npy"), "--k", path("k.npy"), "--v", path("v.npy"), "--out",
-           path("out.npy"), "--dout", path("do.npy"), "--dq", path("dq.npy"), "--dk",
-           path("dk.npy"), "--dv", path("dv.npy"), "--bias", path("bias.npy"), "--mask",
-           path("mask.npy"), "--dbias", path("dbias.npy"), "--threads", "2", "--repeat", "1"});
+  const Completed completed = run({"run",
+                                   "--q",
+                                   path("q.npy"),
+                                   "--k",
+                                   path("k.npy"),
+                                   "--v",
+                                   path("v.npy"),
+                                   "--out",
+                                   path("out.npy"),
+                                   "--dout",
+                                   path("do.npy"),
+                                   "--dq",
+                                   path("dq.npy"),
+                                   "--dk",
+                                   path("dk.npy"),
+                                   "--dv",
+                                   path("dv.npy"),
+                                   "--bias",
+                                   path("bias.npy"),
+                                   "--mask",
+                                   path("mask.npy"),
+                                   "--dbias",
+                                   path("dbias.npy"),
+                                   "--threads",
+                                   "2",
+                                   "--repeat",
+                                   "1"});
   ASSERT_EQ(completed.exit_code, 0) << completed.err;
   const auto json = parse_json_line(completed.out.substr(0, completed.out.size() - 1));
   EXPECT_EQ(json.at("modifiers"), "[\"bias\", \"mask\"]");
 
   AttentionOptions options;
   options.bias = bias.view;
-  options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), {2, 1, 9, 13},
-                          contiguous_strides({2, 1, 9, 13})};
+  options.mask = MaskView{
+      reinterpret_cast<const bool*>(keep.data()), {2, 1, 9, 13}, contiguous_strides({2, 1, 9, 13})};
   options.num_threads = 2;
   Tensor out(DType::f32, q_shape), dq(DType::f32, q_shape), dk(DType::f32, kv_shape),
       dv(DType::f32, kv_shape), dbias(DType::f32, {1, 1, 9, 13});

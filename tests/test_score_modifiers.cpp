@@ -1,8 +1,8 @@
 // Score modifiers (options.hpp: softcap, ALiBi, sinks, bias, mask) on every path: worked
-// examples with their numbers written out, the fp64 reference's backward against finite differences, the flash and
-// standard forward and backward against the reference over shapes that break tiling (the decode
-// path, GQA, causal and windows, f16 and bf16, strided layouts), varlen and the KV cache, and
-// bad input.
+// examples with their numbers written out, the fp64 reference's backward against finite
+// differences, the flash and standard forward and backward against the reference over shapes that
+// break tiling (the decode path, GQA, causal and windows, f16 and bf16, strided layouts), varlen
+// and the KV cache, and bad input.
 //
 // Tolerances extend those of test_attention_vs_reference.cpp and test_backward.cpp by what the
 // modifiers add to a logit's rounding. A logit is softcap·tanh(x / softcap) − slope·|distance|:
@@ -175,7 +175,8 @@ struct Problem {
     const std::int64_t B = c.batch, H = c.heads_q, Sq = c.seqlen_q, Skv = c.seqlen_kv;
     std::array<std::int64_t, 4> shape = {B, 1, Sq, Skv}, strides = contiguous_strides(shape);
     if (c.mask == Mask::documents) shape = {1, 1, Sq, Skv}, strides = contiguous_strides(shape);
-    if (c.mask == Mask::empty_rows) shape = {1, H, Sq, Skv}, strides = {0, 2 * Sq * Skv, 2 * Skv, 2};
+    if (c.mask == Mask::empty_rows)
+      shape = {1, H, Sq, Skv}, strides = {0, 2 * Sq * Skv, 2 * Skv, 2};
     std::int64_t extent = 1;
     for (int d = 0; d < 4; ++d) extent += (shape[d] - 1) * strides[d];
     mask_bytes.assign(static_cast<std::size_t>(extent), 0);
@@ -329,7 +330,9 @@ ReferenceGradients reference_gradients(const Problem& p) {
   ReferenceGradients ref{std::vector<double>(static_cast<std::size_t>(p.q.view.numel())),
                          std::vector<double>(static_cast<std::size_t>(p.k.view.numel())),
                          std::vector<double>(static_cast<std::size_t>(p.k.view.numel())),
-                         std::vector<double>(p.sinks.size()), {}, 0.0};
+                         std::vector<double>(p.sinks.size()),
+                         {},
+                         0.0};
   std::vector<double> dlogits(
       static_cast<std::size_t>(p.c.batch * p.c.heads_q * p.c.seqlen_q * p.c.seqlen_kv));
   detail::reference_backward_f64(params, ref.dq.data(), ref.dk.data(), ref.dv.data(),
@@ -338,8 +341,8 @@ ReferenceGradients reference_gradients(const Problem& p) {
   // dbias: dlogits summed over the dims the bias broadcasts.
   const auto& shape = p.bias.view.shape;
   ref.dbias.assign(static_cast<std::size_t>(p.bias.view.numel()), 0.0);
-  ref.dbias_terms = static_cast<double>((shape[0] == 1 ? p.c.batch : 1) *
-                                        (shape[1] == 1 ? p.c.heads_q : 1));
+  ref.dbias_terms =
+      static_cast<double>((shape[0] == 1 ? p.c.batch : 1) * (shape[1] == 1 ? p.c.heads_q : 1));
   for (std::int64_t b = 0; b < p.c.batch; ++b)
     for (std::int64_t h = 0; h < p.c.heads_q; ++h)
       for (std::int64_t i = 0; i < p.c.seqlen_q; ++i)
@@ -399,8 +402,8 @@ void expect_backward_matches_reference(const Problem& p, const ForwardErrors& fo
     // dbias (header): n terms, each within 2 first-order bounds of P times 2·D·max|dO|·max|v|.
     const double per_term = 2.0 * u32 * first_order * 2.0 * c.head_dim * max_dout * max_abs(p.v);
     const double max_dbias = max_abs_finite(ref.dbias);
-    const double standard_bound = ref.dbias_terms * per_term +
-                                  unit_roundoff(c.bias_dtype) * max_dbias;
+    const double standard_bound =
+        ref.dbias_terms * per_term + unit_roundoff(c.bias_dtype) * max_dbias;
     const MaxError standard_error = max_error(standard.dbias, ref.dbias);
     const MaxError flash_error = max_error(flash.dbias, ref.dbias);
     EXPECT_LE(standard_error.value, standard_bound)
@@ -506,9 +509,11 @@ std::vector<ModifierCase> modifier_grid() {
   }
   // Additive biases of every broadcast shape and layout, f16 and bf16 biases, −inf entries,
   // with and without the other modifiers, over shapes that break tiling.
-  const std::array<std::int64_t, 6> bias_shapes[] = {
-      {1, 1, 1, 1, 1, 32}, {2, 7, 9, 2, 2, 40}, {1, 113, 203, 4, 2, 59}, {1, 203, 113, 2, 1, 64},
-      {2, 130, 130, 2, 2, 128}};
+  const std::array<std::int64_t, 6> bias_shapes[] = {{1, 1, 1, 1, 1, 32},
+                                                     {2, 7, 9, 2, 2, 40},
+                                                     {1, 113, 203, 4, 2, 59},
+                                                     {1, 203, 113, 2, 1, 64},
+                                                     {2, 130, 130, 2, 2, 128}};
   int m = 0;
   for (const auto& s : bias_shapes) {
     for (Bias bias : {Bias::full, Bias::shared, Bias::per_head, Bias::per_batch,
@@ -775,8 +780,8 @@ TEST(ModifierExamples, FullyMaskedRowStaysZeroWithInfiniteValues) {
       AttentionOptions options;
       if (variant == 0) options.bias = contiguous_view(bias.data(), {1, 1, S, S});
       if (variant == 1) {
-        options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), {1, 1, S, S},
-                                {0, 0, S, 1}};
+        options.mask =
+            MaskView{reinterpret_cast<const bool*>(keep.data()), {1, 1, S, S}, {0, 0, S, 1}};
       }
       if (sinks) options.sinks = std::span<const float>(&sink, 1);
       for (AttentionImpl impl :
@@ -1180,14 +1185,17 @@ TEST(ModifierValidation, BadBiasesAndMasksAreRefused) {
   std::vector<float> lse(B * Hq * Sq);
   Tensor bias(DType::f32, {B, Hq, Sq, Skv});
   std::vector<std::uint8_t> keep(B * Hq * Sq * Skv, 1);
-  const MaskView mask{reinterpret_cast<const bool*>(keep.data()), {B, Hq, Sq, Skv},
+  const MaskView mask{reinterpret_cast<const bool*>(keep.data()),
+                      {B, Hq, Sq, Skv},
                       contiguous_strides({B, Hq, Sq, Skv})};
   auto expect_refused = [&](const AttentionOptions& options, const std::string& needle) {
     expect_forward_refused(q, k, v, out, lse, options, needle);
   };
-  for (const std::array<std::int64_t, 4>& shape :
-       {std::array<std::int64_t, 4>{3, Hq, Sq, Skv}, {B, 2, Sq, Skv}, {B, Hq, Skv, Sq},
-        {1, 1, Sq, 1}, {B, Hq, Sq, Skv + 1}}) {
+  for (const std::array<std::int64_t, 4>& shape : {std::array<std::int64_t, 4>{3, Hq, Sq, Skv},
+                                                   {B, 2, Sq, Skv},
+                                                   {B, Hq, Skv, Sq},
+                                                   {1, 1, Sq, 1},
+                                                   {B, Hq, Sq, Skv + 1}}) {
     AttentionOptions options;
     options.bias = ConstTensorView{bias.view.data, DType::f32, shape, contiguous_strides(shape)};
     expect_refused(options, "bias: expected shape [2 or 1, 4 or 1, 3, 5]");
@@ -1203,8 +1211,8 @@ TEST(ModifierValidation, BadBiasesAndMasksAreRefused) {
     options.bias = ConstTensorView{out.view.data, DType::f32, {1, 1, Sq, Skv}, {0, 0, Skv, 1}};
     expect_refused(options, "bias: expected memory disjoint from out");
     options = {};
-    options.mask = MaskView{static_cast<const bool*>(out.view.data), {1, 1, Sq, Skv},
-                            {0, 0, Skv, 1}};
+    options.mask =
+        MaskView{static_cast<const bool*>(out.view.data), {1, 1, Sq, Skv}, {0, 0, Skv, 1}};
     expect_refused(options, "mask: expected memory disjoint from out");
   }
   // Broadcast shapes and any strides are accepted.
@@ -1246,8 +1254,8 @@ TEST(ModifierValidation, BadBiasesAndMasksAreRefused) {
   Tensor dout(DType::f32, q.view.shape), dq(DType::f32, q.view.shape), dk(DType::f32, k.view.shape),
       dv(DType::f32, k.view.shape);
   AttentionOptions with_bias;
-  with_bias.bias = ConstTensorView{bias.view.data, DType::f32, {1, Hq, Sq, Skv},
-                                   contiguous_strides({1, Hq, Sq, Skv})};
+  with_bias.bias = ConstTensorView{
+      bias.view.data, DType::f32, {1, Hq, Sq, Skv}, contiguous_strides({1, Hq, Sq, Skv})};
   Tensor dbias(DType::f32, {1, Hq, Sq, Skv}), wrong_shape(DType::f32, {B, Hq, Sq, Skv}),
       wrong_dtype(DType::f16, {1, Hq, Sq, Skv});
   auto expect_backward_refused = [&](const AttentionOptions& options, const TensorView& target,
@@ -1266,13 +1274,13 @@ TEST(ModifierValidation, BadBiasesAndMasksAreRefused) {
   expect_backward_refused({}, dbias.view, "dbias: expected none without options.bias");
   expect_backward_refused(with_bias, wrong_shape.view, "dbias: expected shape [1, 4, 3, 5]");
   expect_backward_refused(with_bias, wrong_dtype.view, "dbias: expected dtype f32");
-  expect_backward_refused(with_bias,
-                          TensorView{dq.view.data, DType::f32, {1, Hq, Sq, Skv},
-                                     contiguous_strides({1, Hq, Sq, Skv})},
-                          "dq: expected memory disjoint from dbias");
   expect_backward_refused(
-      with_bias, TensorView{dbias.view.data, DType::f32, {1, Hq, Sq, Skv}, {0, 0, 0, 1}},
-      "dbias: expected strides that give every element its own address");
+      with_bias,
+      TensorView{dq.view.data, DType::f32, {1, Hq, Sq, Skv}, contiguous_strides({1, Hq, Sq, Skv})},
+      "dq: expected memory disjoint from dbias");
+  expect_backward_refused(with_bias,
+                          TensorView{dbias.view.data, DType::f32, {1, Hq, Sq, Skv}, {0, 0, 0, 1}},
+                          "dbias: expected strides that give every element its own address");
   ModifierGradients gradients;
   gradients.dbias = dbias.view;
   EXPECT_NO_THROW(flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(),

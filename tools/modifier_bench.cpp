@@ -268,9 +268,10 @@ int run_modifier_bench(const ModifierBenchOptions& o) {
     if (r.variant.logits == Logits::document_mask) documents = r;
   }
   if (dense.seconds > 0.0 && documents.seconds > 0.0) {
-    std::printf("\ndocument mask (%lld documents, a quarter of the 64 x 64 blocks kept) vs dense "
-                "mask: %.2fx the speed\n",
-                static_cast<long long>(kDocuments), dense.seconds / documents.seconds);
+    std::printf(
+        "\ndocument mask (%lld documents, a quarter of the 64 x 64 blocks kept) vs dense "
+        "mask: %.2fx the speed\n",
+        static_cast<long long>(kDocuments), dense.seconds / documents.seconds);
   }
   std::printf(
       "\nchecked: out and lse against the fp64 reference on %lld rows of every (batch, head), "

@@ -4,8 +4,9 @@
 // https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 //
 // Reading accepts little-endian float32 ('<f4') and float16 ('<f2') arrays in C order, of any
-// rank, and numpy bool ('|b1') arrays where a mask is read. Writing produces float32 C-order version 1.0 files, header padded to a multiple of 64
-// bytes as NumPy does. Every failure raises flashattn::Error with a message that names the file.
+// rank, and numpy bool ('|b1') arrays where a mask is read. Writing produces float32 C-order
+// version 1.0 files, header padded to a multiple of 64 bytes as NumPy does. Every failure raises
+// flashattn::Error with a message that names the file.
 
 #include <cstdint>
 #include <filesystem>

@@ -104,8 +104,8 @@ void run_backward(const char* caller, AttentionImpl impl,
                   const ConstTensorView& out, const float* lse, const TensorView& dq,
                   const TensorView& dk, const TensorView& dv, const AttentionOptions& options,
                   const ModifierGradients& modifier_gradients) {
-  detail::BackwardParams params = detail::make_backward_params(
-      caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
+  detail::BackwardParams params = detail::make_backward_params(caller, dout, q, k, v, out, lse, dq,
+                                                               dk, dv, options, modifier_gradients);
   const detail::AttentionParams& f = params.forward;
   // dbias: the logits' gradient of every (batch, head, row, key), summed after the backend.
   const bool dlogits_scratch = params.dbias.data != nullptr && impl != AttentionImpl::reference;
@@ -114,14 +114,16 @@ void run_backward(const char* caller, AttentionImpl impl,
       (__builtin_mul_overflow(f.batch * f.heads_q, f.seqlen_q, &dlogits_count) ||
        __builtin_mul_overflow(dlogits_count, f.seqlen_kv, &dlogits_count) ||
        dlogits_count > std::numeric_limits<std::int64_t>::max() / 8)) {
-    throw Error(std::string(caller) + ": dbias: the [batch, heads_q, seqlen_q, seqlen_kv] scratch " +
+    throw Error(std::string(caller) +
+                ": dbias: the [batch, heads_q, seqlen_q, seqlen_kv] scratch " +
                 "it needs overflows a 64-bit byte count");
   }
   const std::int64_t backend_bytes = detail::backward_scratch_bytes(impl, params);
   const std::int64_t dlogits_bytes = dlogits_count * (dlogits_scratch ? 4 : 8);
-  const std::int64_t needed = backend_bytes > std::numeric_limits<std::int64_t>::max() - dlogits_bytes
-                                  ? std::numeric_limits<std::int64_t>::max()
-                                  : backend_bytes + dlogits_bytes;
+  const std::int64_t needed =
+      backend_bytes > std::numeric_limits<std::int64_t>::max() - dlogits_bytes
+          ? std::numeric_limits<std::int64_t>::max()
+          : backend_bytes + dlogits_bytes;
   detail::check_scratch_fits(caller, impl, f, needed);
   try {
     // The backends write every (row, key) of the blocks they visit: all of them unless the
@@ -129,8 +131,8 @@ void run_backward(const char* caller, AttentionImpl impl,
     // parallel: 4·B·Hq·Sq·Skv bytes).
     std::unique_ptr<float[]> dlogits(
         dlogits_scratch ? new float[static_cast<std::size_t>(dlogits_count)] : nullptr);
-    const bool skips_blocks = f.causal || f.window_left >= 0 || f.window_right >= 0 ||
-                              f.modifiers.mask.data != nullptr;
+    const bool skips_blocks =
+        f.causal || f.window_left >= 0 || f.window_right >= 0 || f.modifiers.mask.data != nullptr;
     if (dlogits_scratch && skips_blocks) {
       constexpr std::int64_t kChunk = std::int64_t{1} << 20;
       detail::parallel_tasks(

@@ -274,12 +274,12 @@ ScoreModifiers checked_modifiers(const char* caller, const AttentionOptions& opt
   ScoreModifiers modifiers;
   if (logit_shape == nullptr) {
     if (options.bias.data != nullptr) {
-      fail(caller, "bias: expected none (a bias is taken by the dense forward and backward "
-                   "only), got a ", shape_string(options.bias.shape), " view");
+      fail(caller, "bias: expected none (the dense forward and backward take one), got a ",
+           shape_string(options.bias.shape), " view");
     }
     if (options.mask.data != nullptr) {
-      fail(caller, "mask: expected none (a mask is taken by the dense forward and backward "
-                   "only), got a ", shape_string(options.mask.shape), " view");
+      fail(caller, "mask: expected none (the dense forward and backward take one), got a ",
+           shape_string(options.mask.shape), " view");
     }
   } else {
     if (options.bias.data != nullptr) {
@@ -452,8 +452,12 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
     }
     written_spans.push_back({"dsinks", dsinks_span});
   }
-  if (options.bias.data != nullptr) read_spans.push_back({"bias", byte_span(caller, "bias", options.bias)});
-  if (options.mask.data != nullptr) read_spans.push_back({"mask", byte_span(caller, "mask", options.mask)});
+  if (options.bias.data != nullptr) {
+    read_spans.push_back({"bias", byte_span(caller, "bias", options.bias)});
+  }
+  if (options.mask.data != nullptr) {
+    read_spans.push_back({"mask", byte_span(caller, "mask", options.mask)});
+  }
   const TensorView& dbias = modifier_gradients.dbias;
   if (dbias.data != nullptr) {
     if (f.modifiers.bias.data == nullptr) {

@@ -67,14 +67,12 @@ struct ScoreModifiers {
   const float* sinks = nullptr;         // [heads_q]
   LogitView bias, mask;                 // data null when off
 
-  // Whether a −inf logit is a masked key, so that a row with nothing else gets output 0 and
-  // lse −inf rather than 0/0 (options.hpp).
+  // Whether a bias or mask is given: a −inf logit may then be a masked key, and a row whose
+  // keys are all masked gets output 0 and lse −inf rather than 0/0 (keys_all_masked).
   bool masks_logits() const { return bias.data != nullptr || mask.data != nullptr; }
   // Whether the logits differ from scale·q·k: the fast paths then turn each score tile into
   // logits first (cpu::modify_scores) and run their softmax steps with scale 1.
-  bool change_logits() const {
-    return softcap > 0.0f || alibi_slopes != nullptr || masks_logits();
-  }
+  bool change_logits() const { return softcap > 0.0f || alibi_slopes != nullptr || masks_logits(); }
   float alibi_slope(std::int64_t b, std::int64_t h) const {
     return alibi_slopes == nullptr ? 0.0f : alibi_slopes[b * alibi_batch_stride + h];
   }
@@ -161,9 +159,10 @@ struct AttentionParams {
     if (!modifiers.masks_logits()) return false;
     const KeyRange keys = key_range(row);
     for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-      const bool dropped = (modifiers.mask.data != nullptr && !modifiers.mask.kept(b, h, row, j)) ||
-                           (modifiers.bias.data != nullptr &&
-                            modifiers.bias.bias(b, h, row, j) == -std::numeric_limits<float>::infinity());
+      const bool dropped =
+          (modifiers.mask.data != nullptr && !modifiers.mask.kept(b, h, row, j)) ||
+          (modifiers.bias.data != nullptr &&
+           modifiers.bias.bias(b, h, row, j) == -std::numeric_limits<float>::infinity());
       if (!dropped) return false;
     }
     return true;

@@ -476,8 +476,8 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
                 pair.bf16 ? queries.dout_bf16(task.slot, pair.g, pair.n) : nullptr, t.v_bf16.data(),
                 pair.dout, t.v_packed_t.data());
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
-                             queries.delta(task.slot, pair.g, pair.n),
-                             bp.dlogits ? 1.0f : p.scale, pair.rows, kv.keys_padded);
+                             queries.delta(task.slot, pair.g, pair.n), bp.dlogits ? 1.0f : p.scale,
+                             pair.rows, kv.keys_padded);
   if (bp.dlogits != nullptr) {
     const std::int64_t head = task.h_kv * p.group_size() + pair.g;
     for (std::int64_t i = 0; i < pair.rows; ++i) {
@@ -520,10 +520,28 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
       load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
                    p.k_strides.offset(b, kv.begin + j, task.h_kv), D);
     }
-    cpu::add_visible_gradients(p, {b, h, row_begin, rows, kv.begin, kv.keys, D,
+    cpu::add_visible_gradients(p, {b,
+                                   h,
+                                   row_begin,
+                                   rows,
+                                   kv.begin,
+                                   kv.keys,
+                                   D,
                                    task.queries->lse(task.slot, pair.g, pair.n),
-                                   t.probabilities.data(), t.dscores.data(), ld_s, t.q_rows.data(), D, t.dout_rows.data(),
-                                   D, t.k_rows.data(), D, dq, Dp, t.dk.data(), t.dv.data(), Dp});
+                                   t.probabilities.data(),
+                                   t.dscores.data(),
+                                   ld_s,
+                                   t.q_rows.data(),
+                                   D,
+                                   t.dout_rows.data(),
+                                   D,
+                                   t.k_rows.data(),
+                                   D,
+                                   dq,
+                                   Dp,
+                                   t.dk.data(),
+                                   t.dv.data(),
+                                   Dp});
   } else if (pair.bf16) {
     cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.bf16_keys, t.dscores.data(), ld_s,
                                   rows, kv.keys_padded, kv.bf16_keys);

@@ -134,8 +134,7 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
         double* dq = dq_f64 + ((b * p.seqlen_q + row) * p.heads_q + h) * D;
         double* dlogits =
             dlogits_f64 ? dlogits_f64 + ((b * p.heads_q + h) * p.seqlen_q + row) * Skv : nullptr;
-        const double sink_term =
-            reference_backward_row(bp, b, h, row, buffers, dq, dlogits, group);
+        const double sink_term = reference_backward_row(bp, b, h, row, buffers, dq, dlogits, group);
         if (dsinks_f64) sink_terms[(b * p.heads_q + h) * p.seqlen_q + row] = sink_term;
       }
     }

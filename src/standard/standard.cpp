@@ -112,14 +112,13 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
       if (t.empty_rows[static_cast<std::size_t>(row)]) continue;
       // One row of P times the visible rows of V, [1 x n]·[n x D], through sgemm (the only BLAS
       // routine the sanitizer builds' plain-loop stand-in provides).
-      cpu::for_each_kept_run(p, b, h, row, keys.begin, keys.end,
-                             [&](std::int64_t first, std::int64_t last) {
-                               const std::int64_t n = last - first;
-                               cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, D, n, 1.0f,
-                                           t.scores.data() + row * width + first, n,
-                                           v.data + first * v.stride, v.stride, 1.0f,
-                                           out + row * out_stride, D);
-                             });
+      cpu::for_each_kept_run(
+          p, b, h, row, keys.begin, keys.end, [&](std::int64_t first, std::int64_t last) {
+            const std::int64_t n = last - first;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, D, n, 1.0f,
+                        t.scores.data() + row * width + first, n, v.data + first * v.stride,
+                        v.stride, 1.0f, out + row * out_stride, D);
+          });
     }
   } else {
     for (std::int64_t row = 0; row < Sq; ++row) {

@@ -112,9 +112,28 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
       // dQ = dS·K, dK += dSᵀ·Q                                       [Sq x D], [Skv x D]
       if (visible_only) {
         std::fill(t.dq.begin(), t.dq.end(), 0.0f);
-        cpu::add_visible_gradients(p, {b, h, 0, Sq, 0, Skv, D, t.lse.data(), t.probabilities.data(), t.dscores.data(),
-                                       width, q.data, q.stride, dout.data, dout.stride, k.data,
-                                       k.stride, t.dq.data(), D, t.dk.data(), t.dv.data(), D});
+        cpu::add_visible_gradients(p, {b,
+                                       h,
+                                       0,
+                                       Sq,
+                                       0,
+                                       Skv,
+                                       D,
+                                       t.lse.data(),
+                                       t.probabilities.data(),
+                                       t.dscores.data(),
+                                       width,
+                                       q.data,
+                                       q.stride,
+                                       dout.data,
+                                       dout.stride,
+                                       k.data,
+                                       k.stride,
+                                       t.dq.data(),
+                                       D,
+                                       t.dk.data(),
+                                       t.dv.data(),
+                                       D});
       } else {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.dscores.data(),
                     width, k.data, k.stride, 0.0f, t.dq.data(), D);

@@ -17,8 +17,9 @@
 //              rows: bit for bit the same, and the first sequence against the reference;
 //   merge      merge_attention_states of two key halves: against the reference over all keys.
 // A failed check, an exception, or RSS growing by more than --max-rss-growth-mib from the end of
-// the first tenth of the run to its end (not judged under ASan or TSan), fails the run (exit 1). The report: calls and checks
-// per kind, the largest error as a fraction of its tolerance, RSS at warm-up and at the end.
+// the first tenth of the run to its end (not judged under ASan or TSan), fails the run (exit 1).
+// The report: calls and checks per kind, the largest error as a fraction of its tolerance, RSS at
+// warm-up and at the end.
 
 #include <algorithm>
 #include <atomic>
@@ -128,8 +129,8 @@ struct LogitModifiers {
     } else if (kind == 1) {
       keep.resize(static_cast<std::size_t>(shape[0] * shape[1] * Sq * Skv));
       for (auto& byte : keep) byte = rng() % 4 != 0;
-      options.mask = MaskView{reinterpret_cast<const bool*>(keep.data()), shape,
-                              contiguous_strides(shape)};
+      options.mask =
+          MaskView{reinterpret_cast<const bool*>(keep.data()), shape, contiguous_strides(shape)};
     }
   }
 };
@@ -137,16 +138,15 @@ struct LogitModifiers {
 // Checks `got` (any dtype, [B, Sq, Hq, D]) against the fp64 reference's out within the standard
 // path's bound times `factor`; returns error / tolerance.
 double forward_ratio(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& got,
-                     const AttentionOptions& options, double factor, DType dtype,
-                     double max_bias) {
+                     const AttentionOptions& options, double factor, DType dtype, double max_bias) {
   const ReferenceResult want = reference(q, k, v, options);
   const double D = static_cast<double>(q.view.shape[3]);
   const double max_v = max_abs(v);
-  const double bound =
-      factor * kU32 * max_v *
-          (4.0 / std::sqrt(D) * D * max_abs(q) * max_abs(k) + 4.0 * max_bias +
-           2.0 * static_cast<double>(k.view.shape[1]) + 16.0) +
-      2.0 * unit_roundoff(dtype) * max_v + probability_rounding_bound(dtype, max_v) + 1e-30;
+  const double bound = factor * kU32 * max_v *
+                           (4.0 / std::sqrt(D) * D * max_abs(q) * max_abs(k) + 4.0 * max_bias +
+                            2.0 * static_cast<double>(k.view.shape[1]) + 16.0) +
+                       2.0 * unit_roundoff(dtype) * max_v +
+                       probability_rounding_bound(dtype, max_v) + 1e-30;
   return max_error(got, want.out).value / bound;
 }
 
@@ -259,13 +259,12 @@ class User {
     unchanged(kBackward, dout, dout_before, "dout");
     const double G = std::max({max_abs(rq), max_abs(rk), max_abs(rv)}) +
                      max_abs(dout) * max_abs(v);
-    const double bound =
-        5.0 * kU32 *
-            (4.0 / std::sqrt(static_cast<double>(D)) * static_cast<double>(D) * max_abs(q) *
-                 max_abs(k) +
-             4.0 * logits.max_bias + 2.0 * static_cast<double>(Sq + Skv) + 16.0) *
-            G +
-        1e-30;
+    const double bound = 5.0 * kU32 *
+                             (4.0 / std::sqrt(static_cast<double>(D)) * static_cast<double>(D) *
+                                  max_abs(q) * max_abs(k) +
+                              4.0 * logits.max_bias + 2.0 * static_cast<double>(Sq + Skv) + 16.0) *
+                             G +
+                         1e-30;
     double error = 0.0;
     for (const std::pair<const Tensor*, const Tensor*> pair :
          {std::pair{&dq, &rq}, {&dk, &rk}, {&dv, &rv}}) {

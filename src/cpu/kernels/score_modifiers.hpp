@@ -43,7 +43,8 @@ inline RowModifiers row_modifiers(const AttentionParams& p, std::int64_t b, std:
     modifiers.bias_stride = m.bias.key;
   }
   if (m.mask.data != nullptr) {
-    modifiers.mask = static_cast<const unsigned char*>(m.mask.data) + m.mask.offset(b, h, row, key_begin);
+    modifiers.mask =
+        static_cast<const unsigned char*>(m.mask.data) + m.mask.offset(b, h, row, key_begin);
     modifiers.mask_stride = m.mask.key;
   }
   return modifiers;

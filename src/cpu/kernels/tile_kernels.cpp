@@ -519,8 +519,8 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
         logit = hn::Add(logit, hn::LoadU(tag, static_cast<const float*>(row.bias) + j));
       } else {
         for (std::int64_t i = 0; i < N; ++i) {
-          bias_lanes[i] = i < count ? load_f32(row.bias, row.bias_dtype, (j + i) * row.bias_stride)
-                                    : 0.0f;
+          bias_lanes[i] =
+              i < count ? load_f32(row.bias, row.bias_dtype, (j + i) * row.bias_stride) : 0.0f;
         }
         logit = hn::Add(logit, hn::Load(tag, bias_lanes));
       }
