@@ -761,7 +761,8 @@ TEST(ModifierExamples, RowWhoseKeysAreAllMaskedGetsZero) {
 
 // A row whose keys a bias or mask masks entirely is 0, and adds nothing to any gradient, even
 // with an infinite value row among its keys and an infinite dO row (the libFuzzer harnesses
-// found acc·0 and P·dO = 0·inf making it NaN).
+// found acc·0 and P·dO = 0·inf making it NaN); a masked key's infinite value row reaches no
+// row.
 TEST(ModifierExamples, FullyMaskedRowStaysZeroWithInfiniteValues) {
   const std::int64_t S = 6, H = 1, D = 4;
   std::mt19937_64 rng(test_seed());
@@ -774,6 +775,8 @@ TEST(ModifierExamples, FullyMaskedRowStaysZeroWithInfiniteValues) {
   std::vector<std::uint8_t> keep(S * S, 1);
   for (std::int64_t j = 0; j < S; ++j) bias[3 * S + j] = -INFINITY;  // row 3: every key −inf
   for (std::int64_t j = 0; j < S; ++j) keep[3 * S + j] = 0;          // or dropped
+  bias[4 * S + 1] = -INFINITY;  // row 4: key 1 (infinite value) masked, the others not
+  keep[4 * S + 1] = 0;
   for (int variant = 0; variant < 2; ++variant) {
     for (bool sinks : {false, true}) {
       const float sink = 0.25f;
@@ -793,6 +796,9 @@ TEST(ModifierExamples, FullyMaskedRowStaysZeroWithInfiniteValues) {
         attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
         for (std::int64_t d = 0; d < D; ++d) EXPECT_EQ(out.at(0, 3, 0, d), 0.0f) << context;
         EXPECT_EQ(lse[3], sinks ? sink : -INFINITY) << context;
+        for (std::int64_t d = 0; d < D; ++d) {
+          EXPECT_TRUE(std::isfinite(out.at(0, 4, 0, d))) << context << " row 4";
+        }
         Tensor dq(DType::f32, q.view.shape), dk(DType::f32, k.view.shape),
             dv(DType::f32, k.view.shape);
         float dsink = NAN;

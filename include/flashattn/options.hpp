@@ -38,10 +38,12 @@ struct AttentionOptions {
   std::span<const float> sinks;
   // Additive bias on the logits (T5, relative positions), f32, f16 or bf16, shape
   // [batch | 1, heads_q | 1, seqlen_q, seqlen_kv]: a dim of 1 is shared by every batch entry or
-  // head. Any strides (0 included); data null = off. A −inf entry masks its key.
+  // head. Any strides (0 included); data null = off. A −inf entry masks its key as a false mask
+  // entry does.
   ConstTensorView bias;
   // Boolean mask (document and prefix-LM masks), true = the key is kept; same shapes and
-  // broadcasting as the bias; data null = off. Blocks that it masks entirely are skipped.
+  // broadcasting as the bias; data null = off. Blocks that the bias and mask mask entirely are
+  // skipped.
   // With a bias or a mask, a row whose every key is masked (−inf) gets output 0 and lse −inf
   // (its sink with sinks), as a row outside the causal mask does, and never NaN.
   MaskView mask;

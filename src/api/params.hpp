@@ -151,19 +151,24 @@ struct AttentionParams {
     return {begin, std::max(begin, end)};
   }
 
-  // Whether a bias or mask masks every key that query row `row` of (batch b, query head h) sees
-  // (the mask drops it or the bias is −inf): the row then counts as fully masked (output 0,
-  // lse its sink, no gradient), whatever q and k hold. False without a bias or mask. O(keys):
-  // asked only of rows whose logits all came out −inf.
+  // Whether a bias or mask masks key j for query row `row` of (batch b, query head h): the mask
+  // drops it or the bias is −inf. Such a key is skipped like one outside the causal mask: it
+  // takes no part in the softmax, and its value row is never multiplied (0·inf).
+  bool key_masked(std::int64_t b, std::int64_t h, std::int64_t row, std::int64_t j) const {
+    return (modifiers.mask.data != nullptr && !modifiers.mask.kept(b, h, row, j)) ||
+           (modifiers.bias.data != nullptr &&
+            modifiers.bias.bias(b, h, row, j) == -std::numeric_limits<float>::infinity());
+  }
+
+  // Whether a bias or mask masks every key that query row `row` of (batch b, query head h) sees:
+  // the row then counts as fully masked (output 0, lse its sink, no gradient), whatever q and k
+  // hold. False without a bias or mask. O(keys): asked only of rows whose logits all came out
+  // −inf.
   bool keys_all_masked(std::int64_t b, std::int64_t h, std::int64_t row) const {
     if (!modifiers.masks_logits()) return false;
     const KeyRange keys = key_range(row);
     for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-      const bool dropped =
-          (modifiers.mask.data != nullptr && !modifiers.mask.kept(b, h, row, j)) ||
-          (modifiers.bias.data != nullptr &&
-           modifiers.bias.bias(b, h, row, j) == -std::numeric_limits<float>::infinity());
-      if (!dropped) return false;
+      if (!key_masked(b, h, row, j)) return false;
     }
     return true;
   }

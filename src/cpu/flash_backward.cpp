@@ -589,10 +589,10 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
     const RowBlocks row_blocks = row_blocks_that_see(p, tiles, kv);
     for (std::int64_t g = 0; g < p.group_size(); ++g) {
       for (std::int64_t n = row_blocks.first; n < row_blocks.end; ++n) {
-        // A pair that the mask drops entirely adds nothing.
+        // A pair that the bias and mask mask entirely adds nothing.
         const std::int64_t row_begin = n * tiles.rows;
-        if (!cpu::mask_keeps_some(p, task.b, task.h_kv * p.group_size() + g, row_begin,
-                                  row_begin + task.queries->rows(n), kv.begin, kv.end)) {
+        if (!cpu::logits_keep_some(p, task.b, task.h_kv * p.group_size() + g, row_begin,
+                                   row_begin + task.queries->rows(n), kv.begin, kv.end)) {
           continue;
         }
         const BlockPair pair = start_pair(bp, tiles, t, task, kv, g, n);

@@ -424,16 +424,12 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
                      Dp, 1, Dp);
     }
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
-    // (the sink), as do rows whose keys a bias masks; a row whose scores are all -inf otherwise
-    // gets 0/0 without a sink.
-    const float row_max = max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max;
-    const bool no_key_seen = p.entry_key_range(b, position).empty() ||
-                             (row_max == kNegativeInfinity && p.keys_all_masked(b, head, position));
+    // (the sink); a row whose scores are all -inf gets 0/0 without a sink. (A bias or mask,
+    // which can mask every key of a row, sends the call to the tiled forward.)
     const cpu::RowNormalizer normalizer =
-        cpu::normalize_row(row_max, sum, no_key_seen, cpu::sink_logit(p, head));
-    for (std::int64_t d = 0; d < p.head_dim; ++d) {
-      out_row[d] = normalizer.empty ? 0.0f : out_row[d] * normalizer.inverse_sum;
-    }
+        cpu::normalize_row(max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
+                           p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head));
+    for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= normalizer.inverse_sum;
     if (plan.bf16_pairs) {
       cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
       out_row = buffer + Dp;
@@ -449,9 +445,9 @@ namespace cpu {
 
 bool use_flash_decode(const AttentionParams& p) {
   if (p.seqlen_q == 0 || p.group_size() * p.seqlen_q > kMaxDecodeRows) return false;
-  // A mask drops keys inside a row's range, which this path's P·V would multiply by 0 (0·inf
-  // with a non-finite value): the tiled forward skips them.
-  if (p.modifiers.mask.data != nullptr) return false;
+  // A bias or mask masks keys inside a row's range, which this path's P·V would multiply by 0
+  // (0·inf with a non-finite value): the tiled forward skips them.
+  if (p.modifiers.masks_logits()) return false;
   // The score tiles of every KV head, Bk = 16 keys at least, within the tiled forward's tile.
   const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
   return p.heads_kv * p.group_size() * p.seqlen_q * cpu::kTileLanes <= tiles.rows * tiles.keys;

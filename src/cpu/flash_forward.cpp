@@ -199,13 +199,13 @@ bool sees_all_keys(const AttentionParams& p, const TaskRows& task, std::int64_t 
          p.key_range(task.position_begin).end >= key_end;
 }
 
-// Whether the mask keeps some key of [key_begin, key_end) for some row of the block: a block it
-// drops entirely is not visited (true without a mask).
-bool mask_keeps_some(const AttentionParams& p, const TaskRows& task, std::int64_t key_begin,
-                     std::int64_t key_end) {
+// Whether the bias and mask leave some key of [key_begin, key_end) unmasked for some row of the
+// block: a block they mask entirely is not visited (true without them).
+bool logits_keep_some(const AttentionParams& p, const TaskRows& task, std::int64_t key_begin,
+                      std::int64_t key_end) {
   for (std::int64_t head = task.first_head; head < task.first_head + task.heads; ++head) {
-    if (cpu::mask_keeps_some(p, task.b, head, task.position_begin,
-                             task.position_begin + task.positions, key_begin, key_end)) {
+    if (cpu::logits_keep_some(p, task.b, head, task.position_begin,
+                              task.position_begin + task.positions, key_begin, key_end)) {
       return true;
     }
   }
@@ -358,12 +358,12 @@ void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out,
        key_begin < task_keys.end; key_begin += tiles.keys) {
     KeyBlock kv{key_begin, std::min(key_begin + tiles.keys, p.seqlen_kv), 0, 0, true, true};
     visitors.clear();
-    // With a mask, keys inside the causal range may be dropped: P·V then checks its values.
-    bool all_visible = p.modifiers.mask.data == nullptr;
+    // With a bias or mask, keys inside the causal range may be masked: P·V then checks its values.
+    bool all_visible = !p.modifiers.masks_logits();
     for (QueryBlock& block : blocks) {
       const KeyRange seen = block_keys(p, block.rows);
       if (seen.begin >= kv.end || seen.end <= kv.begin) continue;
-      if (!mask_keeps_some(p, block.rows, kv.begin, kv.end)) continue;
+      if (!logits_keep_some(p, block.rows, kv.begin, kv.end)) continue;
       visitors.push_back(&block);
       all_visible = all_visible && sees_all_keys(p, block.rows, kv.begin, kv.end);
     }

@@ -58,9 +58,8 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
   double sum = std::exp(sink - shift);
   std::vector<double>& output = buffers.output;
   for (std::int64_t d = 0; d < D; ++d) output[d] = 0.0;
-  const LogitView& mask = p.modifiers.mask;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-    if (mask.data != nullptr && !mask.kept(b, h, row, j)) continue;  // as if outside the range
+    if (p.key_masked(b, h, row, j)) continue;  // as if outside the range
     const double weight = std::exp(scores[j] - shift);
     sum += weight;
     const std::int64_t v_offset = p.v_strides.offset(b, j, h_kv);

@@ -6,8 +6,8 @@
 //   dP_ij = dO_i·v_j        D_i = Σ_j P_ij dP_ij    dS_ij = P_ij (dP_ij − D_i) · dz_ij/dx_ij
 //   dq_i = scale Σ_j dS_ij k_j      dk_j += scale dS_ij q_i      dv_j += P_ij dO_i
 //   dσ_h −= exp(σ_h − lse_i) · D_i      dbias_ij = P_ij (dP_ij − D_i)
-// (dk, dv summed over the GQA group; dz/dx = 1 − tanh² under a softcap, else 1). Keys that the
-// mask drops are skipped like those outside the causal range.
+// (dk, dv summed over the GQA group; dz/dx = 1 − tanh² under a softcap, else 1). Keys that a
+// bias or mask masks are skipped like those outside the causal range.
 
 #include <cmath>
 #include <limits>
@@ -77,8 +77,7 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
   }
   // A row whose every key a bias or mask masks adds nothing to any gradient, dsinks included.
   if (p.keys_all_masked(b, h, row)) return 0.0;
-  const LogitView& mask = p.modifiers.mask;
-  auto dropped = [&](std::int64_t j) { return mask.data != nullptr && !mask.kept(b, h, row, j); };
+  auto dropped = [&](std::int64_t j) { return p.key_masked(b, h, row, j); };
   double row_delta = 0.0;  // D_i
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     if (dropped(j)) continue;

@@ -50,13 +50,22 @@ inline RowModifiers row_modifiers(const AttentionParams& p, std::int64_t b, std:
   return modifiers;
 }
 
-// Whether the mask keeps some key of [key_begin, key_end) for some row of [row_begin, row_end)
-// of (batch b, query head h): a block it drops entirely is skipped. True without a mask.
-inline bool mask_keeps_some(const AttentionParams& p, std::int64_t b, std::int64_t h,
-                            std::int64_t row_begin, std::int64_t row_end, std::int64_t key_begin,
-                            std::int64_t key_end) {
+// Whether some key of [key_begin, key_end) is left unmasked by the bias and mask for some row of
+// [row_begin, row_end) of (batch b, query head h): a block they mask entirely is skipped. True
+// without either. A bias stops at its first finite entry, a mask is read eight bytes at a time.
+inline bool logits_keep_some(const AttentionParams& p, std::int64_t b, std::int64_t h,
+                             std::int64_t row_begin, std::int64_t row_end, std::int64_t key_begin,
+                             std::int64_t key_end) {
+  if (!p.modifiers.masks_logits()) return true;
   const LogitView& mask = p.modifiers.mask;
-  if (mask.data == nullptr) return true;
+  if (p.modifiers.bias.data != nullptr) {
+    for (std::int64_t row = row_begin; row < row_end; ++row) {
+      for (std::int64_t j = key_begin; j < key_end; ++j) {
+        if (!p.key_masked(b, h, row, j)) return true;
+      }
+    }
+    return false;
+  }
   const auto* bytes = static_cast<const unsigned char*>(mask.data);
   const std::int64_t n = key_end - key_begin;
   for (std::int64_t row = row_begin; row < row_end; ++row) {
@@ -76,23 +85,22 @@ inline bool mask_keeps_some(const AttentionParams& p, std::int64_t b, std::int64
   return false;
 }
 
-// Calls add(first_run, last_run) for each run of consecutive keys of [first, last) that the mask
-// keeps for query row `row` of (batch b, query head h); the whole range without a mask. For the
-// P·V of rows whose value rows hold an infinity or a NaN: a dropped key's 0·inf must not reach
-// the row, as it does not in the reference, which skips dropped keys.
+// Calls add(first_run, last_run) for each run of consecutive keys of [first, last) that no bias
+// or mask masks for query row `row` of (batch b, query head h); the whole range without them.
+// For the P·V of rows whose value rows hold an infinity or a NaN: a masked key's 0·inf must not
+// reach the row, as it does not in the reference, which skips masked keys.
 template <class Add>
 void for_each_kept_run(const AttentionParams& p, std::int64_t b, std::int64_t h, std::int64_t row,
                        std::int64_t first, std::int64_t last, Add&& add) {
-  const LogitView& mask = p.modifiers.mask;
-  if (mask.data == nullptr) {
+  if (!p.modifiers.masks_logits()) {
     if (first < last) add(first, last);
     return;
   }
   std::int64_t j = first;
   while (j < last) {
-    while (j < last && !mask.kept(b, h, row, j)) ++j;
+    while (j < last && p.key_masked(b, h, row, j)) ++j;
     const std::int64_t run = j;
-    while (j < last && mask.kept(b, h, row, j)) ++j;
+    while (j < last && !p.key_masked(b, h, row, j)) ++j;
     if (run < j) add(run, j);
   }
 }
@@ -120,8 +128,8 @@ inline bool row_fully_masked(const AttentionParams& p, std::int64_t b, std::int6
 }
 
 // For dbias: the logits' gradient ds[0, n) of query row `row` of (batch b, query head h), keys
-// [key_begin, key_begin + n), into bp.dlogits; 0 for the keys the row does not see or the mask
-// drops, and for a fully masked row (`lse`, as row_fully_masked), as in the reference (their
+// [key_begin, key_begin + n), into bp.dlogits; 0 for the keys the row does not see or a bias or
+// mask masks, and for a fully masked row (`lse`, as row_fully_masked), as in the reference (their
 // P = 0 times an infinite dP would be NaN).
 inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
                               std::int64_t row, std::int64_t key_begin, std::int64_t n,
@@ -139,10 +147,8 @@ inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int
   std::fill_n(dlogits, first, 0.0f);
   std::copy(ds + first, ds + last, dlogits + first);
   std::fill(dlogits + last, dlogits + n, 0.0f);
-  const LogitView& mask = p.modifiers.mask;
-  if (mask.data == nullptr) return;
   for (std::int64_t j = first; j < last; ++j) {
-    if (!mask.kept(b, h, row, key_begin + j)) dlogits[j] = 0.0f;
+    if (p.key_masked(b, h, row, key_begin + j)) dlogits[j] = 0.0f;
   }
 }
 

@@ -16,11 +16,8 @@ void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& 
     const float* q = t.q + i * t.ld_q;
     const float* dout = t.dout + i * t.ld_dout;
     float* dq = t.dq + i * t.ld_dq;
-    const LogitView& mask = p.modifiers.mask;
     for (std::int64_t j = first; j < last; ++j) {
-      if (mask.data != nullptr && !mask.kept(t.batch, t.head, t.row_begin + i, t.key_begin + j)) {
-        continue;
-      }
+      if (p.key_masked(t.batch, t.head, t.row_begin + i, t.key_begin + j)) continue;
       const float probability = t.probabilities[i * t.ld_scores + j];
       const float dscore = t.dscores[i * t.ld_scores + j];
       const float* k = t.k + j * t.ld_k;
