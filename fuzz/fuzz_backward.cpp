@@ -36,7 +36,8 @@
 // bf16 products on AMX do) and 0 for f32; t = 2^-126 for bf16 (the tile instructions flush
 // fp32 results below the smallest normal float, and a bf16 operand below it counts as 0), else
 // 2^-149 (the absolute spacing of denormal results); scale·P, which the fast paths form before
-// multiplying by dP − D_i, may round by t too, an error dP − D_i then scales. Values are small
+// multiplying by dP − D_i (for dbias: P·(dP − D_i), before the scale), may round by t too, an
+// error the other factor then scales. Values are small
 // integers times 2^e (|x| <= 2^15) and the scale at most 2^60, so nothing overflows fp32 (an f16
 // gradient may round to ±inf where the bound reaches past 65504); where ε is so large that e^ε
 // overflows, a finite reference value is not compared.
@@ -463,9 +464,10 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           ds_err[j] =
               p_err[j] * centered + exact * (dp_err + delta_err) + 3 * u * p_hi[j] * centered;
           ds_hi[j] = p_hi[j] * centered;
-          // The fast paths form scale·P first: below 2^-126 it rounds by up to t absolute, which
-          // the product with dP − D_i then scales (scale·dS's error, already scaled).
-          ds_tiny[j] = t * centered;
+          // The fast paths form scale·P first (or, for dbias, P·(dP − D_i) and then the scale):
+          // below 2^-126 it rounds by up to t absolute, which the other factor then scales
+          // (scale·dS's error, already scaled).
+          ds_tiny[j] = t * (centered + scale);
           if (!bound.dlogits.empty()) {
             bound.dlogits[static_cast<std::size_t>(((b * Hq + h) * Sq + i) * Skv + j)] = ds_err[j];
           }

@@ -1326,6 +1326,14 @@ TEST(ModifyScoresKernel, AddsBiasAndDropsMaskedKeysOnEveryTarget) {
         }
       }
     }
+    // A −inf bias masks its key even where the score is +inf (the fuzzer found inf − inf = NaN).
+    std::vector<float> infinite = {INFINITY, INFINITY, 1.0f};
+    const std::vector<float> masking = {-INFINITY, 2.0f, -INFINITY};
+    detail::cpu::RowModifiers row{0.0f, 0.0f, 0, masking.data(), DType::f32, 1, nullptr, 0};
+    detail::cpu::modify_scores(infinite.data(), nullptr, 3, 1.0f, row);
+    EXPECT_EQ(infinite[0], -INFINITY);
+    EXPECT_EQ(infinite[1], INFINITY);
+    EXPECT_EQ(infinite[2], -INFINITY);
   });
 }
 

@@ -14,7 +14,7 @@ namespace flashattn::detail {
 
 // The logit of key j for query row `row` of (batch b, query head h), from x = scale·q·k:
 // softcap·tanh(x / softcap), then − slope·|row + seqlen_kv − seqlen_q − j|, then + bias; −inf
-// where the mask drops the key. When `softcap_derivative` is given it receives d logit / dx (1
+// where a bias or mask masks the key (AttentionParams::key_masked), whatever x is. When `softcap_derivative` is given it receives d logit / dx (1
 // without a softcap).
 inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int64_t h,
                               std::int64_t row, std::int64_t j, double x,
@@ -32,9 +32,7 @@ inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int
     logit -= static_cast<double>(m.alibi_slope(b, h)) * std::abs(distance);
   }
   if (m.bias.data != nullptr) logit += static_cast<double>(m.bias.bias(b, h, row, j));
-  if (m.mask.data != nullptr && !m.mask.kept(b, h, row, j)) {
-    logit = -std::numeric_limits<double>::infinity();
-  }
+  if (p.key_masked(b, h, row, j)) logit = -std::numeric_limits<double>::infinity();
   if (softcap_derivative != nullptr) *softcap_derivative = derivative;
   return logit;
 }

@@ -515,15 +515,18 @@ void ModifyScores(float* HWY_RESTRICT scores, float* HWY_RESTRICT derivative, st
       logit = hn::NegMulAdd(slope_vec, hn::Abs(distance), logit);
     }
     if (row.bias != nullptr) {
+      Vec bias;
       if (contiguous_bias && count == N) {
-        logit = hn::Add(logit, hn::LoadU(tag, static_cast<const float*>(row.bias) + j));
+        bias = hn::LoadU(tag, static_cast<const float*>(row.bias) + j);
       } else {
         for (std::int64_t i = 0; i < N; ++i) {
           bias_lanes[i] =
               i < count ? load_f32(row.bias, row.bias_dtype, (j + i) * row.bias_stride) : 0.0f;
         }
-        logit = hn::Add(logit, hn::Load(tag, bias_lanes));
+        bias = hn::Load(tag, bias_lanes);
       }
+      // A −inf bias masks its key: −inf even where the score is +inf (inf − inf would be NaN).
+      logit = hn::IfThenElse(hn::Eq(bias, minus_infinity), minus_infinity, hn::Add(logit, bias));
     }
     if (row.mask != nullptr) {
       hn::Vec<decltype(utag)> keep;
