@@ -126,13 +126,12 @@ void run_backward(const char* caller, AttentionImpl impl,
           : backend_bytes + dlogits_bytes;
   detail::check_scratch_fits(caller, impl, f, needed);
   try {
-    // The backends write every (row, key) of the blocks they visit: all of them unless the
-    // causal mask, a window or a mask skips some, whose entries are then zeroed first (in
-    // parallel: 4·B·Hq·Sq·Skv bytes).
+    // The backends write every (row, key) of every block, zeros for the blocks a bias or mask
+    // masks entirely, except the rows the causal mask or a window keeps from a block: then the
+    // whole scratch is zeroed first (in parallel: 4·B·Hq·Sq·Skv bytes).
     std::unique_ptr<float[]> dlogits(
         dlogits_scratch ? new float[static_cast<std::size_t>(dlogits_count)] : nullptr);
-    const bool skips_blocks =
-        f.causal || f.window_left >= 0 || f.window_right >= 0 || f.modifiers.mask.data != nullptr;
+    const bool skips_blocks = f.causal || f.window_left >= 0 || f.window_right >= 0;
     if (dlogits_scratch && skips_blocks) {
       constexpr std::int64_t kChunk = std::int64_t{1} << 20;
       detail::parallel_tasks(

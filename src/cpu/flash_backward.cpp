@@ -589,10 +589,18 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
     const RowBlocks row_blocks = row_blocks_that_see(p, tiles, kv);
     for (std::int64_t g = 0; g < p.group_size(); ++g) {
       for (std::int64_t n = row_blocks.first; n < row_blocks.end; ++n) {
-        // A pair that the bias and mask mask entirely adds nothing.
-        const std::int64_t row_begin = n * tiles.rows;
-        if (!cpu::logits_keep_some(p, task.b, task.h_kv * p.group_size() + g, row_begin,
-                                   row_begin + task.queries->rows(n), kv.begin, kv.end)) {
+        // A pair that the bias and mask mask entirely adds nothing (its logits' gradient is 0).
+        const std::int64_t row_begin = n * tiles.rows, head = task.h_kv * p.group_size() + g;
+        if (!cpu::logits_keep_some(p, task.b, head, row_begin, row_begin + task.queries->rows(n),
+                                   kv.begin, kv.end)) {
+          if (bp.dlogits != nullptr) {
+            for (std::int64_t row = row_begin; row < row_begin + task.queries->rows(n); ++row) {
+              std::fill_n(bp.dlogits + ((task.b * p.heads_q + head) * p.seqlen_q + row) *
+                                           p.seqlen_kv +
+                              kv.begin,
+                          kv.keys, 0.0f);
+            }
+          }
           continue;
         }
         const BlockPair pair = start_pair(bp, tiles, t, task, kv, g, n);
