@@ -58,7 +58,7 @@
 // P = dS = 0 on every path, and a row with no other key has zero gradients. dbias sums the
 // logits' gradient P ∘ (dP − D_i) (dS before the softcap's g and the scale) over the dims the
 // bias broadcasts, in fp64, rounded once to the bias's dtype: within the sum of those terms'
-// e_dS.
+// e_dS, each plus t (the fp32 product may be subnormal).
 
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -469,7 +469,9 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           // (scale·dS's error, already scaled).
           ds_tiny[j] = t * (centered + scale);
           if (!bound.dlogits.empty()) {
-            bound.dlogits[static_cast<std::size_t>(((b * Hq + h) * Sq + i) * Skv + j)] = ds_err[j];
+            // The fp32 product P·(dP − D_i) may land below 2^-126: t more, absolute.
+            bound.dlogits[static_cast<std::size_t>(((b * Hq + h) * Sq + i) * Skv + j)] =
+                ds_err[j] + t;
           }
           if (softcap > 0) {
             const double tanh = std::sqrt(std::max(0.0, 1.0 - derivative[j]));
