@@ -393,6 +393,8 @@ Array read_npy(const std::filesystem::path& path) {
   Array array;
   array.dtype = raw.dtype;
   array.shape = std::move(raw.shape);
+  // (An empty array's vectors may hold no storage at all: memcpy must not see their null.)
+  if (raw.bytes.empty()) return array;
   if (array.dtype == DType::f32) {
     array.f32.resize(raw.bytes.size() / sizeof(float));
     std::memcpy(array.f32.data(), raw.bytes.data(), raw.bytes.size());
