@@ -1,0 +1,25 @@
+"""flashattn: exact attention on the CPU (FlashAttention and the standard path), from Python.
+
+The functions take numpy arrays or torch CPU tensors and return results in the same framework:
+
+    from flashattn import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)          # q, k, v: [batch, seqlen, heads, dim]
+
+flashattn.torch.scaled_dot_product_attention is a drop-in for torch's. Errors from the library
+raise ValueError with its message (the argument, what was expected, what was given).
+"""
+
+from ._api import (MultiHeadAttention, attention_reference, flash_attn_func,
+                   flash_attn_varlen_func, flash_attn_with_kvcache, merge_attention_states)
+from ._flashattn import visible_pairs
+
+__all__ = [
+    "MultiHeadAttention",
+    "attention_reference",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "merge_attention_states",
+    "visible_pairs",
+]
+__version__ = "0.2.0"

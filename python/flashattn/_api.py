@@ -1,0 +1,432 @@
+"""The functions of the flashattn package, on numpy arrays and torch CPU tensors.
+
+Every tensor is handed to the C++ library where it lies, with its own strides (a [B, H, S, D]
+tensor transposed to [B, S, H, D] is read in place). The one copy this layer ever makes is of
+an input whose last dim is not contiguous, which the library's row kernels cannot read.
+Outputs are allocated in the framework of q: a torch tensor gives torch tensors, a numpy array
+numpy arrays. bf16 numpy arrays are those of ``ml_dtypes.bfloat16``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _flashattn
+
+_IMPLS = ("flash", "standard", "reference")
+_NUMPY_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def _torch():
+    # torch is imported by the caller, never by us: if it is not loaded, no tensor is a torch
+    # tensor, and `import flashattn` stays fast.
+    return sys.modules.get("torch")
+
+
+def _is_torch(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _framework(x: Any, name: str) -> str:
+    if _is_torch(x):
+        torch = _torch()
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"{name}: expected a CPU tensor, got one on {x.device} "
+                "(flashattn has no GPU backend yet)")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"{name}: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+        return "torch"
+    if isinstance(x, np.ndarray):
+        if x.dtype not in _NUMPY_FLOATS and x.dtype.name != "bfloat16":
+            raise ValueError(
+                f"{name}: expected dtype float32, float16 or bfloat16 (ml_dtypes), "
+                f"got {x.dtype}")
+        return "numpy"
+    raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got "
+                    f"{type(x).__module__}.{type(x).__name__}")
+
+
+def _same_framework(x: Any, name: str, framework: str) -> None:
+    if _framework(x, name) != framework:
+        kind = "torch.Tensor" if framework == "torch" else "numpy.ndarray"
+        raise TypeError(f"{name}: expected a {kind}, as q is, got {type(x).__name__}")
+
+
+def _last_dim_stride(x: Any) -> int:
+    if _is_torch(x):
+        return x.stride(-1) if x.dim() > 0 else 1
+    return x.strides[-1] // x.itemsize if x.ndim > 0 else 1
+
+
+def _native(x: Any, *, writable: bool = False, name: str = "") -> Any:
+    """The array the extension reads: torch detached, numpy bf16 seen as uint16."""
+    if _is_torch(x):
+        x = x.detach()
+        if _last_dim_stride(x) != 1 and x.numel() > 0:
+            if writable:
+                raise ValueError(f"{name}: expected a contiguous last dim (stride 1), "
+                                 f"got stride {x.stride(-1)}")
+            x = x.contiguous()
+        return x
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{name}: expected a writable array, got a read-only one")
+    if _last_dim_stride(x) != 1 and x.size > 0:
+        if writable:
+            raise ValueError(f"{name}: expected a contiguous last dim, got stride "
+                             f"{x.strides[-1]} bytes")
+        x = np.ascontiguousarray(x)
+    if x.dtype.name == "bfloat16":
+        x = x.view(np.uint16)
+    return x
+
+
+def _empty(framework: str, shape: Sequence[int], dtype: Any) -> Any:
+    if framework == "torch":
+        return _torch().empty(tuple(shape), dtype=dtype)
+    return np.empty(tuple(shape), dtype=dtype)
+
+
+def _float32(framework: str) -> Any:
+    return _torch().float32 if framework == "torch" else np.float32
+
+
+def _float_vector(x: Any, name: str) -> Any:
+    """alibi_slopes and sinks: float32, contiguous."""
+    if x is None:
+        return None
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got one on {x.device}")
+        return x.detach().to(_torch().float32).contiguous()
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+
+
+def _int32(x: Any, name: str) -> Any:
+    """cu_seqlens, cache_seqlens, block_table: int32, contiguous; other integers converted."""
+    if _is_torch(x):
+        torch = _torch()
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got one on {x.device}")
+        if x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise ValueError(f"{name}: expected an int32 tensor, got {x.dtype}")
+        x = x.detach().cpu().numpy()
+    array = np.asarray(x)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected int32 values, got dtype {array.dtype}")
+    if array.size and (array.min() < -2**31 or array.max() >= 2**31):
+        raise ValueError(f"{name}: values outside int32")
+    return np.ascontiguousarray(array, dtype=np.int32)
+
+
+def _mask(x: Any, name: str, framework: str) -> Any:
+    if x is None:
+        return None
+    if _is_torch(x):
+        if x.dtype != _torch().bool:
+            raise ValueError(f"{name}: expected a bool tensor, got {x.dtype}")
+        return _native(x)
+    if not isinstance(x, np.ndarray) or x.dtype != np.bool_:
+        raise ValueError(f"{name}: expected a bool array")
+    return _native(x)
+
+
+def _bias(x: Any, framework: str) -> Any:
+    if x is None:
+        return None
+    _framework(x, "attn_bias")
+    return _native(x)
+
+
+def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size: expected a pair (left, right), got {window_size!r}")
+    return int(left), int(right)
+
+
+def _impl(impl: str) -> str:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl: expected one of {', '.join(_IMPLS)}, got {impl!r}")
+    return impl
+
+
+def _unsupported(dropout_p: float, return_attn_probs: bool) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError(
+            f"dropout_p: flashattn computes attention without dropout, got {dropout_p}")
+    if return_attn_probs:
+        raise NotImplementedError(
+            "return_attn_probs: the probabilities are never formed (FlashAttention); "
+            "use return_lse=True for the log-sum-exp")
+
+
+def _options(framework: str, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
+             attn_bias, attn_mask, num_threads) -> dict:
+    left, right = _window(window_size)
+    return dict(
+        scale=None if softmax_scale is None else float(softmax_scale),
+        causal=bool(causal),
+        window_left=left,
+        window_right=right,
+        softcap=float(softcap),
+        alibi_slopes=_float_vector(alibi_slopes, "alibi_slopes"),
+        sinks=_float_vector(sinks, "sinks"),
+        attn_bias=_bias(attn_bias, framework),
+        attn_mask=_mask(attn_mask, "attn_mask", framework),
+        num_threads=int(num_threads),
+    )
+
+
+def _wants_grad(*tensors: Any) -> bool:
+    torch = _torch()
+    return (torch is not None and torch.is_grad_enabled()
+            and any(_is_torch(t) and t.requires_grad for t in tensors))
+
+
+def _forward_arrays(framework, q, k, v, options, impl, out=None):
+    """Runs the forward; returns (out, lse) in the framework of q."""
+    if q.ndim != 4:
+        raise ValueError(f"q: expected 4 dims [batch, seqlen_q, heads_q, head_dim], got {q.ndim}")
+    batch, seqlen_q, heads_q, _ = q.shape
+    if out is None:
+        out = _empty(framework, q.shape, q.dtype)
+    lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
+    _flashattn.forward(impl, _native(q), _native(k), _native(v), _native(out, writable=True,
+                                                                          name="out"),
+                       _native(lse), **options)
+    return out, lse
+
+
+def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                    return_attn_probs: bool = False, *, sinks=None, attn_bias=None,
+                    attn_mask=None, return_lse: bool = False, num_threads: int = 0,
+                    impl: str = "flash"):
+    """Exact attention of q [B, Sq, Hq, D] against k, v [B, Skv, Hkv, D] (Hq % Hkv == 0).
+
+    Named and ordered as FlashAttention's ``flash_attn_func``, so code ports by changing the
+    import. Tensors: numpy arrays or torch CPU tensors, float32, float16 or bfloat16, any
+    strides with a contiguous last dim (others are copied). Returns ``out`` [B, Sq, Hq, D] in
+    q's dtype and framework, and with ``return_lse=True`` also ``lse`` float32 [B, Hq, Sq].
+
+    - softmax_scale: default 1/sqrt(D).
+    - causal: aligned to the bottom-right corner (FlashAttention >= 2.1): row i sees key j
+      iff j <= i + Skv - Sq.
+    - window_size: (left, right) sliding window on the same diagonal, -1 = unbounded.
+    - softcap, alibi_slopes ([Hq] or [B, Hq], float32), sinks ([Hq]), attn_bias
+      ([B|1, Hq|1, Sq, Skv], float), attn_mask (same shape, bool, True = keep): the score
+      modifiers of docs/semantics.md.
+    - dropout_p must be 0 and return_attn_probs False; deterministic is accepted and moot
+      (results never depend on the thread count).
+    - num_threads: 0 = all OpenMP threads.
+    - impl: "flash" (default), "standard" (full score matrix, OpenBLAS) or "reference" (fp64).
+
+    With torch tensors that require grad (and grad mode on), the call is recorded for
+    autograd: backward runs the flash backward with the saved lse, and gives gradients for q,
+    k, v, sinks and attn_bias.
+    """
+    _unsupported(dropout_p, return_attn_probs)
+    framework = _framework(q, "q")
+    _same_framework(k, "k", framework)
+    _same_framework(v, "v", framework)
+    impl = _impl(impl)
+    if _wants_grad(q, k, v, sinks, attn_bias):
+        from . import _autograd
+        out, lse = _autograd.attention(q, k, v, impl, softmax_scale=softmax_scale,
+                                       causal=causal, window_size=window_size, softcap=softcap,
+                                       alibi_slopes=alibi_slopes, sinks=sinks,
+                                       attn_bias=attn_bias, attn_mask=attn_mask,
+                                       num_threads=num_threads)
+    else:
+        options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           sinks, attn_bias, attn_mask, num_threads)
+        out, lse = _forward_arrays(framework, q, k, v, options, impl)
+    return (out, lse) if return_lse else out
+
+
+def attention_reference(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
+                        window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                        alibi_slopes=None, *, sinks=None, attn_bias=None, attn_mask=None,
+                        return_lse: bool = False):
+    """The fp64 oracle: plain loops with fp64 accumulation, rounded once to q's dtype.
+
+    Same arguments and results as flash_attn_func; for checking your own code. No autograd.
+    """
+    framework = _framework(q, "q")
+    _same_framework(k, "k", framework)
+    _same_framework(v, "v", framework)
+    options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       sinks, attn_bias, attn_mask, 0)
+    out, lse = _forward_arrays(framework, q, k, v, options, "reference")
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                           max_seqlen_k=None, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes=None, deterministic: bool = False,
+                           return_attn_probs: bool = False, *, sinks=None,
+                           return_lse: bool = False, num_threads: int = 0, impl: str = "flash"):
+    """Attention over a packed batch of sequences of different lengths.
+
+    q [total_q, Hq, D], k, v [total_k, Hkv, D]: the sequences one after the other;
+    cu_seqlens_q, cu_seqlens_k [B + 1] int32 offsets (0, then running totals). Each sequence
+    attends to its own keys, causal mask and window aligned to its own bottom-right corner.
+    Returns out [total_q, Hq, D] and, with return_lse, lse float32 [Hq, total_q].
+    max_seqlen_q and max_seqlen_k are accepted for FlashAttention compatibility and unused.
+    Autograd as flash_attn_func (q, k, v, sinks).
+    """
+    _unsupported(dropout_p, return_attn_probs)
+    framework = _framework(q, "q")
+    _same_framework(k, "k", framework)
+    _same_framework(v, "v", framework)
+    impl = _impl(impl)
+    cu_q = _int32(cu_seqlens_q, "cu_seqlens_q")
+    cu_k = _int32(cu_seqlens_k, "cu_seqlens_k")
+    if _wants_grad(q, k, v, sinks):
+        from . import _autograd
+        out, lse = _autograd.varlen_attention(
+            q, k, v, cu_q, cu_k, impl, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            num_threads=num_threads)
+    else:
+        options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           sinks, None, None, num_threads)
+        out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl)
+    return (out, lse) if return_lse else out
+
+
+def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl):
+    if q.ndim != 3:
+        raise ValueError(f"q: expected 3 dims [total_q, heads_q, head_dim], got {q.ndim}")
+    total_q, heads_q, _ = q.shape
+    out = _empty(framework, q.shape, q.dtype)
+    lse = _empty(framework, (heads_q, total_q), _float32(framework))
+    _flashattn.varlen_forward(impl, _native(q), _native(k), _native(v), cu_q, cu_k,
+                              _native(out, writable=True, name="out"), _native(lse), **options)
+    return out, lse
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None,
+                            softmax_scale: Optional[float] = None, causal: bool = False,
+                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes=None,
+                            num_splits: int = 0, return_softmax_lse: bool = False, *,
+                            num_threads: int = 0, impl: str = "flash"):
+    """One step of decoding (or a chunk of prefill) against a KV cache, appending in place.
+
+    q [B, Sq, Hq, D]. Dense cache: k_cache, v_cache [B, capacity, Hkv, D]; paged cache (with
+    block_table int32 [B, pages_per_sequence]): [num_pages, page_size, Hkv, D]. k, v
+    [B, Snew, Hkv, D], when given, are written into the cache at cache_seqlens[b] before q
+    attends to the first cache_seqlens[b] + Snew keys of each sequence (causal and window
+    aligned to that length). cache_seqlens (int or int32 [B]) is read, never changed: add Snew
+    to it yourself after the call. None means every sequence fills its whole capacity (no
+    append). Caches: float32, float16 or bfloat16, and q may be float32 with a 16-bit cache;
+    they must be writable and have a contiguous last dim (they are written in place, never
+    copied). Returns out [B, Sq, Hq, D] in q's dtype, and lse [B, Hq, Sq] with
+    return_softmax_lse. Rotary embeddings, cache_batch_idx and cache_leftpad are not supported;
+    num_splits is accepted and unused (the split follows from the shape).
+    """
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise NotImplementedError(f"{name}: not supported by flashattn")
+    framework = _framework(q, "q")
+    _same_framework(k_cache, "k_cache", framework)
+    _same_framework(v_cache, "v_cache", framework)
+    if (k is None) != (v is None):
+        raise ValueError("k, v: give both new K and V rows, or neither")
+    if k is not None:
+        _same_framework(k, "k", framework)
+        _same_framework(v, "v", framework)
+    if q.ndim != 4:
+        raise ValueError(f"q: expected 4 dims [batch, seqlen_q, heads_q, head_dim], got {q.ndim}")
+    batch, seqlen_q, heads_q, _ = q.shape
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens: required when appending new rows (k, v)")
+        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                    else k_cache.shape[1])
+        cache_seqlens = np.full(batch, capacity, dtype=np.int64)
+    elif isinstance(cache_seqlens, (int, np.integer)):
+        cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    lengths = _int32(cache_seqlens, "cache_seqlens")
+    table = None if block_table is None else _int32(block_table, "block_table")
+    options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       None, None, None, num_threads)
+    out = _empty(framework, q.shape, q.dtype)
+    lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
+    _flashattn.kvcache_forward(
+        _impl(impl), _native(q), _native(k_cache, writable=True, name="k_cache"),
+        _native(v_cache, writable=True, name="v_cache"), lengths, table,
+        None if k is None else _native(k), None if v is None else _native(v),
+        _native(out, writable=True, name="out"), _native(lse), **options)
+    return (out, lse) if return_softmax_lse else out
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b, out_dtype=None, num_threads: int = 0):
+    """The exact (out, lse) of attention over the union of two disjoint key sets.
+
+    out_a, out_b float32 [B, S, H, D] (any strides, last dim contiguous), each normalized over
+    its own keys; lse_a, lse_b float32 [B, H, S]. A side whose lse is -inf weighs 0. Returns
+    (out, lse): out [B, S, H, D] in out_dtype (default float32), lse float32 [B, H, S].
+    """
+    framework = _framework(out_a, "out_a")
+    for name, value in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        _same_framework(value, name, framework)
+    out = _empty(framework, out_a.shape, out_dtype or _float32(framework))
+    lse = _empty(framework, tuple(lse_a.shape), _float32(framework))
+    _flashattn.merge_states(_native(out_a), _native(lse_a), _native(out_b), _native(lse_b),
+                            _native(out, writable=True, name="out"), _native(lse),
+                            int(num_threads))
+    return out, lse
+
+
+class MultiHeadAttention:
+    """The multi-head attention layer (seed 000): x -> Q, K, V -> attention -> merge -> W_O.
+
+    Weights are float32 numpy arrays that view the layer's own memory, row-major [in, out] so
+    that Q = x @ w_q: w_q, w_o [hidden, hidden]; w_k, w_v [hidden, num_kv_heads * head_dim];
+    b_q .. b_o with bias=True. Write into them to load a model's weights. Initialized uniformly
+    in +-1/sqrt(hidden) from `seed`.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int = 0, bias: bool = False,
+                 seed: int = 0):
+        self._layer = _flashattn.MultiHeadAttentionLayer(hidden, num_heads, num_kv_heads, bias,
+                                                         seed)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "w_q", "w_k", "w_v",
+                    "w_o", "b_q", "b_k", "b_v", "b_o"):
+            return getattr(self._layer, name)
+        raise AttributeError(name)
+
+    def __call__(self, x, context=None, causal: bool = False, impl: str = "flash",
+                 num_threads: int = 0):
+        """y [batch, seqlen, hidden] from x [batch, seqlen, hidden] (float32), self-attention,
+        or cross-attention against context [batch, seqlen_kv, hidden]."""
+        framework = _framework(x, "x")
+        if context is not None:
+            _same_framework(context, "context", framework)
+        y = _empty(framework, x.shape, _float32(framework))
+
+        def plain(a):
+            if _is_torch(a):
+                return a.detach().contiguous()
+            return np.ascontiguousarray(a)
+
+        self._layer.forward(plain(x), None if context is None else plain(context), y,
+                            bool(causal), _impl(impl), int(num_threads))
+        return y
