@@ -418,8 +418,12 @@ class MultiHeadAttention:
         """y [batch, seqlen, hidden] from x [batch, seqlen, hidden] (float32), self-attention,
         or cross-attention against context [batch, seqlen_kv, hidden]."""
         framework = _framework(x, "x")
-        if context is not None:
-            _same_framework(context, "context", framework)
+        for name, value in (("x", x), ("context", context)):
+            if value is None:
+                continue
+            _same_framework(value, name, framework)
+            if value.dtype != _float32(framework):
+                raise ValueError(f"{name}: expected dtype float32, got {value.dtype}")
         y = _empty(framework, x.shape, _float32(framework))
 
         def plain(a):

@@ -77,6 +77,8 @@ void dims4(const Array& array, const char* name, std::array<std::int64_t, 4>& sh
     shape[i] = i < pad ? 1 : static_cast<std::int64_t>(array.shape(i - pad));
     strides[i] = i < pad ? 0 : array.stride(i - pad);
   }
+  // An empty array's strides are whatever its producer chose (numpy gives 0): none is read.
+  if (array.size() == 0) strides = flashattn::contiguous_strides(shape);
 }
 
 ConstTensorView in_view(const InArray& array, const char* name) {
@@ -104,6 +106,7 @@ TensorView out_view(const std::optional<OutArray>& array, const char* name) {
 
 template <class Array>
 bool c_contiguous(const Array& array) {
+  if (array.size() == 0) return true;
   std::int64_t expected = 1;
   for (std::int64_t i = static_cast<std::int64_t>(array.ndim()) - 1; i >= 0; --i) {
     if (array.shape(i) != 1 && array.stride(i) != expected) return false;

@@ -1,0 +1,58 @@
+"""The MultiHeadAttention layer from Python against the seed's formula written in numpy fp64:
+Q = x W_Q + b_Q (and K, V from the context), attention per head, merge, y = att W_O + b_O."""
+
+import numpy as np
+import pytest
+
+import flashattn
+from conftest import U32, reference_attention, requires_torch, torch
+
+
+def layer_fp64(layer, x, context, causal):
+    hd, nh, nkv = layer.head_dim, layer.num_heads, layer.num_kv_heads
+    w = {name: getattr(layer, name).astype(np.float64) for name in ("w_q", "w_k", "w_v", "w_o")}
+    b = {name: getattr(layer, name).astype(np.float64) for name in ("b_q", "b_k", "b_v", "b_o")}
+    ctx = x if context is None else context
+    q = x @ w["w_q"] + (b["b_q"] if b["b_q"].size else 0)
+    k = ctx @ w["w_k"] + (b["b_k"] if b["b_k"].size else 0)
+    v = ctx @ w["w_v"] + (b["b_v"] if b["b_v"].size else 0)
+    batch, sq, skv = x.shape[0], x.shape[1], ctx.shape[1]
+    att, _ = reference_attention(q.reshape(batch, sq, nh, hd), k.reshape(batch, skv, nkv, hd),
+                                 v.reshape(batch, skv, nkv, hd), causal=causal)
+    return att.reshape(batch, sq, nh * hd) @ w["w_o"] + (b["b_o"] if b["b_o"].size else 0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("cross", [False, True])
+def test_layer_matches_the_formula(rng, bias, cross):
+    layer = flashattn.MultiHeadAttention(64, 8, num_kv_heads=2, bias=bias, seed=7)
+    if bias:
+        for name in ("b_q", "b_k", "b_v", "b_o"):
+            getattr(layer, name)[:] = rng.standard_normal(getattr(layer, name).shape)
+    x = rng.standard_normal((2, 37, 64), dtype=np.float32)
+    context = rng.standard_normal((2, 53, 64), dtype=np.float32) if cross else None
+    y = layer(x, context, causal=not cross)
+    ref = layer_fp64(layer, x.astype(np.float64),
+                     None if context is None else context.astype(np.float64), not cross)
+    # Three fp32 products of length 64 (projections, attention's dot products, W_O) around an
+    # attention whose error is of the order u32 (D + Skv): a few hundred roundings of max|y|.
+    bound = 256 * U32 * (64 + 53) * np.abs(ref).max()
+    assert np.abs(y - ref).max() <= bound
+
+
+def test_weights_are_views_of_the_layer():
+    layer = flashattn.MultiHeadAttention(16, 2)
+    assert layer.w_q.shape == (16, 16) and layer.w_k.shape == (16, 16)
+    layer.w_o[:] = 0.0
+    assert np.all(layer.w_o == 0.0)
+    y = layer(np.ones((1, 3, 16), np.float32))
+    assert np.all(y == 0.0)  # W_O zero: the layer read the weights written through the view
+
+
+@requires_torch
+def test_torch_input_gives_torch_output():
+    layer = flashattn.MultiHeadAttention(32, 4, seed=1)
+    x = torch.randn(1, 5, 32)
+    y = layer(x)
+    assert isinstance(y, torch.Tensor)
+    assert np.array_equal(y.numpy(), layer(x.numpy()))
