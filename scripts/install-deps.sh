@@ -13,6 +13,7 @@ packages=(
   libcli11-dev            # CLI parsing
   libgtest-dev            # tests
   python3 python3-numpy   # .npy interoperability test
+  python3-dev python3-venv python3-pip  # the Python package: headers, and its test in a fresh venv
   clang libclang-rt-dev   # sanitizer and libFuzzer runtimes for clang (tsan, fuzz presets)
   libomp-dev              # LLVM OpenMP and its ThreadSanitizer tool, Archer (tsan preset)
   libbenchmark-dev        # Google Benchmark: the flashattn_benchmark target
@@ -28,7 +29,19 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The python3 first on PATH may not be Debian's (pyenv, venv): give it numpy too.
-if ! python3 -c "import numpy" 2>/dev/null; then
-  python3 -m pip install --quiet numpy
+# The python3 first on PATH may not be Debian's (pyenv, venv): install into that one. The
+# Python package builds with nanobind and scikit-build-core; its tests use pytest, ml_dtypes
+# (bf16 numpy arrays) and torch (the tests compare with torch itself). PyPI's torch wheel also
+# pulls CUDA libraries the CPU never uses (~3 GB); it is a test-only dependency.
+python_packages=(numpy nanobind scikit-build-core pytest ml_dtypes torch)
+missing_python=()
+for package in "${python_packages[@]}"; do
+  module=${package//-/_}
+  python3 -c "import ${module}" 2>/dev/null || missing_python+=("$package")
+done
+if [ "${#missing_python[@]}" -gt 0 ]; then
+  echo "install-deps: pip installing ${missing_python[*]}"
+  # Debian's own python3 refuses pip installs into the system (PEP 668) without this flag.
+  python3 -m pip install --quiet --break-system-packages "${missing_python[@]}" 2>/dev/null ||
+    python3 -m pip install --quiet "${missing_python[@]}"
 fi

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "ceilings.hpp"
 #include "flashattn/flashattn.hpp"
 
 namespace nb = nanobind;
@@ -377,6 +378,20 @@ NB_MODULE(_flashattn, m) {
     return flashattn::visible_pairs(seqlen_q, seqlen_kv, options);
   }, "seqlen_q"_a, "seqlen_kv"_a, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
         "(query, key) pairs the causal mask and window leave visible in one (batch, head).");
+
+  m.def("fma_peak_gflops", [](int threads, double seconds, int trials) {
+    flashattn::bench::FmaPeak peak(threads);
+    nb::gil_scoped_release release;
+    return flashattn::bench::best_rate(peak, seconds, trials) / 1e9;
+  }, "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
+        "The f32 FMA peak of `threads` threads in GFLOP/s (bench/ceilings.hpp), for benchmarks.");
+  m.def("bf16_dot_peak_gflops", [](int threads, double seconds, int trials) -> std::optional<double> {
+    if (!flashattn::bench::Bf16DotPeak::supported()) return std::nullopt;
+    flashattn::bench::Bf16DotPeak peak(threads);
+    nb::gil_scoped_release release;
+    return flashattn::bench::best_rate(peak, seconds, trials) / 1e9;
+  }, "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
+        "The bf16 vdpbf16ps peak in GFLOP/s, or None on CPUs without AVX512-BF16.");
 
   using Layer = flashattn::MultiHeadAttention;
   nb::class_<Layer>(m, "MultiHeadAttentionLayer")
