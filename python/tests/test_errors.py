@@ -118,3 +118,36 @@ def test_multi_head_attention_layer_errors():
         layer(arrays(2, 3, 16))
     with pytest.raises(ValueError, match="x: expected dtype float32"):
         layer(arrays(2, 3, 32).astype(np.float16))
+
+
+def test_ctrl_c_during_a_long_call_raises_keyboard_interrupt_after_it(tmp_path):
+    # The library runs with the GIL released and cannot be stopped mid-call; the signal is
+    # taken when the call returns: KeyboardInterrupt, a clean traceback, no crash.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "long_call.py"
+    script.write_text(
+        "import numpy as np, flashattn, sys\n"
+        "q = np.ones((1, 4096, 8, 128), np.float32)\n"
+        "print('ready', flush=True)\n"
+        "try:\n"
+        "    while True:\n"
+        "        flashattn.flash_attn_func(q, q, q)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "    sys.exit(3)\n")
+    env = dict(os.environ)
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env,
+                               text=True)
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    try:
+        out, _ = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 3 and "interrupted" in out
