@@ -160,3 +160,32 @@ def test_the_worked_example_of_seed_002():
 def test_visible_pairs_counts_the_causal_triangle():
     assert flashattn.visible_pairs(4, 4, causal=True) == 10
     assert flashattn.visible_pairs(2, 5, causal=True) == 4 + 5
+
+
+def test_the_gil_is_released_during_a_call():
+    # While one thread computes a ~0.1 s call, another Python thread keeps running: it would
+    # be stopped for the whole call if the extension held the GIL.
+    import threading
+    import time
+
+    q = np.ones((1, 2048, 8, 128), np.float32)
+    flashattn.flash_attn_func(q[:, :64], q[:, :64], q[:, :64])
+    done = threading.Event()
+    ticks = []
+
+    def count():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    flashattn.flash_attn_func(q, q, q, num_threads=1)
+    end = time.perf_counter()
+    done.set()
+    counter.join()
+    during = [t for t in ticks if start < t < end]
+    assert end - start > 0.02, "the call was too short to tell"
+    assert len(during) >= 3, f"{len(during)} ticks of the other thread in {end - start:.3f} s"
