@@ -51,7 +51,8 @@ template <class... Parts>
 
 std::string describe(nb::dlpack::dtype dtype) {
   const char* kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
-  const std::string kind = dtype.code < 7 ? kinds[dtype.code] : "code " + std::to_string(dtype.code);
+  const std::string kind =
+      dtype.code < 7 ? kinds[dtype.code] : "code " + std::to_string(dtype.code);
   return kind + std::to_string(dtype.bits);
 }
 
@@ -173,7 +174,8 @@ Options make_options(std::optional<float> scale, bool causal, std::int64_t windo
 }
 
 AttentionImpl impl_of(const std::string& name) {
-  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+  for (AttentionImpl impl :
+       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
     if (name == flashattn::impl_name(impl)) return impl;
   }
   fail("impl: expected 'flash', 'standard' or 'reference', got '", name, "'");
@@ -189,15 +191,15 @@ flashattn::ModifierGradients modifier_gradients(const std::optional<OutArray>& d
   return grads;
 }
 
-#define FLASHATTN_OPTION_ARGS                                                                  \
+#define FLASHATTN_OPTION_ARGS                                                                   \
   std::optional<float> scale, bool causal, std::int64_t window_left, std::int64_t window_right, \
       float softcap, std::optional<InArray> alibi_slopes, std::optional<InArray> sinks,         \
       std::optional<InArray> attn_bias, std::optional<InArray> attn_mask, int num_threads
-#define FLASHATTN_OPTIONS                                                                 \
+#define FLASHATTN_OPTIONS                                                                  \
   make_options(scale, causal, window_left, window_right, softcap, std::move(alibi_slopes), \
                std::move(sinks), std::move(attn_bias), std::move(attn_mask), num_threads)
-#define FLASHATTN_OPTION_NAMES                                                             \
-  "scale"_a.none(), "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a,            \
+#define FLASHATTN_OPTION_NAMES                                                               \
+  "scale"_a.none(), "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a,              \
       "alibi_slopes"_a.none(), "sinks"_a.none(), "attn_bias"_a.none(), "attn_mask"_a.none(), \
       "num_threads"_a
 
@@ -250,8 +252,7 @@ void varlen_forward(const std::string& impl, const InArray& q, const InArray& k,
   float* lse_data = lse ? buffer<float>(*lse, "lse", qv.shape[1] * qv.shape[2]) : nullptr;
   const AttentionImpl path = impl_of(impl);
   nb::gil_scoped_release release;
-  flashattn::varlen_attention_forward(path, qv, kv, vv, cu_q, cu_k, batch, ov, lse_data,
-                                      o.options);
+  flashattn::varlen_attention_forward(path, qv, kv, vv, cu_q, cu_k, batch, ov, lse_data, o.options);
 }
 
 void varlen_backward(const std::string& impl, const InArray& dout, const InArray& q,
@@ -271,8 +272,8 @@ void varlen_backward(const std::string& impl, const InArray& dout, const InArray
   const TensorView dqv = out_view(dq, "dq"), dkv = out_view(dk, "dk"), dvv = out_view(dv, "dv");
   const AttentionImpl path = impl_of(impl);
   nb::gil_scoped_release release;
-  flashattn::varlen_attention_backward(path, dov, qv, kv, vv, ov, lse_data, cu_q, cu_k, batch,
-                                       dqv, dkv, dvv, o.options, grads);
+  flashattn::varlen_attention_backward(path, dov, qv, kv, vv, ov, lse_data, cu_q, cu_k, batch, dqv,
+                                       dkv, dvv, o.options, grads);
 }
 
 void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& k_cache,
@@ -292,10 +293,10 @@ void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& 
     cache.pages_per_sequence = static_cast<std::int64_t>(block_table->shape(1));
     // The library needs a non-null table even with no page (kvcache.hpp): one int32 stands in.
     static const std::int32_t no_page = 0;
-    cache.block_table =
-        cache.pages_per_sequence == 0
-            ? &no_page
-            : buffer<const std::int32_t>(*block_table, "block_table", batch * cache.pages_per_sequence);
+    cache.block_table = cache.pages_per_sequence == 0
+                            ? &no_page
+                            : buffer<const std::int32_t>(*block_table, "block_table",
+                                                         batch * cache.pages_per_sequence);
   }
   const auto* lengths = buffer<const std::int32_t>(cache_seqlens, "cache_seqlens", batch);
   const flashattn::NewKeysValues new_kv{in_view(k_new, "k"), in_view(v_new, "v")};
@@ -369,98 +370,109 @@ NB_MODULE(_flashattn, m) {
         "Appends k_new, v_new into the (dense or paged) cache in place, then attends.");
   m.def("merge_states", &merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
         "lse"_a.none(), "num_threads"_a, "Exact merge of two attention states over disjoint keys.");
-  m.def("visible_pairs", [](std::int64_t seqlen_q, std::int64_t seqlen_kv, bool causal,
-                            std::int64_t window_left, std::int64_t window_right) {
-    AttentionOptions options;
-    options.causal = causal;
-    options.window_left = window_left;
-    options.window_right = window_right;
-    return flashattn::visible_pairs(seqlen_q, seqlen_kv, options);
-  }, "seqlen_q"_a, "seqlen_kv"_a, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
-        "(query, key) pairs the causal mask and window leave visible in one (batch, head).");
+  m.def(
+      "visible_pairs",
+      [](std::int64_t seqlen_q, std::int64_t seqlen_kv, bool causal, std::int64_t window_left,
+         std::int64_t window_right) {
+        AttentionOptions options;
+        options.causal = causal;
+        options.window_left = window_left;
+        options.window_right = window_right;
+        return flashattn::visible_pairs(seqlen_q, seqlen_kv, options);
+      },
+      "seqlen_q"_a, "seqlen_kv"_a, "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
+      "(query, key) pairs the causal mask and window leave visible in one (batch, head).");
 
-  m.def("fma_peak_gflops", [](int threads, double seconds, int trials) {
-    flashattn::bench::FmaPeak peak(threads);
-    nb::gil_scoped_release release;
-    return flashattn::bench::best_rate(peak, seconds, trials) / 1e9;
-  }, "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
-        "The f32 FMA peak of `threads` threads in GFLOP/s (bench/ceilings.hpp), for benchmarks.");
-  m.def("bf16_dot_peak_gflops", [](int threads, double seconds, int trials) -> std::optional<double> {
-    if (!flashattn::bench::Bf16DotPeak::supported()) return std::nullopt;
-    flashattn::bench::Bf16DotPeak peak(threads);
-    nb::gil_scoped_release release;
-    return flashattn::bench::best_rate(peak, seconds, trials) / 1e9;
-  }, "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
-        "The bf16 vdpbf16ps peak in GFLOP/s, or None on CPUs without AVX512-BF16.");
+  m.def(
+      "fma_peak_gflops",
+      [](int threads, double seconds, int trials) {
+        flashattn::bench::FmaPeak peak(threads);
+        nb::gil_scoped_release release;
+        return flashattn::bench::best_rate(peak, seconds, trials) / 1e9;
+      },
+      "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
+      "The f32 FMA peak of `threads` threads in GFLOP/s (bench/ceilings.hpp), for benchmarks.");
+  m.def(
+      "bf16_dot_peak_gflops",
+      [](int threads, double seconds, int trials) -> std::optional<double> {
+        if (!flashattn::bench::Bf16DotPeak::supported()) return std::nullopt;
+        flashattn::bench::Bf16DotPeak peak(threads);
+        nb::gil_scoped_release release;
+        return flashattn::bench::best_rate(peak, seconds, trials) / 1e9;
+      },
+      "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
+      "The bf16 vdpbf16ps peak in GFLOP/s, or None on CPUs without AVX512-BF16.");
 
   using Layer = flashattn::MultiHeadAttention;
-  nb::class_<Layer>(m, "MultiHeadAttentionLayer")
-      .def("__init__",
-           [](Layer* self, std::int64_t hidden, std::int64_t num_heads, std::int64_t num_kv_heads,
-              bool bias, std::uint64_t seed) {
-             new (self) Layer({hidden, num_heads, num_kv_heads, bias});
-             self->init_random(seed);
-           },
-           "hidden"_a, "num_heads"_a, "num_kv_heads"_a = 0, "bias"_a = false, "seed"_a = 0)
+  nb::class_<Layer> layer(m, "MultiHeadAttentionLayer");
+  // The weights (matrices [hidden, out]) and biases (vectors; empty without bias), as views.
+  struct WeightProperty {
+    const char* name;
+    std::span<float> (Layer::*get)();
+    bool matrix;
+  };
+  for (const WeightProperty w : {WeightProperty{"w_q", &Layer::w_q, true},
+                                 {"w_k", &Layer::w_k, true},
+                                 {"w_v", &Layer::w_v, true},
+                                 {"w_o", &Layer::w_o, true},
+                                 {"b_q", &Layer::b_q, false},
+                                 {"b_k", &Layer::b_k, false},
+                                 {"b_v", &Layer::b_v, false},
+                                 {"b_o", &Layer::b_o, false}}) {
+    layer.def_prop_ro(
+        w.name,
+        [w](nb::handle self) {
+          Layer& l = nb::cast<Layer&>(self);
+          return weights(self, (l.*w.get)(),
+                         w.matrix ? static_cast<std::size_t>(l.config().hidden) : 0);
+        },
+        nb::rv_policy::reference_internal);
+  }
+  layer
+      .def(
+          "__init__",
+          [](Layer* self, std::int64_t hidden, std::int64_t num_heads, std::int64_t num_kv_heads,
+             bool bias, std::uint64_t seed) {
+            new (self) Layer({hidden, num_heads, num_kv_heads, bias});
+            self->init_random(seed);
+          },
+          "hidden"_a, "num_heads"_a, "num_kv_heads"_a = 0, "bias"_a = false, "seed"_a = 0)
       .def_prop_ro("hidden", [](const Layer& l) { return l.config().hidden; })
       .def_prop_ro("num_heads", [](const Layer& l) { return l.config().num_heads; })
       .def_prop_ro("num_kv_heads", [](const Layer& l) { return l.num_kv_heads(); })
       .def_prop_ro("head_dim", [](const Layer& l) { return l.head_dim(); })
-      .def_prop_ro("w_q", [](nb::handle h) {
-        Layer& l = nb::cast<Layer&>(h);
-        return weights(h, l.w_q(), static_cast<std::size_t>(l.config().hidden));
-      }, nb::rv_policy::reference_internal)
-      .def_prop_ro("w_k", [](nb::handle h) {
-        Layer& l = nb::cast<Layer&>(h);
-        return weights(h, l.w_k(), static_cast<std::size_t>(l.config().hidden));
-      }, nb::rv_policy::reference_internal)
-      .def_prop_ro("w_v", [](nb::handle h) {
-        Layer& l = nb::cast<Layer&>(h);
-        return weights(h, l.w_v(), static_cast<std::size_t>(l.config().hidden));
-      }, nb::rv_policy::reference_internal)
-      .def_prop_ro("w_o", [](nb::handle h) {
-        Layer& l = nb::cast<Layer&>(h);
-        return weights(h, l.w_o(), static_cast<std::size_t>(l.config().hidden));
-      }, nb::rv_policy::reference_internal)
-      .def_prop_ro("b_q", [](nb::handle h) { return weights(h, nb::cast<Layer&>(h).b_q(), 0); },
-                   nb::rv_policy::reference_internal)
-      .def_prop_ro("b_k", [](nb::handle h) { return weights(h, nb::cast<Layer&>(h).b_k(), 0); },
-                   nb::rv_policy::reference_internal)
-      .def_prop_ro("b_v", [](nb::handle h) { return weights(h, nb::cast<Layer&>(h).b_v(), 0); },
-                   nb::rv_policy::reference_internal)
-      .def_prop_ro("b_o", [](nb::handle h) { return weights(h, nb::cast<Layer&>(h).b_o(), 0); },
-                   nb::rv_policy::reference_internal)
-      .def("forward",
-           [](const Layer& layer, const nb::ndarray<nb::ro, float, nb::device::cpu>& x,
-              std::optional<nb::ndarray<nb::ro, float, nb::device::cpu>> context,
-              nb::ndarray<float, nb::device::cpu> y, bool causal, const std::string& impl,
-              int num_threads) {
-             std::int64_t batch = 0, seqlen_q = 0, context_batch = 0, seqlen_kv = 0;
-             const float* x_data = activations(x, "x", layer.config().hidden, batch, seqlen_q);
-             const float* context_data =
-                 context ? activations(*context, "context", layer.config().hidden, context_batch,
-                                       seqlen_kv)
-                         : nullptr;
-             if (context && context_batch != batch) {
-               fail("context: expected batch ", batch, " (as x), got ", context_batch);
-             }
-             std::int64_t y_batch = 0, y_seqlen = 0;
-             float* y_data = activations(y, "y", layer.config().hidden, y_batch, y_seqlen);
-             if (y_batch != batch || y_seqlen != seqlen_q) {
-               fail("y: expected [", batch, ", ", seqlen_q, ", ", layer.config().hidden, "]");
-             }
-             AttentionOptions options;
-             options.causal = causal;
-             options.num_threads = num_threads;
-             const AttentionImpl path = impl_of(impl);
-             nb::gil_scoped_release release;
-             if (context_data) {
-               layer.forward(x_data, batch, seqlen_q, context_data, seqlen_kv, y_data, options,
-                             path);
-             } else {
-               layer.forward(x_data, batch, seqlen_q, y_data, options, path);
-             }
-           },
-           "x"_a, "context"_a.none(), "y"_a, "causal"_a, "impl"_a, "num_threads"_a,
-           "y = the layer applied to x (self-attention) or to x and context (cross-attention).");
+      .def(
+          "forward",
+          [](const Layer& layer, const nb::ndarray<nb::ro, float, nb::device::cpu>& x,
+             std::optional<nb::ndarray<nb::ro, float, nb::device::cpu>> context,
+             nb::ndarray<float, nb::device::cpu> y, bool causal, const std::string& impl,
+             int num_threads) {
+            std::int64_t batch = 0, seqlen_q = 0, context_batch = 0, seqlen_kv = 0;
+            const float* x_data = activations(x, "x", layer.config().hidden, batch, seqlen_q);
+            const float* context_data =
+                context ? activations(*context, "context", layer.config().hidden, context_batch,
+                                      seqlen_kv)
+                        : nullptr;
+            if (context && context_batch != batch) {
+              fail("context: expected batch ", batch, " (as x), got ", context_batch);
+            }
+            std::int64_t y_batch = 0, y_seqlen = 0;
+            float* y_data = activations(y, "y", layer.config().hidden, y_batch, y_seqlen);
+            if (y_batch != batch || y_seqlen != seqlen_q) {
+              fail("y: expected [", batch, ", ", seqlen_q, ", ", layer.config().hidden, "]");
+            }
+            AttentionOptions options;
+            options.causal = causal;
+            options.num_threads = num_threads;
+            const AttentionImpl path = impl_of(impl);
+            nb::gil_scoped_release release;
+            if (context_data) {
+              layer.forward(x_data, batch, seqlen_q, context_data, seqlen_kv, y_data, options,
+                            path);
+            } else {
+              layer.forward(x_data, batch, seqlen_q, y_data, options, path);
+            }
+          },
+          "x"_a, "context"_a.none(), "y"_a, "causal"_a, "impl"_a, "num_threads"_a,
+          "y = the layer applied to x (self-attention) or to x and context (cross-attention).");
 }
