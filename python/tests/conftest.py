@@ -8,8 +8,10 @@ Bounds (tests/test_attention_vs_reference.cpp derives the same rule for the C++ 
 first-order forward error of fp32 attention is
     u32 * max|v| * (4 * scale * D * max|q| * max|k| + 2 * Skv + 16)
 (the scores' dot products of length D, then the softmax sum and P.V over Skv terms), plus one
-rounding of the output to its dtype, u_dtype * max|out|. Inputs in 16 bits are exact in fp32, so
-the same bound holds for them.
+rounding of the output to its dtype, u_dtype * max|out|. Inputs in 16 bits are exact in fp32;
+the contract lets the probabilities be rounded to the input dtype as the operand of P.V (the
+bf16 products do, docs/semantics.md "Precision"), which moves an output by at most
+u_in * max|v| more.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ def forward_bound(q, k, v, scale=None, out_dtype="float32", ref=None) -> float:
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     max_q, max_k, max_v = (float(np.abs(a).max(initial=0.0)) for a in (q64, k64, v64))
     bound = U32 * max_v * (4 * scale * dim * max_q * max_k + 2 * seqlen_kv + 16)
+    in_dtype = dtype_name(q)
+    if in_dtype != "float32":
+        bound += UNIT_ROUNDOFF[in_dtype] * max_v
     largest = float(np.abs(ref).max(initial=0.0)) if ref is not None else max_v
     return bound + UNIT_ROUNDOFF[out_dtype] * largest
 
