@@ -191,6 +191,9 @@ flashattn::ModifierGradients modifier_gradients(const std::optional<OutArray>& d
   return grads;
 }
 
+// Every entry point takes the same option keywords. nanobind names keyword arguments per
+// parameter, so the options are spelled out as parameters once here, then made an Options by
+// FLASHATTN_OPTIONS and named by FLASHATTN_OPTION_NAMES.
 #define FLASHATTN_OPTION_ARGS                                                                   \
   std::optional<float> scale, bool causal, std::int64_t window_left, std::int64_t window_right, \
       float softcap, std::optional<InArray> alibi_slopes, std::optional<InArray> sinks,         \
