@@ -124,7 +124,7 @@ def _int32(x: Any, name: str) -> Any:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
-def _mask(x: Any, name: str, framework: str) -> Any:
+def _mask(x: Any, name: str) -> Any:
     if x is None:
         return None
     if _is_torch(x):
@@ -136,7 +136,7 @@ def _mask(x: Any, name: str, framework: str) -> Any:
     return _native(x)
 
 
-def _bias(x: Any, framework: str) -> Any:
+def _bias(x: Any) -> Any:
     if x is None:
         return None
     _framework(x, "attn_bias")
@@ -178,8 +178,8 @@ def _options(framework: str, softmax_scale, causal, window_size, softcap, alibi_
         softcap=float(softcap),
         alibi_slopes=_float_vector(alibi_slopes, "alibi_slopes"),
         sinks=_float_vector(sinks, "sinks"),
-        attn_bias=_bias(attn_bias, framework),
-        attn_mask=_mask(attn_mask, "attn_mask", framework),
+        attn_bias=_bias(attn_bias),
+        attn_mask=_mask(attn_mask, "attn_mask"),
         num_threads=int(num_threads),
     )
 

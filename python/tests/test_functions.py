@@ -9,7 +9,7 @@ import pytest
 
 import flashattn
 from conftest import (assert_close, dtype_name, forward_bound, reference_attention,
-                      requires_ml_dtypes, requires_torch, to64, torch, ml_dtypes)
+                      requires_ml_dtypes, requires_torch, torch, ml_dtypes)
 
 # (batch, seqlen_q, seqlen_kv, heads_q, heads_kv, head_dim): seqlens around the 64- and
 # 128-row tiles, Sq != Skv both ways, head dims that are not a multiple of the vector width.
