@@ -239,11 +239,23 @@ class KeyWalk {
     }
   }
 
-  // Asks for the rows the next call will read (the next KV head's, or the next group's first)
-  // while this one computes: the rows of a group lie a key stride apart, in pages the hardware
-  // prefetchers have not seen yet (docs/tuning.md).
+  // Asks for rows ahead of the ones this call reads, in pages the hardware prefetchers have not
+  // seen yet (docs/tuning.md). fp32 rows: the next call's (the next KV head's, or the next
+  // group's first); 16-bit rows: the whole rows (every KV head) of the group kKeyGroup keys on,
+  // a share of them per KV head, in address order.
   void prefetch_next(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                      std::int64_t count) const {
+    if (p_.dtype != DType::f32) {
+      const std::int64_t ahead = key + kKeyGroup;
+      const std::int64_t first = ahead + h * kKeyGroup / p_.heads_kv;
+      const std::int64_t last = std::min(ahead + (h + 1) * kKeyGroup / p_.heads_kv, chunk_end_);
+      for (std::int64_t j = first; j < last; ++j) {
+        for (std::int64_t head = 0; head < p_.heads_kv; ++head) {
+          prefetch_row(base, p_.dtype, p_.kv_offset(strides, b_, j, head), p_.head_dim);
+        }
+      }
+      return;
+    }
     const bool last_head = h + 1 == p_.heads_kv;
     const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
     for (std::int64_t i = 0; i < count && next_key + i < chunk_end_; ++i) {

@@ -25,27 +25,31 @@ void fence_streams();
 // handling one, so that those waits overlap.
 inline constexpr std::int64_t kRowsAhead = 8;
 
+// One cache line into the caches (prefetcht0). An asm statement rather than
+// __builtin_prefetch: GCC 12 takes a function whose only effects are __builtin_prefetch calls
+// for one without side effects and deletes its calls, as it did to the whole of the decode
+// path's prefetching (docs/tuning.md); a volatile asm statement is never deleted.
+inline void prefetch_line(const char* address) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*address));
+#else
+  __builtin_prefetch(address);
+#endif
+}
+
 // Asks for the n elements at base + offset to be brought into the caches, for reading or (a
 // row the caller will write) for writing; returns at once. Inline: it is called once per row
-// (docs/tuning.md). (Built without -mprfchw, both are prefetcht0: a line that no other
-// core holds arrives exclusive, and the store that follows needs no further request.)
+// (docs/tuning.md). Both are prefetcht0: a line that no other core holds arrives exclusive, and
+// the store that follows needs no further request (prefetchw would need -mprfchw).
 inline void prefetch_row(const void* base, DType dtype, std::int64_t offset, std::int64_t n,
-                         bool for_write = false) {
+                         [[maybe_unused]] bool for_write = false) {
   constexpr std::int64_t kLineBytes = 64;
   const std::int64_t element_bytes = static_cast<std::int64_t>(dtype_size(dtype));
   const char* first = static_cast<const char*>(base) + offset * element_bytes;
   for (std::int64_t byte = 0; byte < n * element_bytes; byte += kLineBytes) {
-    if (for_write) {
-      __builtin_prefetch(first + byte, 1);
-    } else {
-      __builtin_prefetch(first + byte);
-    }
+    prefetch_line(first + byte);
   }
-  if (for_write) {
-    __builtin_prefetch(first + n * element_bytes - 1, 1);
-  } else {
-    __builtin_prefetch(first + n * element_bytes - 1);
-  }
+  prefetch_line(first + n * element_bytes - 1);
 }
 
 // Whether store_row_f32(..., stream) writes with non-temporal stores: f32 and bf16 rows.
