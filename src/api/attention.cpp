@@ -6,6 +6,7 @@
 #include <string>
 
 #include "api/backends.hpp"
+#include "api/fail.hpp"
 #include "api/memory.hpp"
 
 namespace flashattn {
@@ -31,14 +32,17 @@ void run_backend(const char* caller, AttentionImpl impl,
                  void (*backend)(const detail::AttentionParams&), const ConstTensorView& q,
                  const ConstTensorView& k, const ConstTensorView& v, const TensorView& out,
                  float* lse, const AttentionOptions& options) {
-  const detail::AttentionParams params = detail::make_params(caller, q, k, v, out, lse, options);
-  detail::check_scratch_fits(caller, impl, params, detail::scratch_bytes(impl, params));
-  try {
-    backend(params);
-  } catch (const std::bad_alloc&) {
-    throw Error(std::string(caller) + ": out of memory: could not allocate the scratch buffers (" +
-                std::to_string(detail::scratch_bytes(impl, params)) + " bytes at most)");
-  }
+  detail::out_of_memory_as_error(caller, [&] {
+    const detail::AttentionParams params = detail::make_params(caller, q, k, v, out, lse, options);
+    detail::check_scratch_fits(caller, impl, params, detail::scratch_bytes(impl, params));
+    try {
+      backend(params);
+    } catch (const std::bad_alloc&) {
+      throw Error(std::string(caller) +
+                  ": out of memory: could not allocate the scratch buffers (" +
+                  std::to_string(detail::scratch_bytes(impl, params)) + " bytes at most)");
+    }
+  });
 }
 
 }  // namespace

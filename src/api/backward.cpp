@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "api/fail.hpp"
 #include "api/memory.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "util/convert.hpp"
@@ -104,58 +105,61 @@ void run_backward(const char* caller, AttentionImpl impl,
                   const ConstTensorView& out, const float* lse, const TensorView& dq,
                   const TensorView& dk, const TensorView& dv, const AttentionOptions& options,
                   const ModifierGradients& modifier_gradients) {
-  detail::BackwardParams params = detail::make_backward_params(caller, dout, q, k, v, out, lse, dq,
-                                                               dk, dv, options, modifier_gradients);
-  const detail::AttentionParams& f = params.forward;
-  // dbias: the logits' gradient of every (batch, head, row, key), summed after the backend.
-  const bool dlogits_scratch = params.dbias.data != nullptr && impl != AttentionImpl::reference;
-  std::int64_t dlogits_count = 0;
-  if (params.dbias.data != nullptr &&
-      (__builtin_mul_overflow(f.batch * f.heads_q, f.seqlen_q, &dlogits_count) ||
-       __builtin_mul_overflow(dlogits_count, f.seqlen_kv, &dlogits_count) ||
-       dlogits_count > std::numeric_limits<std::int64_t>::max() / 8)) {
-    throw Error(std::string(caller) +
-                ": dbias: the [batch, heads_q, seqlen_q, seqlen_kv] scratch " +
-                "it needs overflows a 64-bit byte count");
-  }
-  const std::int64_t backend_bytes = detail::backward_scratch_bytes(impl, params);
-  const std::int64_t dlogits_bytes = dlogits_count * (dlogits_scratch ? 4 : 8);
-  const std::int64_t needed =
-      backend_bytes > std::numeric_limits<std::int64_t>::max() - dlogits_bytes
-          ? std::numeric_limits<std::int64_t>::max()
-          : backend_bytes + dlogits_bytes;
-  detail::check_scratch_fits(caller, impl, f, needed);
-  try {
-    // The backends write every (row, key) of every block, zeros for the blocks a bias or mask
-    // masks entirely, except the rows the causal mask or a window keeps from a block: then the
-    // whole scratch is zeroed first (in parallel: 4·B·Hq·Sq·Skv bytes).
-    std::unique_ptr<float[]> dlogits(
-        dlogits_scratch ? new float[static_cast<std::size_t>(dlogits_count)] : nullptr);
-    const bool skips_blocks = f.causal || f.window_left >= 0 || f.window_right >= 0;
-    if (dlogits_scratch && skips_blocks) {
-      constexpr std::int64_t kChunk = std::int64_t{1} << 20;
-      detail::parallel_tasks(
-          f.num_threads, (dlogits_count + kChunk - 1) / kChunk, [] { return 0; },
-          [&](int&, std::int64_t chunk) {
-            const std::int64_t begin = chunk * kChunk;
-            std::fill_n(dlogits.get() + begin, std::min(kChunk, dlogits_count - begin), 0.0f);
-          });
+  detail::out_of_memory_as_error(caller, [&] {
+    detail::BackwardParams params = detail::make_backward_params(
+        caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
+    const detail::AttentionParams& f = params.forward;
+    // dbias: the logits' gradient of every (batch, head, row, key), summed after the backend.
+    const bool dlogits_scratch = params.dbias.data != nullptr && impl != AttentionImpl::reference;
+    std::int64_t dlogits_count = 0;
+    if (params.dbias.data != nullptr &&
+        (__builtin_mul_overflow(f.batch * f.heads_q, f.seqlen_q, &dlogits_count) ||
+         __builtin_mul_overflow(dlogits_count, f.seqlen_kv, &dlogits_count) ||
+         dlogits_count > std::numeric_limits<std::int64_t>::max() / 8)) {
+      throw Error(std::string(caller) +
+                  ": dbias: the [batch, heads_q, seqlen_q, seqlen_kv] scratch " +
+                  "it needs overflows a 64-bit byte count");
     }
-    params.dlogits = dlogits.get();
-    backend(params);
-    if (dlogits_scratch) detail::store_bias_gradient(params, dlogits.get());
-    // The reference derives its own from the P it recomputes.
-    if (params.dsinks != nullptr && impl != AttentionImpl::reference) {
-      std::vector<double> sums(static_cast<std::size_t>(params.forward.heads_q), 0.0);
-      detail::add_sink_gradients(params, sums.data());
-      for (std::size_t h = 0; h < sums.size(); ++h) {
-        params.dsinks[h] = static_cast<float>(sums[h]);
+    const std::int64_t backend_bytes = detail::backward_scratch_bytes(impl, params);
+    const std::int64_t dlogits_bytes = dlogits_count * (dlogits_scratch ? 4 : 8);
+    const std::int64_t needed =
+        backend_bytes > std::numeric_limits<std::int64_t>::max() - dlogits_bytes
+            ? std::numeric_limits<std::int64_t>::max()
+            : backend_bytes + dlogits_bytes;
+    detail::check_scratch_fits(caller, impl, f, needed);
+    try {
+      // The backends write every (row, key) of every block, zeros for the blocks a bias or mask
+      // masks entirely, except the rows the causal mask or a window keeps from a block: then the
+      // whole scratch is zeroed first (in parallel: 4·B·Hq·Sq·Skv bytes).
+      std::unique_ptr<float[]> dlogits(
+          dlogits_scratch ? new float[static_cast<std::size_t>(dlogits_count)] : nullptr);
+      const bool skips_blocks = f.causal || f.window_left >= 0 || f.window_right >= 0;
+      if (dlogits_scratch && skips_blocks) {
+        constexpr std::int64_t kChunk = std::int64_t{1} << 20;
+        detail::parallel_tasks(
+            f.num_threads, (dlogits_count + kChunk - 1) / kChunk, [] { return 0; },
+            [&](int&, std::int64_t chunk) {
+              const std::int64_t begin = chunk * kChunk;
+              std::fill_n(dlogits.get() + begin, std::min(kChunk, dlogits_count - begin), 0.0f);
+            });
       }
+      params.dlogits = dlogits.get();
+      backend(params);
+      if (dlogits_scratch) detail::store_bias_gradient(params, dlogits.get());
+      // The reference derives its own from the P it recomputes.
+      if (params.dsinks != nullptr && impl != AttentionImpl::reference) {
+        std::vector<double> sums(static_cast<std::size_t>(params.forward.heads_q), 0.0);
+        detail::add_sink_gradients(params, sums.data());
+        for (std::size_t h = 0; h < sums.size(); ++h) {
+          params.dsinks[h] = static_cast<float>(sums[h]);
+        }
+      }
+    } catch (const std::bad_alloc&) {
+      throw Error(std::string(caller) +
+                  ": out of memory: could not allocate the scratch buffers (" +
+                  std::to_string(needed) + " bytes at most)");
     }
-  } catch (const std::bad_alloc&) {
-    throw Error(std::string(caller) + ": out of memory: could not allocate the scratch buffers (" +
-                std::to_string(needed) + " bytes at most)");
-  }
+  });
 }
 
 }  // namespace

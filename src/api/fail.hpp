@@ -1,6 +1,8 @@
 #pragma once
 
+#include <new>
 #include <sstream>
+#include <string>
 
 #include "flashattn/error.hpp"
 
@@ -14,6 +16,19 @@ template <class... Parts>
   message << caller << ": ";
   (message << ... << parts);
   throw Error(message.str());
+}
+
+// Runs body(): std::bad_alloc from anywhere in it (validation's own small buffers, the scratch, a
+// worker thread's) becomes Error("<caller>: out of memory"), so that no entry point lets
+// std::bad_alloc out (tests/fault_injection makes each allocation fail in turn). An Error with
+// a more precise message, thrown inside, passes through.
+template <class Body>
+void out_of_memory_as_error(const char* caller, Body&& body) {
+  try {
+    body();
+  } catch (const std::bad_alloc&) {
+    throw Error(std::string(caller) + ": out of memory");
+  }
 }
 
 }  // namespace flashattn::detail

@@ -6,6 +6,7 @@
 #include <new>
 #include <string>
 
+#include "api/fail.hpp"
 #include "api/memory.hpp"
 #include "api/params.hpp"
 #include "layers/kv_cache.hpp"
@@ -17,22 +18,25 @@ void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cach
                                const TensorView& out, float* lse,
                                const AttentionOptions& options, AttentionImpl impl) {
   constexpr const char* caller = "kvcache_attention_forward";
-  if (impl != AttentionImpl::flash && impl != AttentionImpl::standard &&
-      impl != AttentionImpl::reference) {
-    throw Error(std::string(caller) + ": impl: expected flash, standard or reference");
-  }
-  const detail::KVCacheParams params =
-      detail::make_kvcache_params(caller, q, cache, cache_seqlens, new_kv, out, lse, options);
-  const std::int64_t needed = detail::kvcache_scratch_bytes(impl, params);
-  detail::check_scratch_fits(caller, impl, params.attention, needed);
-  detail::append_to_cache(params);
-  try {
-    detail::attend_to_cache(impl, params);
-  } catch (const std::bad_alloc&) {
-    throw Error(std::string(caller) + ": out of memory: could not allocate the scratch buffers (" +
-                std::to_string(needed) + " bytes at most); the new rows are in the cache, out " +
-                "may be partly written");
-  }
+  detail::out_of_memory_as_error(caller, [&] {
+    if (impl != AttentionImpl::flash && impl != AttentionImpl::standard &&
+        impl != AttentionImpl::reference) {
+      throw Error(std::string(caller) + ": impl: expected flash, standard or reference");
+    }
+    const detail::KVCacheParams params =
+        detail::make_kvcache_params(caller, q, cache, cache_seqlens, new_kv, out, lse, options);
+    const std::int64_t needed = detail::kvcache_scratch_bytes(impl, params);
+    detail::check_scratch_fits(caller, impl, params.attention, needed);
+    detail::append_to_cache(params);
+    try {
+      detail::attend_to_cache(impl, params);
+    } catch (const std::bad_alloc&) {
+      throw Error(std::string(caller) +
+                  ": out of memory: could not allocate the scratch buffers (" +
+                  std::to_string(needed) + " bytes at most); the new rows are in the cache, out " +
+                  "may be partly written");
+    }
+  });
 }
 
 }  // namespace flashattn

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <initializer_list>
 #include <limits>
@@ -111,7 +112,7 @@ void check_view(const char* caller, const char* name, const View& view) {
 // 64 bits saturates: no later stride can reach it, which is an overlap, as it should be.
 bool self_overlapping(const TensorView& view) {
   if (std::find(view.shape.begin(), view.shape.end(), 0) != view.shape.end()) return false;
-  std::vector<int> order = {0, 1, 2, 3};
+  std::array<int, 4> order = {0, 1, 2, 3};  // not a vector: validation allocates nothing
   std::sort(order.begin(), order.end(),
             [&](int a, int b) { return view.strides[a] < view.strides[b]; });
   std::int64_t extent = 1;

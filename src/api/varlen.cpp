@@ -113,30 +113,32 @@ void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
                               std::int64_t batch, const TensorView& out, float* lse,
                               const AttentionOptions& options) {
   constexpr const char* caller = "varlen_attention_forward";
-  const auto backend = forward_backend(impl);
-  if (backend == nullptr) fail(caller, "impl: expected flash, standard or reference");
-  for (const auto& [name, view] :
-       {std::pair{"q", q}, {"k", k}, {"v", v}, {"out", ConstTensorView(out)}}) {
-    check_packed(caller, name, view);
-  }
-  check_batch(caller, batch);
-  const AttentionParams whole = detail::make_params(caller, q, k, v, out, lse, options, batch);
-  check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.seqlen_q);
-  check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.seqlen_kv);
-  std::int64_t needed = 0;
-  for (std::int64_t b = 0; b < batch; ++b) {
-    needed = std::max(needed,
-                      detail::scratch_bytes(impl, sequence(whole, cu_seqlens_q, cu_seqlens_k, b)));
-  }
-  detail::check_scratch_fits(caller, impl, whole, needed);
-  try {
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const AttentionParams s = sequence(whole, cu_seqlens_q, cu_seqlens_k, b);
-      if (s.seqlen_q > 0) backend(s);
+  detail::out_of_memory_as_error(caller, [&] {
+    const auto backend = forward_backend(impl);
+    if (backend == nullptr) fail(caller, "impl: expected flash, standard or reference");
+    for (const auto& [name, view] :
+         {std::pair{"q", q}, {"k", k}, {"v", v}, {"out", ConstTensorView(out)}}) {
+      check_packed(caller, name, view);
     }
-  } catch (const std::bad_alloc&) {
-    out_of_memory(caller, needed);
-  }
+    check_batch(caller, batch);
+    const AttentionParams whole = detail::make_params(caller, q, k, v, out, lse, options, batch);
+    check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.seqlen_q);
+    check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.seqlen_kv);
+    std::int64_t needed = 0;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      needed = std::max(
+          needed, detail::scratch_bytes(impl, sequence(whole, cu_seqlens_q, cu_seqlens_k, b)));
+    }
+    detail::check_scratch_fits(caller, impl, whole, needed);
+    try {
+      for (std::int64_t b = 0; b < batch; ++b) {
+        const AttentionParams s = sequence(whole, cu_seqlens_q, cu_seqlens_k, b);
+        if (s.seqlen_q > 0) backend(s);
+      }
+    } catch (const std::bad_alloc&) {
+      out_of_memory(caller, needed);
+    }
+  });
 }
 
 void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
@@ -148,54 +150,56 @@ void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
                                const AttentionOptions& options,
                                const ModifierGradients& modifier_gradients) {
   constexpr const char* caller = "varlen_attention_backward";
-  const auto backend = backward_backend(impl);
-  if (backend == nullptr) fail(caller, "impl: expected flash, standard or reference");
-  for (const auto& [name, view] : {std::pair{"dout", dout},
-                                   {"q", q},
-                                   {"k", k},
-                                   {"v", v},
-                                   {"out", out},
-                                   {"dq", ConstTensorView(dq)},
-                                   {"dk", ConstTensorView(dk)},
-                                   {"dv", ConstTensorView(dv)}}) {
-    check_packed(caller, name, view);
-  }
-  check_batch(caller, batch);
-  const BackwardParams whole = detail::make_backward_params(caller, dout, q, k, v, out, lse, dq, dk,
-                                                            dv, options, modifier_gradients, batch);
-  check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.forward.seqlen_q);
-  check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.forward.seqlen_kv);
-  auto sequence_backward = [&](std::int64_t b) {
-    BackwardParams s = whole;
-    s.forward = sequence(whole.forward, cu_seqlens_q, cu_seqlens_k, b);
-    const DType dtype = whole.forward.dtype;
-    s.dout = at_row(whole.dout, dtype, cu_seqlens_q[b], whole.dout_strides.seq);
-    s.dq = at_row(whole.dq, dtype, cu_seqlens_q[b], whole.dq_strides.seq);
-    s.dk = at_row(whole.dk, dtype, cu_seqlens_k[b], whole.dk_strides.seq);
-    s.dv = at_row(whole.dv, dtype, cu_seqlens_k[b], whole.dv_strides.seq);
-    s.dsinks = nullptr;  // summed over the sequences below
-    return s;
-  };
-  std::int64_t needed = 0;
-  for (std::int64_t b = 0; b < batch; ++b) {
-    needed = std::max(needed, detail::backward_scratch_bytes(impl, sequence_backward(b)));
-  }
-  detail::check_scratch_fits(caller, impl, whole.forward, needed);
-  // Every sequence runs, one without queries too: its dk and dv rows are written (0).
-  try {
-    std::vector<double> sink_sums(whole.dsinks ? static_cast<std::size_t>(whole.forward.heads_q)
-                                               : 0);
+  detail::out_of_memory_as_error(caller, [&] {
+    const auto backend = backward_backend(impl);
+    if (backend == nullptr) fail(caller, "impl: expected flash, standard or reference");
+    for (const auto& [name, view] : {std::pair{"dout", dout},
+                                     {"q", q},
+                                     {"k", k},
+                                     {"v", v},
+                                     {"out", out},
+                                     {"dq", ConstTensorView(dq)},
+                                     {"dk", ConstTensorView(dk)},
+                                     {"dv", ConstTensorView(dv)}}) {
+      check_packed(caller, name, view);
+    }
+    check_batch(caller, batch);
+    const BackwardParams whole = detail::make_backward_params(
+        caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients, batch);
+    check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.forward.seqlen_q);
+    check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.forward.seqlen_kv);
+    auto sequence_backward = [&](std::int64_t b) {
+      BackwardParams s = whole;
+      s.forward = sequence(whole.forward, cu_seqlens_q, cu_seqlens_k, b);
+      const DType dtype = whole.forward.dtype;
+      s.dout = at_row(whole.dout, dtype, cu_seqlens_q[b], whole.dout_strides.seq);
+      s.dq = at_row(whole.dq, dtype, cu_seqlens_q[b], whole.dq_strides.seq);
+      s.dk = at_row(whole.dk, dtype, cu_seqlens_k[b], whole.dk_strides.seq);
+      s.dv = at_row(whole.dv, dtype, cu_seqlens_k[b], whole.dv_strides.seq);
+      s.dsinks = nullptr;  // summed over the sequences below
+      return s;
+    };
+    std::int64_t needed = 0;
     for (std::int64_t b = 0; b < batch; ++b) {
-      const BackwardParams s = sequence_backward(b);
-      backend(s);
-      if (whole.dsinks != nullptr) detail::add_sink_gradients(s, sink_sums.data());
+      needed = std::max(needed, detail::backward_scratch_bytes(impl, sequence_backward(b)));
     }
-    for (std::size_t h = 0; h < sink_sums.size(); ++h) {
-      whole.dsinks[h] = static_cast<float>(sink_sums[h]);
+    detail::check_scratch_fits(caller, impl, whole.forward, needed);
+    // Every sequence runs, one without queries too: its dk and dv rows are written (0).
+    try {
+      std::vector<double> sink_sums(whole.dsinks ? static_cast<std::size_t>(whole.forward.heads_q)
+                                                 : 0);
+      for (std::int64_t b = 0; b < batch; ++b) {
+        const BackwardParams s = sequence_backward(b);
+        backend(s);
+        if (whole.dsinks != nullptr) detail::add_sink_gradients(s, sink_sums.data());
+      }
+      for (std::size_t h = 0; h < sink_sums.size(); ++h) {
+        whole.dsinks[h] = static_cast<float>(sink_sums[h]);
+      }
+    } catch (const std::bad_alloc&) {
+      out_of_memory(caller, needed);
     }
-  } catch (const std::bad_alloc&) {
-    out_of_memory(caller, needed);
-  }
+  });
 }
 
 }  // namespace flashattn

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/fail.hpp"
 #include "layers/projections.hpp"
 
 namespace flashattn {
@@ -130,89 +131,91 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
                                       float* y, Activations* saved, const AttentionOptions& options,
                                       AttentionImpl impl) const {
   constexpr const char* caller = "MultiHeadAttention::forward";
-  if (batch < 0) fail(caller, "batch: expected >= 0, got ", batch);
-  if (seqlen_q < 0) fail(caller, "seqlen_q: expected >= 0, got ", seqlen_q);
-  if (seqlen_kv < 0) fail(caller, "seqlen_kv: expected >= 0, got ", seqlen_kv);
+  detail::out_of_memory_as_error(caller, [&] {
+    if (batch < 0) fail(caller, "batch: expected >= 0, got ", batch);
+    if (seqlen_q < 0) fail(caller, "seqlen_q: expected >= 0, got ", seqlen_q);
+    if (seqlen_kv < 0) fail(caller, "seqlen_kv: expected >= 0, got ", seqlen_kv);
 
-  const std::int64_t hidden = config_.hidden;
-  const std::int64_t rows_q = matrix_rows(caller, "x", batch, seqlen_q);
-  const std::int64_t rows_kv = matrix_rows(caller, "context", batch, seqlen_kv);
-  const std::int64_t q_count = rows_q * hidden;  // < 2^62: both factors are CBLAS ints
-  const std::int64_t context_count = rows_kv * hidden;
-  const std::int64_t kv_count = rows_kv * kv_width();
+    const std::int64_t hidden = config_.hidden;
+    const std::int64_t rows_q = matrix_rows(caller, "x", batch, seqlen_q);
+    const std::int64_t rows_kv = matrix_rows(caller, "context", batch, seqlen_kv);
+    const std::int64_t q_count = rows_q * hidden;  // < 2^62: both factors are CBLAS ints
+    const std::int64_t context_count = rows_kv * hidden;
+    const std::int64_t kv_count = rows_kv * kv_width();
 
-  if (q_count > 0 && x == nullptr) fail(caller, "x: expected a data pointer, got null");
-  if (q_count > 0 && y == nullptr) fail(caller, "y: expected a data pointer, got null");
-  if (context_count > 0 && context == nullptr) {
-    fail(caller, "context: expected a data pointer, got null");
-  }
-  if (overlaps(y, q_count, x, q_count)) {
-    fail(caller, "y: expected memory disjoint from x, got overlapping buffers");
-  }
-  if (overlaps(y, q_count, context, context_count)) {
-    fail(caller, "y: expected memory disjoint from context, got overlapping buffers");
-  }
-  if (q_count == 0 && saved == nullptr) return;
+    if (q_count > 0 && x == nullptr) fail(caller, "x: expected a data pointer, got null");
+    if (q_count > 0 && y == nullptr) fail(caller, "y: expected a data pointer, got null");
+    if (context_count > 0 && context == nullptr) {
+      fail(caller, "context: expected a data pointer, got null");
+    }
+    if (overlaps(y, q_count, x, q_count)) {
+      fail(caller, "y: expected memory disjoint from x, got overlapping buffers");
+    }
+    if (overlaps(y, q_count, context, context_count)) {
+      fail(caller, "y: expected memory disjoint from context, got overlapping buffers");
+    }
+    if (q_count == 0 && saved == nullptr) return;
 
-  const std::int64_t heads = config_.num_heads, heads_kv = num_kv_heads(), dim = head_dim();
-  // Without `saved` the intermediates live for this call only; with it they are built in a fresh
-  // Activations that replaces *saved once everything succeeded.
-  Activations kept;
-  std::unique_ptr<float[]> q_scratch, k_scratch, v_scratch, att_scratch;
-  float *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *lse = nullptr;
-  if (saved != nullptr) {
-    kept.hidden = hidden;
-    kept.num_heads = heads;
-    kept.num_kv_heads = heads_kv;
-    kept.batch = batch;
-    kept.seqlen_q = seqlen_q;
-    kept.seqlen_kv = seqlen_kv;
-    kept.cross = cross;
-    kept.options = options;
-    const std::int64_t floats =
-        3 * q_count + (cross ? context_count : 0) + 2 * kv_count + batch * heads * seqlen_q;
-    allocate_or_fail(caller, "the activations", floats, [&] {
-      if (q_count > 0) kept.x.assign(x, x + q_count);
-      if (cross && context_count > 0) kept.context.assign(context, context + context_count);
-      kept.q.resize(static_cast<std::size_t>(q_count));
-      kept.k.resize(static_cast<std::size_t>(kv_count));
-      kept.v.resize(static_cast<std::size_t>(kv_count));
-      kept.att.resize(static_cast<std::size_t>(q_count));
-      kept.lse.resize(static_cast<std::size_t>(batch * heads * seqlen_q));
-    });
-    q = kept.q.data();
-    k = kept.k.data();
-    v = kept.v.data();
-    att = kept.att.data();
-    lse = kept.lse.data();
-  } else {
-    allocate_or_fail(caller, "the projections", 2 * q_count + 2 * kv_count, [&] {
-      q_scratch = scratch(q_count);
-      k_scratch = scratch(kv_count);
-      v_scratch = scratch(kv_count);
-      att_scratch = scratch(q_count);
-    });
-    q = q_scratch.get();
-    k = k_scratch.get();
-    v = v_scratch.get();
-    att = att_scratch.get();
-  }
-  project(q, x, rows_q, hidden, w_q_, b_q_, hidden);
-  project(k, context, rows_kv, hidden, w_k_, b_k_, kv_width());
-  project(v, context, rows_kv, hidden, w_v_, b_v_, kv_width());
+    const std::int64_t heads = config_.num_heads, heads_kv = num_kv_heads(), dim = head_dim();
+    // Without `saved` the intermediates live for this call only; with it they are built in a fresh
+    // Activations that replaces *saved once everything succeeded.
+    Activations kept;
+    std::unique_ptr<float[]> q_scratch, k_scratch, v_scratch, att_scratch;
+    float *q = nullptr, *k = nullptr, *v = nullptr, *att = nullptr, *lse = nullptr;
+    if (saved != nullptr) {
+      kept.hidden = hidden;
+      kept.num_heads = heads;
+      kept.num_kv_heads = heads_kv;
+      kept.batch = batch;
+      kept.seqlen_q = seqlen_q;
+      kept.seqlen_kv = seqlen_kv;
+      kept.cross = cross;
+      kept.options = options;
+      const std::int64_t floats =
+          3 * q_count + (cross ? context_count : 0) + 2 * kv_count + batch * heads * seqlen_q;
+      allocate_or_fail(caller, "the activations", floats, [&] {
+        if (q_count > 0) kept.x.assign(x, x + q_count);
+        if (cross && context_count > 0) kept.context.assign(context, context + context_count);
+        kept.q.resize(static_cast<std::size_t>(q_count));
+        kept.k.resize(static_cast<std::size_t>(kv_count));
+        kept.v.resize(static_cast<std::size_t>(kv_count));
+        kept.att.resize(static_cast<std::size_t>(q_count));
+        kept.lse.resize(static_cast<std::size_t>(batch * heads * seqlen_q));
+      });
+      q = kept.q.data();
+      k = kept.k.data();
+      v = kept.v.data();
+      att = kept.att.data();
+      lse = kept.lse.data();
+    } else {
+      allocate_or_fail(caller, "the projections", 2 * q_count + 2 * kv_count, [&] {
+        q_scratch = scratch(q_count);
+        k_scratch = scratch(kv_count);
+        v_scratch = scratch(kv_count);
+        att_scratch = scratch(q_count);
+      });
+      q = q_scratch.get();
+      k = k_scratch.get();
+      v = v_scratch.get();
+      att = att_scratch.get();
+    }
+    project(q, x, rows_q, hidden, w_q_, b_q_, hidden);
+    project(k, context, rows_kv, hidden, w_k_, b_k_, kv_width());
+    project(v, context, rows_kv, hidden, w_v_, b_v_, kv_width());
 
-  if (q_count > 0) {
-    // Split heads: the projections above, read as [B, S, heads, Dh] with strides {S·H, H, Dh, 1}.
-    const ConstTensorView q_heads = contiguous_view(q, {batch, seqlen_q, heads, dim});
-    const ConstTensorView k_heads = contiguous_view(k, {batch, seqlen_kv, heads_kv, dim});
-    const ConstTensorView v_heads = contiguous_view(v, {batch, seqlen_kv, heads_kv, dim});
-    const TensorView att_heads = contiguous_view(att, {batch, seqlen_q, heads, dim});
-    attention_forward(impl, q_heads, k_heads, v_heads, att_heads, lse, options);
+    if (q_count > 0) {
+      // Split heads: the projections above, read as [B, S, heads, Dh] with strides {S·H, H, Dh, 1}.
+      const ConstTensorView q_heads = contiguous_view(q, {batch, seqlen_q, heads, dim});
+      const ConstTensorView k_heads = contiguous_view(k, {batch, seqlen_kv, heads_kv, dim});
+      const ConstTensorView v_heads = contiguous_view(v, {batch, seqlen_kv, heads_kv, dim});
+      const TensorView att_heads = contiguous_view(att, {batch, seqlen_q, heads, dim});
+      attention_forward(impl, q_heads, k_heads, v_heads, att_heads, lse, options);
 
-    // Merge heads: att [B, Sq, heads, Dh] is the row-major [B·Sq, H] matrix.
-    project(y, att, rows_q, hidden, w_o_, b_o_, hidden);
-  }
-  if (saved != nullptr) *saved = std::move(kept);
+      // Merge heads: att [B, Sq, heads, Dh] is the row-major [B·Sq, H] matrix.
+      project(y, att, rows_q, hidden, w_o_, b_o_, hidden);
+    }
+    if (saved != nullptr) *saved = std::move(kept);
+  });
 }
 
 }  // namespace flashattn

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "api/fail.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/mha.hpp"
 #include "layers/projections.hpp"
@@ -38,98 +39,100 @@ MultiHeadAttention::Gradients MultiHeadAttention::backward(const float* dy,
 void MultiHeadAttention::backward(const float* dy, const Activations& saved, Gradients& grads,
                                   AttentionImpl impl) const {
   constexpr const char* caller = "MultiHeadAttention::backward";
-  const std::int64_t hidden = config_.hidden, heads = config_.num_heads, heads_kv = num_kv_heads(),
-                     dim = head_dim(), width = kv_width();
-  if (saved.hidden != hidden || saved.num_heads != heads || saved.num_kv_heads != heads_kv) {
-    fail(caller, "saved: expected activations of a layer with hidden ", hidden, ", num_heads ",
-         heads, ", num_kv_heads ", heads_kv, " (filled by forward), got hidden ", saved.hidden,
-         ", num_heads ", saved.num_heads, ", num_kv_heads ", saved.num_kv_heads);
-  }
-  const std::int64_t batch = saved.batch, seqlen_q = saved.seqlen_q, seqlen_kv = saved.seqlen_kv;
-  const std::int64_t rows_q = batch * seqlen_q, rows_kv = batch * seqlen_kv;
-  const auto expect_size = [&](const char* name, const std::vector<float>& values,
-                               std::int64_t count) {
-    if (static_cast<std::int64_t>(values.size()) != count) {
-      fail(caller, "saved.", name, ": expected ", count, " elements for batch ", batch,
-           ", seqlen_q ", seqlen_q, ", seqlen_kv ", seqlen_kv, ", got ", values.size());
+  detail::out_of_memory_as_error(caller, [&] {
+    const std::int64_t hidden = config_.hidden, heads = config_.num_heads,
+                       heads_kv = num_kv_heads(), dim = head_dim(), width = kv_width();
+    if (saved.hidden != hidden || saved.num_heads != heads || saved.num_kv_heads != heads_kv) {
+      fail(caller, "saved: expected activations of a layer with hidden ", hidden, ", num_heads ",
+           heads, ", num_kv_heads ", heads_kv, " (filled by forward), got hidden ", saved.hidden,
+           ", num_heads ", saved.num_heads, ", num_kv_heads ", saved.num_kv_heads);
     }
-  };
-  expect_size("x", saved.x, rows_q * hidden);
-  expect_size("context", saved.context, saved.cross ? rows_kv * hidden : 0);
-  expect_size("q", saved.q, rows_q * hidden);
-  expect_size("k", saved.k, rows_kv * width);
-  expect_size("v", saved.v, rows_kv * width);
-  expect_size("att", saved.att, rows_q * hidden);
-  expect_size("lse", saved.lse, batch * heads * seqlen_q);
-  if (rows_q > 0 && dy == nullptr) fail(caller, "dy: expected a data pointer, got null");
+    const std::int64_t batch = saved.batch, seqlen_q = saved.seqlen_q, seqlen_kv = saved.seqlen_kv;
+    const std::int64_t rows_q = batch * seqlen_q, rows_kv = batch * seqlen_kv;
+    const auto expect_size = [&](const char* name, const std::vector<float>& values,
+                                 std::int64_t count) {
+      if (static_cast<std::int64_t>(values.size()) != count) {
+        fail(caller, "saved.", name, ": expected ", count, " elements for batch ", batch,
+             ", seqlen_q ", seqlen_q, ", seqlen_kv ", seqlen_kv, ", got ", values.size());
+      }
+    };
+    expect_size("x", saved.x, rows_q * hidden);
+    expect_size("context", saved.context, saved.cross ? rows_kv * hidden : 0);
+    expect_size("q", saved.q, rows_q * hidden);
+    expect_size("k", saved.k, rows_kv * width);
+    expect_size("v", saved.v, rows_kv * width);
+    expect_size("att", saved.att, rows_q * hidden);
+    expect_size("lse", saved.lse, batch * heads * seqlen_q);
+    if (rows_q > 0 && dy == nullptr) fail(caller, "dy: expected a data pointer, got null");
 
-  const auto size = [](std::int64_t count) { return static_cast<std::size_t>(count); };
-  // The gradients, and dAtt, dQ, dK, dV between the projections and the attention.
-  std::unique_ptr<float[]> datt, dq, dk, dv;
-  const std::int64_t weights =
-      static_cast<std::int64_t>(w_q_.size() + w_k_.size() + w_v_.size() + w_o_.size() +
-                                b_q_.size() + b_k_.size() + b_v_.size() + b_o_.size());
-  const std::int64_t floats =
-      3 * rows_q * hidden + (saved.cross ? rows_kv * hidden : 0) + 2 * rows_kv * width + weights;
-  allocate_or_fail(caller, "the gradients", floats, [&] {
-    grads.dx.resize(size(rows_q * hidden));
-    grads.dcontext.resize(size(saved.cross ? rows_kv * hidden : 0));
-    grads.dw_q.resize(w_q_.size());
-    grads.dw_k.resize(w_k_.size());
-    grads.dw_v.resize(w_v_.size());
-    grads.dw_o.resize(w_o_.size());
-    grads.db_q.resize(b_q_.size());
-    grads.db_k.resize(b_k_.size());
-    grads.db_v.resize(b_v_.size());
-    grads.db_o.resize(b_o_.size());
-    if (rows_q == 0) return;
-    datt = scratch(rows_q * hidden);
-    dq = scratch(rows_q * hidden);
-    dk = scratch(rows_kv * width);
-    dv = scratch(rows_kv * width);
+    const auto size = [](std::int64_t count) { return static_cast<std::size_t>(count); };
+    // The gradients, and dAtt, dQ, dK, dV between the projections and the attention.
+    std::unique_ptr<float[]> datt, dq, dk, dv;
+    const std::int64_t weights =
+        static_cast<std::int64_t>(w_q_.size() + w_k_.size() + w_v_.size() + w_o_.size() +
+                                  b_q_.size() + b_k_.size() + b_v_.size() + b_o_.size());
+    const std::int64_t floats =
+        3 * rows_q * hidden + (saved.cross ? rows_kv * hidden : 0) + 2 * rows_kv * width + weights;
+    allocate_or_fail(caller, "the gradients", floats, [&] {
+      grads.dx.resize(size(rows_q * hidden));
+      grads.dcontext.resize(size(saved.cross ? rows_kv * hidden : 0));
+      grads.dw_q.resize(w_q_.size());
+      grads.dw_k.resize(w_k_.size());
+      grads.dw_v.resize(w_v_.size());
+      grads.dw_o.resize(w_o_.size());
+      grads.db_q.resize(b_q_.size());
+      grads.db_k.resize(b_k_.size());
+      grads.db_v.resize(b_v_.size());
+      grads.db_o.resize(b_o_.size());
+      if (rows_q == 0) return;
+      datt = scratch(rows_q * hidden);
+      dq = scratch(rows_q * hidden);
+      dk = scratch(rows_kv * width);
+      dv = scratch(rows_kv * width);
+    });
+    if (rows_q == 0) {
+      // No query: y does not depend on anything.
+      for (std::vector<float>* gradient :
+           {&grads.dcontext, &grads.dw_q, &grads.dw_k, &grads.dw_v, &grads.dw_o, &grads.db_q,
+            &grads.db_k, &grads.db_v, &grads.db_o}) {
+        std::fill(gradient->begin(), gradient->end(), 0.0f);
+      }
+      return;
+    }
+
+    // Output projection; datt is the merged [B·Sq, H] matrix that the head views below split.
+    project_backward(grads.dw_o, grads.db_o, saved.att.data(), dy, rows_q, hidden, hidden);
+    gemm(false, true, rows_q, hidden, hidden, dy, hidden, w_o_.data(), hidden, 0.0f, datt.get(),
+         hidden);
+
+    const std::array<std::int64_t, 4> q_shape{batch, seqlen_q, heads, dim};
+    const std::array<std::int64_t, 4> kv_shape{batch, seqlen_kv, heads_kv, dim};
+    if (rows_kv == 0) {
+      // Without keys the attention output is the constant 0: nothing flows back into q.
+      std::fill_n(dq.get(), rows_q * hidden, 0.0f);
+    } else {
+      attention_backward(
+          impl, contiguous_view(datt.get(), q_shape), contiguous_view(saved.q.data(), q_shape),
+          contiguous_view(saved.k.data(), kv_shape), contiguous_view(saved.v.data(), kv_shape),
+          contiguous_view(saved.att.data(), q_shape), saved.lse.data(),
+          contiguous_view(dq.get(), q_shape), contiguous_view(dk.get(), kv_shape),
+          contiguous_view(dv.get(), kv_shape), saved.options);
+    }
+
+    // Input projections. Self-attention reads x three times, so its K and V paths add into dx.
+    const float* context = saved.cross ? saved.context.data() : saved.x.data();
+    project_backward(grads.dw_q, grads.db_q, saved.x.data(), dq.get(), rows_q, hidden, hidden);
+    project_backward(grads.dw_k, grads.db_k, context, dk.get(), rows_kv, hidden, width);
+    project_backward(grads.dw_v, grads.db_v, context, dv.get(), rows_kv, hidden, width);
+    gemm(false, true, rows_q, hidden, hidden, dq.get(), hidden, w_q_.data(), hidden, 0.0f,
+         grads.dx.data(), hidden);
+    float* dcontext = saved.cross ? grads.dcontext.data() : grads.dx.data();
+    const float beta = saved.cross ? 0.0f : 1.0f;
+    gemm(false, true, rows_kv, hidden, width, dk.get(), width, w_k_.data(), width, beta, dcontext,
+         hidden);
+    gemm(false, true, rows_kv, hidden, width, dv.get(), width, w_v_.data(), width, 1.0f, dcontext,
+         hidden);
   });
-  if (rows_q == 0) {
-    // No query: y does not depend on anything.
-    for (std::vector<float>* gradient :
-         {&grads.dcontext, &grads.dw_q, &grads.dw_k, &grads.dw_v, &grads.dw_o, &grads.db_q,
-          &grads.db_k, &grads.db_v, &grads.db_o}) {
-      std::fill(gradient->begin(), gradient->end(), 0.0f);
-    }
-    return;
-  }
-
-  // Output projection; datt is the merged [B·Sq, H] matrix that the head views below split.
-  project_backward(grads.dw_o, grads.db_o, saved.att.data(), dy, rows_q, hidden, hidden);
-  gemm(false, true, rows_q, hidden, hidden, dy, hidden, w_o_.data(), hidden, 0.0f, datt.get(),
-       hidden);
-
-  const std::array<std::int64_t, 4> q_shape{batch, seqlen_q, heads, dim};
-  const std::array<std::int64_t, 4> kv_shape{batch, seqlen_kv, heads_kv, dim};
-  if (rows_kv == 0) {
-    // Without keys the attention output is the constant 0: nothing flows back into q.
-    std::fill_n(dq.get(), rows_q * hidden, 0.0f);
-  } else {
-    attention_backward(
-        impl, contiguous_view(datt.get(), q_shape), contiguous_view(saved.q.data(), q_shape),
-        contiguous_view(saved.k.data(), kv_shape), contiguous_view(saved.v.data(), kv_shape),
-        contiguous_view(saved.att.data(), q_shape), saved.lse.data(),
-        contiguous_view(dq.get(), q_shape), contiguous_view(dk.get(), kv_shape),
-        contiguous_view(dv.get(), kv_shape), saved.options);
-  }
-
-  // Input projections. Self-attention reads x three times, so its K and V paths add into dx.
-  const float* context = saved.cross ? saved.context.data() : saved.x.data();
-  project_backward(grads.dw_q, grads.db_q, saved.x.data(), dq.get(), rows_q, hidden, hidden);
-  project_backward(grads.dw_k, grads.db_k, context, dk.get(), rows_kv, hidden, width);
-  project_backward(grads.dw_v, grads.db_v, context, dv.get(), rows_kv, hidden, width);
-  gemm(false, true, rows_q, hidden, hidden, dq.get(), hidden, w_q_.data(), hidden, 0.0f,
-       grads.dx.data(), hidden);
-  float* dcontext = saved.cross ? grads.dcontext.data() : grads.dx.data();
-  const float beta = saved.cross ? 0.0f : 1.0f;
-  gemm(false, true, rows_kv, hidden, width, dk.get(), width, w_k_.data(), width, beta, dcontext,
-       hidden);
-  gemm(false, true, rows_kv, hidden, width, dv.get(), width, w_v_.data(), width, 1.0f, dcontext,
-       hidden);
 }
 
 }  // namespace flashattn
