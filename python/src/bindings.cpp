@@ -83,20 +83,20 @@ void dims4(const Array& array, const char* name, std::array<std::int64_t, 4>& sh
   if (array.size() == 0) strides = flashattn::contiguous_strides(shape);
 }
 
-ConstTensorView in_view(const InArray& array, const char* name) {
-  ConstTensorView view;
+template <class View, class Array>
+View view_of(const Array& array, const char* name) {
+  View view;
   view.data = array.data();
   view.dtype = element_type(array.dtype(), name);
   dims4(array, name, view.shape, view.strides);
   return view;
 }
 
+ConstTensorView in_view(const InArray& array, const char* name) {
+  return view_of<ConstTensorView>(array, name);
+}
 TensorView out_view(const OutArray& array, const char* name) {
-  TensorView view;
-  view.data = array.data();
-  view.dtype = element_type(array.dtype(), name);
-  dims4(array, name, view.shape, view.strides);
-  return view;
+  return view_of<TensorView>(array, name);
 }
 
 ConstTensorView in_view(const std::optional<InArray>& array, const char* name) {
