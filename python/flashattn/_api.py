@@ -190,12 +190,16 @@ def _wants_grad(*tensors: Any) -> bool:
             and any(_is_torch(t) and t.requires_grad for t in tensors))
 
 
-def _forward_arrays(framework, q, k, v, options, impl, out=None):
-    """Runs the forward; returns (out, lse) in the framework of q."""
+def _forward_arrays(framework, q, k, v, options, impl, out_heads_first=False):
+    """Runs the forward; returns (out, lse) in the framework of q. out_heads_first: out is
+    stored [B, H, S, D] (torch's layout, for the SDPA drop-in) and returned as a [B, S, H, D]
+    view of it."""
     if q.ndim != 4:
         raise ValueError(f"q: expected 4 dims [batch, seqlen_q, heads_q, head_dim], got {q.ndim}")
-    batch, seqlen_q, heads_q, _ = q.shape
-    if out is None:
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if out_heads_first:
+        out = _empty(framework, (batch, heads_q, seqlen_q, head_dim), q.dtype).transpose(1, 2)
+    else:
         out = _empty(framework, q.shape, q.dtype)
     lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
     _flashattn.forward(impl, _native(q), _native(k), _native(v), _native(out, writable=True,

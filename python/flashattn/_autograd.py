@@ -26,11 +26,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, attn_bias, impl, settings, out_heads_first):
         options = _api._options("torch", sinks=sinks, attn_bias=attn_bias, **settings)
-        out = None
-        if out_heads_first:
-            batch, seqlen_q, heads_q, head_dim = q.shape
-            out = torch.empty((batch, heads_q, seqlen_q, head_dim), dtype=q.dtype).transpose(1, 2)
-        out, lse = _api._forward_arrays("torch", q, k, v, options, impl, out)
+        out, lse = _api._forward_arrays("torch", q, k, v, options, impl, out_heads_first)
         ctx.save_for_backward(q, k, v, out, lse, sinks, attn_bias)
         ctx.impl, ctx.settings = impl, settings
         ctx.mark_non_differentiable(lse)

@@ -89,9 +89,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                      num_threads=0)
     else:
         options = _api._options("torch", scale, causal, (-1, -1), 0.0, None, None, bias, mask, 0)
-        out = torch.empty((batch, heads_q, seqlen_q, query.shape[-1]),
-                          dtype=query.dtype).transpose(1, 2)
-        out, _ = _api._forward_arrays("torch", q, k, v, options, "flash", out)
+        out, _ = _api._forward_arrays("torch", q, k, v, options, "flash", out_heads_first=True)
     return out.transpose(1, 2).reshape(*batch_shape, heads_q, seqlen_q, query.shape[-1])
 
 
