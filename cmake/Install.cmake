@@ -2,17 +2,26 @@
 # `find_package(flashattn)` gives the imported target flashattn::flashattn.
 include(CMakePackageConfigHelpers)
 
-install(TARGETS flashattn EXPORT flashattnTargets
+set(FLASHATTN_INSTALL_TARGETS flashattn)
+if(TARGET flashattn_dist)
+  list(APPEND FLASHATTN_INSTALL_TARGETS flashattn_dist)
+  set(FLASHATTN_HEADERS_EXCLUDED "")
+else()
+  set(FLASHATTN_HEADERS_EXCLUDED PATTERN dist.hpp EXCLUDE)
+endif()
+install(TARGETS ${FLASHATTN_INSTALL_TARGETS} EXPORT flashattnTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(DIRECTORY include/flashattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(DIRECTORY include/flashattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+  ${FLASHATTN_HEADERS_EXCLUDED})
 install(EXPORT flashattnTargets NAMESPACE flashattn::
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)
 if(TARGET flashattn_cli)
   install(TARGETS flashattn_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 
+set(FLASHATTN_WITH_DIST ${FLASHATTN_MPI})
 configure_package_config_file(cmake/flashattnConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/flashattnConfig.cmake
   INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)

@@ -167,4 +167,17 @@ inline double max_abs_finite(const std::vector<double>& values) {
   return result;
 }
 
+// Tolerance of a result assembled from `pieces` partial results (outputs merged by their lse, or
+// gradients summed: block attention, ring attention) against the fp64 reference, relative to the
+// single-call flash path's measured error on the same inputs: 4x that error, plus a floor at the
+// result's scale G of two roundings of the dtype, four typical score roundings
+// (u32·scale·sqrt(D)·max|q|·max|k|), and per piece one rounding of the partial as stored (fp32,
+// or the 16-bit dtype the block calls write) plus one fp32 rounding of the sum it enters.
+inline double assembled_tolerance(double single_flash_error, DType dtype, std::int64_t pieces,
+                                  double score_rounding, double scale_g) {
+  const double per_piece = unit_roundoff(dtype) + 0x1p-24;
+  return 4.0 * single_flash_error +
+         (2.0 * unit_roundoff(dtype) + 4.0 * score_rounding + pieces * per_piece) * scale_g;
+}
+
 }  // namespace flashattn::testing

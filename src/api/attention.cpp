@@ -3,9 +3,11 @@
 #include "flashattn/attention.hpp"
 
 #include <new>
+#include <optional>
 #include <string>
 
 #include "api/backends.hpp"
+#include "api/block_attention.hpp"
 #include "api/fail.hpp"
 #include "api/memory.hpp"
 
@@ -27,13 +29,16 @@ namespace {
 
 // Validates, refuses a problem whose scratch memory cannot fit, then runs the backend. A failed
 // scratch allocation (the memory is there but taken) surfaces as Error too, never as
-// std::bad_alloc; the output may then be partly written.
+// std::bad_alloc; the output may then be partly written. `block_offset`: the call is a block of
+// a longer sequence (block_attention.hpp).
 void run_backend(const char* caller, AttentionImpl impl,
                  void (*backend)(const detail::AttentionParams&), const ConstTensorView& q,
                  const ConstTensorView& k, const ConstTensorView& v, const TensorView& out,
-                 float* lse, const AttentionOptions& options) {
+                 float* lse, const AttentionOptions& options,
+                 std::optional<std::int64_t> block_offset = std::nullopt) {
   detail::out_of_memory_as_error(caller, [&] {
-    const detail::AttentionParams params = detail::make_params(caller, q, k, v, out, lse, options);
+    detail::AttentionParams params = detail::make_params(caller, q, k, v, out, lse, options);
+    if (block_offset) detail::place_block(caller, params, options, *block_offset);
     detail::check_scratch_fits(caller, impl, params, detail::scratch_bytes(impl, params));
     try {
       backend(params);
@@ -67,6 +72,21 @@ void reference_attention_forward(const ConstTensorView& q, const ConstTensorView
   run_backend("reference_attention_forward", AttentionImpl::reference, detail::reference_forward, q,
               k, v, out, lse, options);
 }
+
+namespace detail {
+
+void block_attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
+                             const ConstTensorView& v, const TensorView& out, float* lse,
+                             const AttentionOptions& options, std::int64_t query_minus_key_offset) {
+  void (*const backend)(const AttentionParams&) = impl == AttentionImpl::flash ? flash_forward
+                                                  : impl == AttentionImpl::standard
+                                                      ? standard_forward
+                                                      : reference_forward;
+  run_backend("block_attention_forward", impl, backend, q, k, v, out, lse, options,
+              query_minus_key_offset);
+}
+
+}  // namespace detail
 
 void attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
                        const ConstTensorView& v, const TensorView& out, float* lse,

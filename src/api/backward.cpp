@@ -7,10 +7,12 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "api/backends.hpp"
+#include "api/block_attention.hpp"
 #include "api/fail.hpp"
 #include "api/memory.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
@@ -99,15 +101,18 @@ namespace {
 
 // Validates, refuses a problem whose scratch memory cannot fit, then runs the backend; a failed
 // scratch allocation surfaces as Error (the gradients may then be partly written).
+// `block_offset`: the call is a block of a longer sequence (block_attention.hpp).
 void run_backward(const char* caller, AttentionImpl impl,
                   void (*backend)(const detail::BackwardParams&), const ConstTensorView& dout,
                   const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
                   const ConstTensorView& out, const float* lse, const TensorView& dq,
                   const TensorView& dk, const TensorView& dv, const AttentionOptions& options,
-                  const ModifierGradients& modifier_gradients) {
+                  const ModifierGradients& modifier_gradients,
+                  std::optional<std::int64_t> block_offset = std::nullopt) {
   detail::out_of_memory_as_error(caller, [&] {
     detail::BackwardParams params = detail::make_backward_params(
         caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
+    if (block_offset) detail::place_block(caller, params.forward, options, *block_offset);
     const detail::AttentionParams& f = params.forward;
     // dbias: the logits' gradient of every (batch, head, row, key), summed after the backend.
     const bool dlogits_scratch = params.dbias.data != nullptr && impl != AttentionImpl::reference;
@@ -193,6 +198,26 @@ void reference_attention_backward(const ConstTensorView& dout, const ConstTensor
   run_backward("reference_attention_backward", AttentionImpl::reference, detail::reference_backward,
                dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
 }
+
+namespace detail {
+
+void block_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
+                              const ConstTensorView& q, const ConstTensorView& k,
+                              const ConstTensorView& v, const ConstTensorView& out,
+                              const float* lse, const TensorView& dq, const TensorView& dk,
+                              const TensorView& dv, const AttentionOptions& options,
+                              std::int64_t query_minus_key_offset) {
+  if (impl == AttentionImpl::reference) {
+    throw Error(
+        "block_attention_backward: impl: expected flash or standard, got reference (it recomputes "
+        "the block's own softmax instead of reading the whole sequence's lse)");
+  }
+  const auto backend = impl == AttentionImpl::flash ? flash_backward : standard_backward;
+  run_backward("block_attention_backward", impl, backend, dout, q, k, v, out, lse, dq, dk, dv,
+               options, {}, query_minus_key_offset);
+}
+
+}  // namespace detail
 
 void attention_backward(AttentionImpl impl, const ConstTensorView& dout, const ConstTensorView& q,
                         const ConstTensorView& k, const ConstTensorView& v,

@@ -194,6 +194,30 @@ AttentionParams checked_params(const ConstTensorView& q, const ConstTensorView& 
   return params;
 }
 
+}  // namespace
+
+void place_block(const char* caller, AttentionParams& params, const AttentionOptions& options,
+                 std::int64_t query_minus_key_offset) {
+  if (query_minus_key_offset < -kMaxDim || query_minus_key_offset > kMaxDim) {
+    fail(caller, "query_minus_key_offset: expected at most 2^61 either way, got ",
+         query_minus_key_offset);
+  }
+  if (params.modifiers.masks_logits() || params.modifiers.sinks != nullptr) {
+    fail(caller,
+         "options: expected no bias, mask or sinks for a block of a longer sequence "
+         "(they belong to the whole sequence), got ",
+         params.modifiers.sinks != nullptr ? "sinks" : "a bias or mask");
+  }
+  const std::int64_t shift = query_minus_key_offset + params.seqlen_q - params.seqlen_kv;
+  params.diagonal_shift = shift;
+  // The window reaches as far as both sequences plus the shift before it stops mattering.
+  const std::int64_t reach = params.seqlen_q + params.seqlen_kv + (shift < 0 ? -shift : shift);
+  params.window_left = std::min(options.window_left, reach);
+  params.window_right = std::min(options.window_right, reach);
+}
+
+namespace {
+
 // Checks the options that every forward shares; returns the softmax scale.
 float checked_scale(const char* caller, const AttentionOptions& options, std::int64_t head_dim) {
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));

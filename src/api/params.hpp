@@ -92,6 +92,10 @@ struct AttentionParams {
   float scale = 1.0f;
   bool causal = false;
   std::int64_t window_left = -1, window_right = -1;
+  // Added to every row's diagonal key (key_range_for_length): 0 everywhere but in a block of a
+  // longer sequence whose mask and ALiBi distances are the whole sequence's (block_attention.hpp,
+  // the ring of src/dist/).
+  std::int64_t diagonal_shift = 0;
   int num_threads = 1;  // resolved: >= 1
   ScoreModifiers modifiers;
 
@@ -133,7 +137,7 @@ struct AttentionParams {
   }
 
   // The mask as an interval per row, aligned to the bottom-right corner: row i sits on the
-  // diagonal key i + seqlen_kv - seqlen_q.
+  // diagonal key i + seqlen_kv - seqlen_q (+ diagonal_shift).
   KeyRange key_range(std::int64_t row) const { return key_range_for_length(row, seqlen_kv); }
 
   // The same for batch entry b of a serving batch, on its own diagonal.
@@ -142,7 +146,7 @@ struct AttentionParams {
   }
 
   KeyRange key_range_for_length(std::int64_t row, std::int64_t length) const {
-    const std::int64_t diagonal = row + length - seqlen_q;
+    const std::int64_t diagonal = row + length - seqlen_q + diagonal_shift;
     std::int64_t end = length;
     if (causal) end = std::min(end, diagonal + 1);
     if (window_right >= 0) end = std::min(end, diagonal + window_right + 1);
@@ -260,6 +264,12 @@ struct KVCacheParams {
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
                             const AttentionOptions& options, std::int64_t modifier_batch = -1);
+
+// Makes checked params a block of a longer sequence whose row i sits on key
+// i + query_minus_key_offset (api/block_attention.hpp): the diagonal shifted, the windows
+// re-capped for it. Refuses a bias, a mask or sinks, and offsets beyond ±2^61.
+void place_block(const char* caller, AttentionParams& params, const AttentionOptions& options,
+                 std::int64_t query_minus_key_offset);
 
 KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
                                   const KVCacheView& cache, const std::int32_t* cache_seqlens,

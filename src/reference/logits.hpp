@@ -28,7 +28,7 @@ inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int
     derivative = 1.0 - t * t;
   }
   if (m.alibi_slopes != nullptr) {
-    const double distance = static_cast<double>(row + p.seqlen_kv - p.seqlen_q - j);
+    const double distance = static_cast<double>(row + p.seqlen_kv - p.seqlen_q + p.diagonal_shift - j);
     logit -= static_cast<double>(m.alibi_slope(b, h)) * std::abs(distance);
   }
   if (m.bias.data != nullptr) logit += static_cast<double>(m.bias.bias(b, h, row, j));

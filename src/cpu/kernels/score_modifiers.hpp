@@ -35,7 +35,8 @@ inline RowModifiers row_modifiers(const AttentionParams& p, std::int64_t b, std:
                                   std::int64_t row, std::int64_t key_begin,
                                   std::int64_t seqlen_kv) {
   const ScoreModifiers& m = p.modifiers;
-  RowModifiers modifiers{m.softcap, m.alibi_slope(b, h), row + seqlen_kv - p.seqlen_q - key_begin};
+  RowModifiers modifiers{m.softcap, m.alibi_slope(b, h),
+                         row + seqlen_kv - p.seqlen_q + p.diagonal_shift - key_begin};
   if (m.bias.data != nullptr) {
     modifiers.bias = static_cast<const char*>(m.bias.data) +
                      m.bias.offset(b, h, row, key_begin) * dtype_size(m.bias.dtype);

@@ -1,0 +1,286 @@
+// Block attention (api/block_attention.hpp), the seam of ring attention: a whole sequence cut
+// into query blocks and key blocks of uneven sizes, each pair attended with its offset on the
+// whole sequence's diagonal, the partial states merged (forward) or the partial gradients summed
+// (backward), must give the whole sequence's attention: against the fp64 reference with
+// assembled_tolerance (test_support.hpp), relative to the single-call flash path's own error.
+// Pairs the mask hides entirely are computed too (rows with lse −inf), which the merge must
+// absorb.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "api/block_attention.hpp"
+#include "test_support.hpp"
+
+namespace flashattn::testing {
+namespace {
+
+struct BlockCase {
+  std::int64_t seqlen, heads_q, heads_kv, head_dim;
+  std::vector<std::int64_t> cuts;  // block boundaries inside (0, seqlen)
+  bool causal = false;
+  std::int64_t window_left = -1, window_right = -1;
+  bool alibi = false;
+  float softcap = 0.0f;
+  DType dtype = DType::f32;
+};
+
+std::string describe(const BlockCase& c) {
+  std::ostringstream text;
+  text << "S" << c.seqlen << "_Hq" << c.heads_q << "_Hkv" << c.heads_kv << "_D" << c.head_dim
+       << "_cuts";
+  for (std::int64_t cut : c.cuts) text << "_" << cut;
+  text << (c.causal ? "_causal" : "") << "_win" << c.window_left << "_" << c.window_right
+       << (c.alibi ? "_alibi" : "") << (c.softcap > 0 ? "_softcap" : "") << "_"
+       << dtype_name(c.dtype);
+  std::string name = text.str();
+  for (char& ch : name) {
+    if (ch == '-') ch = 'm';
+  }
+  return name;
+}
+
+// Rows [begin, begin + count) of a [1, S, H, D] view.
+template <class View>
+View rows_of(const View& view, std::int64_t begin, std::int64_t count) {
+  View part = view;
+  using Byte = std::conditional_t<std::is_same_v<View, TensorView>, char, const char>;
+  part.data = static_cast<Byte*>(view.data) +
+              begin * view.strides[1] * static_cast<std::int64_t>(dtype_size(view.dtype));
+  part.shape[1] = count;
+  return part;
+}
+
+struct Blocks {
+  std::vector<std::int64_t> begin, length;
+};
+Blocks blocks_of(const BlockCase& c) {
+  Blocks blocks;
+  std::int64_t previous = 0;
+  std::vector<std::int64_t> cuts = c.cuts;
+  cuts.push_back(c.seqlen);
+  for (std::int64_t cut : cuts) {
+    blocks.begin.push_back(previous);
+    blocks.length.push_back(cut - previous);
+    previous = cut;
+  }
+  return blocks;
+}
+
+class BlockAttention : public ::testing::TestWithParam<BlockCase> {
+ protected:
+  void SetUp() override {
+    const BlockCase& c = GetParam();
+    rng.seed(test_seed());
+    q = Tensor(c.dtype, {1, c.seqlen, c.heads_q, c.head_dim});
+    k = Tensor(c.dtype, {1, c.seqlen, c.heads_kv, c.head_dim});
+    v = Tensor(c.dtype, {1, c.seqlen, c.heads_kv, c.head_dim});
+    q.fill_normal(rng);
+    k.fill_normal(rng);
+    v.fill_normal(rng);
+    options.causal = c.causal;
+    options.window_left = c.window_left;
+    options.window_right = c.window_right;
+    options.softcap = c.softcap;
+    for (std::int64_t h = 0; h < c.heads_q; ++h)
+      slopes.push_back(0.25f / static_cast<float>(h + 1));
+    if (c.alibi) options.alibi_slopes = slopes;
+  }
+
+  double score_rounding() const {
+    const double scale = 1.0 / std::sqrt(static_cast<double>(GetParam().head_dim));
+    return 0x1p-24 * scale * std::sqrt(static_cast<double>(GetParam().head_dim)) * max_abs(q) *
+           max_abs(k);
+  }
+
+  std::mt19937_64 rng;
+  Tensor q{DType::f32, {1, 1, 1, 1}}, k{DType::f32, {1, 1, 1, 1}}, v{DType::f32, {1, 1, 1, 1}};
+  std::vector<float> slopes;
+  AttentionOptions options;
+};
+
+TEST_P(BlockAttention, MergedBlocksMatchTheWholeSequence) {
+  const BlockCase& c = GetParam();
+  SCOPED_TRACE(describe(c) + ", seed " + std::to_string(test_seed()));
+  const Blocks blocks = blocks_of(c);
+  const ReferenceResult want = reference(q, k, v, options);
+
+  Tensor whole(c.dtype, q.view.shape);
+  flash_attention_forward(q.view, k.view, v.view, whole.view, nullptr, options);
+  const double single_error = max_error(whole, want.out).value;
+
+  Tensor assembled(c.dtype, q.view.shape);
+  assembled.poison();
+  std::vector<float> assembled_lse(static_cast<std::size_t>(c.heads_q * c.seqlen));
+  for (std::size_t i = 0; i < blocks.begin.size(); ++i) {
+    const std::int64_t rows = blocks.length[i];
+    Tensor state(DType::f32, {1, rows, c.heads_q, c.head_dim});
+    std::vector<float> state_lse(static_cast<std::size_t>(c.heads_q * rows),
+                                 -std::numeric_limits<float>::infinity());
+    for (std::size_t j = 0; j < blocks.begin.size(); ++j) {
+      Tensor part(c.dtype, {1, rows, c.heads_q, c.head_dim});
+      part.poison();
+      std::vector<float> part_lse(state_lse.size());
+      detail::block_attention_forward(AttentionImpl::flash, rows_of(q.view, blocks.begin[i], rows),
+                                      rows_of(k.view, blocks.begin[j], blocks.length[j]),
+                                      rows_of(v.view, blocks.begin[j], blocks.length[j]), part.view,
+                                      part_lse.data(), options, blocks.begin[i] - blocks.begin[j]);
+      Tensor part_f32(DType::f32, part.view.shape);
+      part.for_each_index(
+          [&](auto a, auto s, auto h, auto d) { part_f32.set(a, s, h, d, part.at(a, s, h, d)); });
+      merge_attention_states(state.view, state_lse.data(), part_f32.view, part_lse.data(),
+                             state.view, state_lse.data());
+    }
+    state.for_each_index([&](auto a, auto s, auto h, auto d) {
+      assembled.set(a, blocks.begin[i] + s, h, d, state.at(a, s, h, d));
+    });
+    for (std::int64_t h = 0; h < c.heads_q; ++h) {
+      for (std::int64_t s = 0; s < rows; ++s) {
+        assembled_lse[static_cast<std::size_t>(h * c.seqlen + blocks.begin[i] + s)] =
+            state_lse[static_cast<std::size_t>(h * rows + s)];
+      }
+    }
+  }
+
+  const MaxError error = max_error(assembled, want.out);
+  const double g = max_abs_finite(want.out) + max_abs(v);
+  const double tolerance = assembled_tolerance(
+      single_error, c.dtype, static_cast<std::int64_t>(blocks.begin.size()), score_rounding(), g);
+  EXPECT_LE(error.value, tolerance)
+      << "at flat index " << error.index << ": got " << error.got << ", want " << error.want
+      << "; single-call flash error " << single_error;
+  for (std::size_t i = 0; i < assembled_lse.size(); ++i) {
+    const double expected = want.lse[i];
+    if (std::isinf(expected)) {
+      ASSERT_EQ(assembled_lse[i], -std::numeric_limits<float>::infinity()) << "lse index " << i;
+    } else {
+      ASSERT_NEAR(assembled_lse[i], expected, 1e-5 * (1.0 + std::abs(expected)))
+          << "lse index " << i;
+    }
+  }
+}
+
+TEST_P(BlockAttention, SummedBlockGradientsMatchTheWholeSequence) {
+  const BlockCase& c = GetParam();
+  SCOPED_TRACE(describe(c) + ", seed " + std::to_string(test_seed()));
+  const Blocks blocks = blocks_of(c);
+  Tensor dout(c.dtype, q.view.shape), out(c.dtype, q.view.shape);
+  dout.fill_normal(rng);
+  std::vector<float> lse(static_cast<std::size_t>(c.heads_q * c.seqlen));
+  flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+
+  std::vector<double> want_dq(static_cast<std::size_t>(q.view.numel()));
+  std::vector<double> want_dk(static_cast<std::size_t>(k.view.numel())), want_dv(want_dk.size());
+  Tensor dq(c.dtype, q.view.shape), dk(c.dtype, k.view.shape), dv(c.dtype, k.view.shape);
+  const detail::BackwardParams params =
+      detail::make_backward_params("reference", dout.view, q.view, k.view, v.view, out.view,
+                                   lse.data(), dq.view, dk.view, dv.view, options);
+  detail::reference_backward_f64(params, want_dq.data(), want_dk.data(), want_dv.data());
+  flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                           dk.view, dv.view, options);
+  const double single_error = std::max(
+      {max_error(dq, want_dq).value, max_error(dk, want_dk).value, max_error(dv, want_dv).value});
+
+  std::vector<double> sum_dq(want_dq.size(), 0.0), sum_dk(want_dk.size(), 0.0),
+      sum_dv(want_dk.size(), 0.0);
+  const std::int64_t heads_kv = c.heads_kv;
+  for (std::size_t i = 0; i < blocks.begin.size(); ++i) {
+    const std::int64_t rows = blocks.length[i];
+    std::vector<float> block_lse(static_cast<std::size_t>(c.heads_q * rows));
+    for (std::int64_t h = 0; h < c.heads_q; ++h) {
+      for (std::int64_t s = 0; s < rows; ++s) {
+        block_lse[static_cast<std::size_t>(h * rows + s)] =
+            lse[static_cast<std::size_t>(h * c.seqlen + blocks.begin[i] + s)];
+      }
+    }
+    for (std::size_t j = 0; j < blocks.begin.size(); ++j) {
+      const std::int64_t keys = blocks.length[j];
+      Tensor part_dq(c.dtype, {1, rows, c.heads_q, c.head_dim});
+      Tensor part_dk(c.dtype, {1, keys, heads_kv, c.head_dim});
+      Tensor part_dv(c.dtype, {1, keys, heads_kv, c.head_dim});
+      part_dq.poison();
+      part_dk.poison();
+      part_dv.poison();
+      detail::block_attention_backward(
+          AttentionImpl::flash, rows_of(dout.view, blocks.begin[i], rows),
+          rows_of(q.view, blocks.begin[i], rows), rows_of(k.view, blocks.begin[j], keys),
+          rows_of(v.view, blocks.begin[j], keys), rows_of(out.view, blocks.begin[i], rows),
+          block_lse.data(), part_dq.view, part_dk.view, part_dv.view, options,
+          blocks.begin[i] - blocks.begin[j]);
+      part_dq.for_each_index([&](auto, auto s, auto h, auto d) {
+        sum_dq[static_cast<std::size_t>(((blocks.begin[i] + s) * c.heads_q + h) * c.head_dim +
+                                        d)] += part_dq.at(0, s, h, d);
+      });
+      part_dk.for_each_index([&](auto, auto s, auto h, auto d) {
+        const auto at =
+            static_cast<std::size_t>(((blocks.begin[j] + s) * heads_kv + h) * c.head_dim + d);
+        sum_dk[at] += part_dk.at(0, s, h, d);
+        sum_dv[at] += part_dv.at(0, s, h, d);
+      });
+    }
+  }
+  const double g =
+      std::max({max_abs_finite(want_dq), max_abs_finite(want_dk), max_abs_finite(want_dv)}) +
+      max_abs(dout) * max_abs(v);
+  const double tolerance = assembled_tolerance(
+      single_error, c.dtype, static_cast<std::int64_t>(blocks.begin.size()), score_rounding(), g);
+  for (const auto& [name, got, want] : {std::tuple{"dq", &sum_dq, &want_dq},
+                                        {"dk", &sum_dk, &want_dk},
+                                        {"dv", &sum_dv, &want_dv}}) {
+    double worst = 0.0;
+    std::size_t where = 0;
+    for (std::size_t e = 0; e < got->size(); ++e) {
+      const double error = std::isnan((*got)[e]) ? INFINITY : std::abs((*got)[e] - (*want)[e]);
+      if (error > worst) {
+        worst = error;
+        where = e;
+      }
+    }
+    EXPECT_LE(worst, tolerance) << name << " at flat index " << where << ": got " << (*got)[where]
+                                << ", want " << (*want)[where] << "; single-call flash error "
+                                << single_error;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, BlockAttention,
+    ::testing::Values(BlockCase{129, 4, 2, 64, {37, 80}, true},
+                      BlockCase{129, 4, 2, 64, {37, 80}, false},
+                      BlockCase{203, 2, 2, 59, {64, 65, 128}, false, 50, 9},
+                      BlockCase{203, 2, 1, 40, {100}, true, 30, -1},
+                      BlockCase{113, 2, 2, 32, {7, 60}, true, -1, -1, true},
+                      BlockCase{113, 2, 2, 32, {56}, false, 20, 20, true, 5.0f},
+                      BlockCase{150, 4, 2, 64, {50, 100}, true, -1, -1, false, 0.0f, DType::bf16},
+                      BlockCase{150, 4, 2, 64, {75}, false, 30, 0, false, 0.0f, DType::f16}),
+    [](const auto& info) { return describe(info.param); });
+
+TEST(BlockAttentionErrors, RefusesWhatBelongsToTheWholeSequence) {
+  Tensor q(DType::f32, {1, 8, 2, 16}), k(DType::f32, {1, 8, 2, 16}), v(DType::f32, {1, 8, 2, 16});
+  Tensor out(DType::f32, {1, 8, 2, 16});
+  std::vector<float> lse(16);
+  const std::vector<float> sinks{0.5f, 0.5f};
+  AttentionOptions with_sinks;
+  with_sinks.sinks = sinks;
+  try {
+    detail::block_attention_forward(AttentionImpl::flash, q.view, k.view, v.view, out.view,
+                                    lse.data(), with_sinks, 8);
+    FAIL() << "sinks accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("sinks"), std::string::npos) << error.what();
+  }
+  try {
+    detail::block_attention_backward(AttentionImpl::reference, out.view, q.view, k.view, v.view,
+                                     out.view, lse.data(), q.view, k.view, v.view, {}, 0);
+    FAIL() << "reference accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("impl: expected flash or standard"), std::string::npos)
+        << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::testing
