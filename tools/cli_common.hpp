@@ -31,6 +31,9 @@ Action add_run_command(CLI::App& app);
 Action add_bench_command(CLI::App& app);
 Action add_serve_bench_command(CLI::App& app);
 Action add_modifier_bench_command(CLI::App& app);
+#ifdef FLASHATTN_WITH_MPI
+Action add_ring_command(CLI::App& app);  // built with FLASHATTN_MPI
+#endif
 
 // The worker threads a call with `requested` threads uses (0 = all that OpenMP offers).
 int resolved_threads(int requested);

@@ -33,6 +33,9 @@ int main(int argc, char** argv) {
   const Action bench = add_bench_command(app);
   const Action serve_bench = add_serve_bench_command(app);
   const Action modifier_bench = add_modifier_bench_command(app);
+#ifdef FLASHATTN_WITH_MPI
+  const Action ring = add_ring_command(app);
+#endif
 
   try {
     app.parse(argc, argv);
@@ -43,14 +46,21 @@ int main(int argc, char** argv) {
   }
 
   if (app.get_subcommands().empty()) {
-    std::cerr << "flashattn: error: expected a subcommand, demo, run, bench, serve-bench or "
-                 "modifier-bench (see --help)\n";
+    std::cerr << "flashattn: error: expected a subcommand, demo, run, bench, serve-bench, "
+                 "modifier-bench"
+#ifdef FLASHATTN_WITH_MPI
+                 " or ring"
+#endif
+                 " (see --help)\n";
     return kExitUsage;
   }
   try {
     if (app.got_subcommand("demo")) return demo();
     if (app.got_subcommand("serve-bench")) return serve_bench();
     if (app.got_subcommand("modifier-bench")) return modifier_bench();
+#ifdef FLASHATTN_WITH_MPI
+    if (app.got_subcommand("ring")) return ring();
+#endif
     return app.got_subcommand("bench") ? bench() : run();
   } catch (const std::exception& error) {
     std::cerr << "flashattn: error: " << one_line(error.what()) << '\n';

@@ -14,6 +14,7 @@
 
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
+#include "flashattn/error.hpp"
 #include "flashattn/tensor.hpp"
 
 namespace flashattn::dist {
@@ -44,6 +45,16 @@ void shard(const ConstTensorView& whole, Sharding sharding, int ranks, int rank,
            const TensorView& local);
 void unshard(const ConstTensorView& local, Sharding sharding, int ranks, int rank,
              const TensorView& whole);
+
+// Raised on a rank that cannot go on with a ring call once it has begun: a peer's message did not
+// come within RingOptions::timeout_seconds (a rank died or stopped calling), or this rank failed
+// mid-call (out of memory). Unlike the validation errors, which every rank raises alike, this one
+// is this rank's alone: its peers are left waiting (until their own timeout), and the
+// communicator is unusable. The usual answer is MPI_Abort.
+class RingAborted : public Error {
+ public:
+  using Error::Error;
+};
 
 struct RingOptions {
   Sharding sharding = Sharding::contiguous;

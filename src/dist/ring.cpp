@@ -196,7 +196,7 @@ class Transfers {
     transfer_seconds += transfer_;
     messages_.clear();
     requests_.clear();
-    if (!error_.empty()) throw Error(error_);
+    if (!error_.empty()) throw RingAborted(error_);
     return waited;
   }
 
@@ -494,6 +494,22 @@ std::vector<std::int64_t> local_offsets(const Plan& plan, int owner) {
   return offsets;
 }
 
+// Runs the part of a call after the ranks agreed: any failure there is this rank's alone.
+template <class Body>
+RingStats after_agreement(const char* caller, int rank, Body&& body) {
+  try {
+    return body();
+  } catch (const RingAborted&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw RingAborted(std::string(caller) + ": rank " + std::to_string(rank) + ": out of memory");
+  } catch (const std::exception& error) {
+    throw RingAborted(std::string(caller) + ": rank " + std::to_string(rank) + ": " + error.what());
+  }
+}
+
+// The whole call: a std::bad_alloc before the agreement (validation's small buffers) is an
+// Error like any other local one.
 template <class Body>
 RingStats run_collective(const char* caller, Body&& body) {
   try {
@@ -518,115 +534,118 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
     } catch (const Error& error) {
       local_error = error.what();
     }
-    Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
-    const Plan& plan = s.plan;
-    RingStats stats;
+    const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
+    return after_agreement(caller, s.rank, [&] {
+      const Plan& plan = s.plan;
+      RingStats stats;
 
-    // Two shard buffers: the one computed on and the one being received into.
-    const std::int64_t max_rows = *std::max_element(plan.rows.begin(), plan.rows.end());
-    Buffer shards[2];
-    for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
-    const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
-    pack(k_local, shards[0].at(0));
-    pack(v_local, shards[0].at(kv_elements(s, own_rows)));
-    const RowType row_type(s.heads_kv * s.head_dim *
-                           static_cast<std::int64_t>(dtype_size(s.dtype)));
+      // Two shard buffers: the one computed on and the one being received into.
+      const std::int64_t max_rows = *std::max_element(plan.rows.begin(), plan.rows.end());
+      Buffer shards[2];
+      for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
+      const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
+      pack(k_local, shards[0].at(0));
+      pack(v_local, shards[0].at(kv_elements(s, own_rows)));
+      const RowType row_type(s.heads_kv * s.head_dim *
+                             static_cast<std::int64_t>(dtype_size(s.dtype)));
 
-    // Running state of each query segment, fp32: out [batch, rows, heads_q, dim], lse
-    // [batch, heads_q, rows]; and one block's partial result.
-    const std::vector<Segment>& queries = plan.segments[static_cast<std::size_t>(s.rank)];
-    const std::vector<std::int64_t> query_rows = local_offsets(plan, s.rank);
-    std::vector<Buffer> state_out(queries.size());
-    std::vector<std::vector<float>> state_lse(queries.size());
-    Buffer part_out, part_out_f32;
-    std::vector<float> part_lse;
-    std::int64_t max_segment = 0;
-    for (std::size_t i = 0; i < queries.size(); ++i) {
-      const std::int64_t rows = queries[i].length;
-      max_segment = std::max(max_segment, rows);
-      state_out[i].reserve(DType::f32, s.batch * rows * s.heads_q * s.head_dim);
-      state_lse[i].assign(static_cast<std::size_t>(s.batch * s.heads_q * rows), kNegativeInfinity);
-    }
-    part_out.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim);
-    part_out_f32.reserve(
-        DType::f32, s.dtype == DType::f32 ? 0 : s.batch * max_segment * s.heads_q * s.head_dim);
-    part_lse.resize(static_cast<std::size_t>(s.batch * s.heads_q * max_segment));
-
-    Transfers transfers(comm, s.threaded, ring.timeout_seconds, caller, s.rank);
-    for (int step = 0; step < s.ranks; ++step) {
-      const int owner = plan.owner_at(step);
-      Buffer& current = shards[step % 2];
-      Buffer& incoming = shards[(step + 1) % 2];
-      const bool holding = plan.held(owner, step);
-      const std::int64_t rows = plan.rows[static_cast<std::size_t>(owner)];
-      if (holding && plan.sent_on(owner, step)) {
-        transfers.send(current.at(0), 2 * s.batch * rows, row_type.get(), plan.next(),
-                       kTagKeysValues);
+      // Running state of each query segment, fp32: out [batch, rows, heads_q, dim], lse
+      // [batch, heads_q, rows]; and one block's partial result.
+      const std::vector<Segment>& queries = plan.segments[static_cast<std::size_t>(s.rank)];
+      const std::vector<std::int64_t> query_rows = local_offsets(plan, s.rank);
+      std::vector<Buffer> state_out(queries.size());
+      std::vector<std::vector<float>> state_lse(queries.size());
+      Buffer part_out, part_out_f32;
+      std::vector<float> part_lse;
+      std::int64_t max_segment = 0;
+      for (std::size_t i = 0; i < queries.size(); ++i) {
+        const std::int64_t rows = queries[i].length;
+        max_segment = std::max(max_segment, rows);
+        state_out[i].reserve(DType::f32, s.batch * rows * s.heads_q * s.head_dim);
+        state_lse[i].assign(static_cast<std::size_t>(s.batch * s.heads_q * rows),
+                            kNegativeInfinity);
       }
-      const int arriving = plan.owner_at(step + 1);
-      if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
-        transfers.receive(incoming.at(0),
-                          2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
-                          row_type.get(), plan.previous(), kTagKeysValues);
-      }
-      transfers.start();
+      part_out.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim);
+      part_out_f32.reserve(
+          DType::f32, s.dtype == DType::f32 ? 0 : s.batch * max_segment * s.heads_q * s.head_dim);
+      part_lse.resize(static_cast<std::size_t>(s.batch * s.heads_q * max_segment));
 
-      const Clock::time_point compute_start = Clock::now();
-      if (holding) {
-        const ShardView shard = shard_view(s, current, rows);
-        const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
-        const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
-        for (std::size_t i = 0; i < queries.size(); ++i) {
-          for (std::size_t j = 0; j < keys.size(); ++j) {
-            if (queries[i].length == 0 || keys[j].length == 0) continue;
-            if (!plan.visible(queries[i], keys[j])) {
-              ++stats.blocks_skipped;
-              continue;
+      Transfers transfers(comm, s.threaded, ring.timeout_seconds, caller, s.rank);
+      for (int step = 0; step < s.ranks; ++step) {
+        const int owner = plan.owner_at(step);
+        Buffer& current = shards[step % 2];
+        Buffer& incoming = shards[(step + 1) % 2];
+        const bool holding = plan.held(owner, step);
+        const std::int64_t rows = plan.rows[static_cast<std::size_t>(owner)];
+        if (holding && plan.sent_on(owner, step)) {
+          transfers.send(current.at(0), 2 * s.batch * rows, row_type.get(), plan.next(),
+                         kTagKeysValues);
+        }
+        const int arriving = plan.owner_at(step + 1);
+        if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
+          transfers.receive(incoming.at(0),
+                            2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
+                            row_type.get(), plan.previous(), kTagKeysValues);
+        }
+        transfers.start();
+
+        const Clock::time_point compute_start = Clock::now();
+        if (holding) {
+          const ShardView shard = shard_view(s, current, rows);
+          const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
+          const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
+          for (std::size_t i = 0; i < queries.size(); ++i) {
+            for (std::size_t j = 0; j < keys.size(); ++j) {
+              if (queries[i].length == 0 || keys[j].length == 0) continue;
+              if (!plan.visible(queries[i], keys[j])) {
+                ++stats.blocks_skipped;
+                continue;
+              }
+              const std::int64_t q_rows = queries[i].length;
+              const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim};
+              const TensorView partial = part_out.view(0, out_shape);
+              detail::block_attention_forward(
+                  AttentionImpl::flash, rows_of(q_local, query_rows[i], q_rows),
+                  rows_of(shard.k, key_rows[j], keys[j].length),
+                  rows_of(shard.v, key_rows[j], keys[j].length), partial, part_lse.data(), options,
+                  queries[i].begin - keys[j].begin);
+              TensorView partial_f32 = partial;
+              if (s.dtype != DType::f32) {
+                partial_f32 = part_out_f32.view(0, out_shape);
+                const std::int64_t count = partial.numel();
+                float* widened = static_cast<float*>(partial_f32.data);
+                for (std::int64_t e = 0; e < count; ++e)
+                  widened[e] = load_f32(partial.data, s.dtype, e);
+              }
+              const TensorView state = state_out[i].view(0, out_shape);
+              merge_attention_states(state, state_lse[i].data(), partial_f32, part_lse.data(),
+                                     state, state_lse[i].data(), options.num_threads);
+              ++stats.blocks_computed;
+              transfers.progress();
             }
-            const std::int64_t q_rows = queries[i].length;
-            const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim};
-            const TensorView partial = part_out.view(0, out_shape);
-            detail::block_attention_forward(
-                AttentionImpl::flash, rows_of(q_local, query_rows[i], q_rows),
-                rows_of(shard.k, key_rows[j], keys[j].length),
-                rows_of(shard.v, key_rows[j], keys[j].length), partial, part_lse.data(), options,
-                queries[i].begin - keys[j].begin);
-            TensorView partial_f32 = partial;
-            if (s.dtype != DType::f32) {
-              partial_f32 = part_out_f32.view(0, out_shape);
-              const std::int64_t count = partial.numel();
-              float* widened = static_cast<float*>(partial_f32.data);
-              for (std::int64_t e = 0; e < count; ++e)
-                widened[e] = load_f32(partial.data, s.dtype, e);
-            }
-            const TensorView state = state_out[i].view(0, out_shape);
-            merge_attention_states(state, state_lse[i].data(), partial_f32, part_lse.data(), state,
-                                   state_lse[i].data(), options.num_threads);
-            ++stats.blocks_computed;
-            transfers.progress();
+          }
+        }
+        stats.compute_seconds += seconds_since(compute_start);
+        stats.exposed_seconds += transfers.finish();
+      }
+
+      for (std::size_t i = 0; i < queries.size(); ++i) {
+        const std::int64_t rows = queries[i].length;
+        if (rows == 0) continue;
+        store(state_out[i].floats(), rows_of(out_local, query_rows[i], rows));
+        if (lse_local != nullptr) {
+          for (std::int64_t bh = 0; bh < s.batch * s.heads_q; ++bh) {
+            std::memcpy(
+                lse_local + bh * plan.rows[static_cast<std::size_t>(s.rank)] + query_rows[i],
+                state_lse[i].data() + bh * rows, static_cast<std::size_t>(rows) * sizeof(float));
           }
         }
       }
-      stats.compute_seconds += seconds_since(compute_start);
-      stats.exposed_seconds += transfers.finish();
-    }
-
-    for (std::size_t i = 0; i < queries.size(); ++i) {
-      const std::int64_t rows = queries[i].length;
-      if (rows == 0) continue;
-      store(state_out[i].floats(), rows_of(out_local, query_rows[i], rows));
-      if (lse_local != nullptr) {
-        for (std::int64_t bh = 0; bh < s.batch * s.heads_q; ++bh) {
-          std::memcpy(lse_local + bh * plan.rows[static_cast<std::size_t>(s.rank)] + query_rows[i],
-                      state_lse[i].data() + bh * rows,
-                      static_cast<std::size_t>(rows) * sizeof(float));
-        }
-      }
-    }
-    stats.transfer_seconds = transfers.transfer_seconds;
-    stats.bytes_sent = transfers.bytes_sent;
-    stats.seconds = seconds_since(call_start);
-    return stats;
+      stats.transfer_seconds = transfers.transfer_seconds;
+      stats.bytes_sent = transfers.bytes_sent;
+      stats.seconds = seconds_since(call_start);
+      return stats;
+    });
   });
 }
 
@@ -646,173 +665,175 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
     } catch (const Error& error) {
       local_error = error.what();
     }
-    Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
-    const Plan& plan = s.plan;
-    RingStats stats;
+    const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
+    return after_agreement(caller, s.rank, [&] {
+      const Plan& plan = s.plan;
+      RingStats stats;
 
-    const std::int64_t max_rows = *std::max_element(plan.rows.begin(), plan.rows.end());
-    const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
-    Buffer shards[2];
-    for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
-    pack(k_local, shards[0].at(0));
-    pack(v_local, shards[0].at(kv_elements(s, own_rows)));
-    const RowType row_type(s.heads_kv * s.head_dim *
-                           static_cast<std::int64_t>(dtype_size(s.dtype)));
-    const RowType gradient_row_type(s.heads_kv * s.head_dim *
-                                    static_cast<std::int64_t>(sizeof(float)));
+      const std::int64_t max_rows = *std::max_element(plan.rows.begin(), plan.rows.end());
+      const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
+      Buffer shards[2];
+      for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
+      pack(k_local, shards[0].at(0));
+      pack(v_local, shards[0].at(kv_elements(s, own_rows)));
+      const RowType row_type(s.heads_kv * s.head_dim *
+                             static_cast<std::int64_t>(dtype_size(s.dtype)));
+      const RowType gradient_row_type(s.heads_kv * s.head_dim *
+                                      static_cast<std::int64_t>(sizeof(float)));
 
-    // dK and dV of a shard, fp32 [dK rows | dV rows]: this rank's share of the block in hand, the
-    // sum of the earlier ranks' shares arriving with it, the sum being sent on, and this rank's
-    // own shard's total coming home.
-    Buffer share, arriving_sum, outgoing_sum, own_total;
-    for (Buffer* buffer : {&share, &arriving_sum, &outgoing_sum}) {
-      buffer->reserve(DType::f32, 2 * kv_elements(s, max_rows));
-    }
-    own_total.reserve(DType::f32, 2 * kv_elements(s, own_rows));
+      // dK and dV of a shard, fp32 [dK rows | dV rows]: this rank's share of the block in hand, the
+      // sum of the earlier ranks' shares arriving with it, the sum being sent on, and this rank's
+      // own shard's total coming home.
+      Buffer share, arriving_sum, outgoing_sum, own_total;
+      for (Buffer* buffer : {&share, &arriving_sum, &outgoing_sum}) {
+        buffer->reserve(DType::f32, 2 * kv_elements(s, max_rows));
+      }
+      own_total.reserve(DType::f32, 2 * kv_elements(s, own_rows));
 
-    const std::vector<Segment>& queries = plan.segments[static_cast<std::size_t>(s.rank)];
-    const std::vector<std::int64_t> query_rows = local_offsets(plan, s.rank);
-    std::vector<std::vector<float>> dq_sum(queries.size()), segment_lse(queries.size());
-    std::int64_t max_segment = 0, max_key_segment = 0;
-    for (std::size_t i = 0; i < queries.size(); ++i) {
-      const std::int64_t rows = queries[i].length;
-      max_segment = std::max(max_segment, rows);
-      dq_sum[i].assign(static_cast<std::size_t>(s.batch * rows * s.heads_q * s.head_dim), 0.0f);
-      // The segment's lse rows, contiguous [batch, heads_q, rows] as the block backward takes it.
-      segment_lse[i].resize(static_cast<std::size_t>(s.batch * s.heads_q * rows));
-      for (std::int64_t bh = 0; bh < s.batch * s.heads_q; ++bh) {
-        std::memcpy(segment_lse[i].data() + bh * rows, lse_local + bh * own_rows + query_rows[i],
-                    static_cast<std::size_t>(rows) * sizeof(float));
+      const std::vector<Segment>& queries = plan.segments[static_cast<std::size_t>(s.rank)];
+      const std::vector<std::int64_t> query_rows = local_offsets(plan, s.rank);
+      std::vector<std::vector<float>> dq_sum(queries.size()), segment_lse(queries.size());
+      std::int64_t max_segment = 0, max_key_segment = 0;
+      for (std::size_t i = 0; i < queries.size(); ++i) {
+        const std::int64_t rows = queries[i].length;
+        max_segment = std::max(max_segment, rows);
+        dq_sum[i].assign(static_cast<std::size_t>(s.batch * rows * s.heads_q * s.head_dim), 0.0f);
+        // The segment's lse rows, contiguous [batch, heads_q, rows] as the block backward takes it.
+        segment_lse[i].resize(static_cast<std::size_t>(s.batch * s.heads_q * rows));
+        for (std::int64_t bh = 0; bh < s.batch * s.heads_q; ++bh) {
+          std::memcpy(segment_lse[i].data() + bh * rows, lse_local + bh * own_rows + query_rows[i],
+                      static_cast<std::size_t>(rows) * sizeof(float));
+        }
       }
-    }
-    for (const std::vector<Segment>& segments : plan.segments) {
-      for (const Segment& segment : segments)
-        max_key_segment = std::max(max_key_segment, segment.length);
-    }
-    Buffer part_dq, part_dk, part_dv;
-    part_dq.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim);
-    part_dk.reserve(s.dtype, kv_elements(s, max_key_segment));
-    part_dv.reserve(s.dtype, kv_elements(s, max_key_segment));
+      for (const std::vector<Segment>& segments : plan.segments) {
+        for (const Segment& segment : segments)
+          max_key_segment = std::max(max_key_segment, segment.length);
+      }
+      Buffer part_dq, part_dk, part_dv;
+      part_dq.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim);
+      part_dk.reserve(s.dtype, kv_elements(s, max_key_segment));
+      part_dv.reserve(s.dtype, kv_elements(s, max_key_segment));
 
-    // Where the sum over a shard goes once this rank has added its share at `step`: on around
-    // the ring, home to its owner, or nowhere (it is this rank's own, complete).
-    const auto send_sum = [&](Transfers& transfers, int step) {
-      const int owner = plan.owner_at(step);
-      if (!plan.held(owner, step)) return;
-      const std::int64_t count = 2 * s.batch * plan.rows[static_cast<std::size_t>(owner)];
-      if (plan.sent_on(owner, step)) {
-        transfers.send(outgoing_sum.at(0), count, gradient_row_type.get(), plan.next(),
-                       kTagGradients);
-      } else if (owner != s.rank) {
-        transfers.send(outgoing_sum.at(0), count, gradient_row_type.get(), owner,
-                       kTagFinalGradients);
-      } else {
-        std::copy_n(outgoing_sum.floats(), 2 * kv_elements(s, own_rows), own_total.floats());
-      }
-    };
-    const int own_last_step = plan.last_step(s.rank);
-    const auto receive_own_total = [&](Transfers& transfers, int batch) {
-      if (own_last_step >= 1 && batch == own_last_step + 1) {
-        transfers.receive(own_total.at(0), 2 * s.batch * own_rows, gradient_row_type.get(),
-                          plan.at(s.rank, own_last_step), kTagFinalGradients);
-      }
-    };
+      // Where the sum over a shard goes once this rank has added its share at `step`: on around
+      // the ring, home to its owner, or nowhere (it is this rank's own, complete).
+      const auto send_sum = [&](Transfers& transfers, int step) {
+        const int owner = plan.owner_at(step);
+        if (!plan.held(owner, step)) return;
+        const std::int64_t count = 2 * s.batch * plan.rows[static_cast<std::size_t>(owner)];
+        if (plan.sent_on(owner, step)) {
+          transfers.send(outgoing_sum.at(0), count, gradient_row_type.get(), plan.next(),
+                         kTagGradients);
+        } else if (owner != s.rank) {
+          transfers.send(outgoing_sum.at(0), count, gradient_row_type.get(), owner,
+                         kTagFinalGradients);
+        } else {
+          std::copy_n(outgoing_sum.floats(), 2 * kv_elements(s, own_rows), own_total.floats());
+        }
+      };
+      const int own_last_step = plan.last_step(s.rank);
+      const auto receive_own_total = [&](Transfers& transfers, int batch) {
+        if (own_last_step >= 1 && batch == own_last_step + 1) {
+          transfers.receive(own_total.at(0), 2 * s.batch * own_rows, gradient_row_type.get(),
+                            plan.at(s.rank, own_last_step), kTagFinalGradients);
+        }
+      };
 
-    Transfers transfers(comm, s.threaded, ring.timeout_seconds, caller, s.rank);
-    for (int step = 0; step < s.ranks; ++step) {
-      const int owner = plan.owner_at(step);
-      Buffer& current = shards[step % 2];
-      Buffer& incoming = shards[(step + 1) % 2];
-      const bool holding = plan.held(owner, step);
-      const std::int64_t rows = plan.rows[static_cast<std::size_t>(owner)];
-      const std::int64_t shard_elements = kv_elements(s, rows);
-      // This step's messages: K/V on to the next rank and in from the previous one; the sum the
-      // previous step finished, on its way; the sum over the shard in hand, arriving.
-      if (holding && plan.sent_on(owner, step)) {
-        transfers.send(current.at(0), 2 * s.batch * rows, row_type.get(), plan.next(),
-                       kTagKeysValues);
-      }
-      const int arriving = plan.owner_at(step + 1);
-      if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
-        transfers.receive(incoming.at(0),
-                          2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
-                          row_type.get(), plan.previous(), kTagKeysValues);
-      }
-      if (step > 0) send_sum(transfers, step - 1);
-      if (step > 0 && holding) {
-        transfers.receive(arriving_sum.at(0), 2 * s.batch * rows, gradient_row_type.get(),
-                          plan.previous(), kTagGradients);
-      }
-      receive_own_total(transfers, step);
-      transfers.start();
+      Transfers transfers(comm, s.threaded, ring.timeout_seconds, caller, s.rank);
+      for (int step = 0; step < s.ranks; ++step) {
+        const int owner = plan.owner_at(step);
+        Buffer& current = shards[step % 2];
+        Buffer& incoming = shards[(step + 1) % 2];
+        const bool holding = plan.held(owner, step);
+        const std::int64_t rows = plan.rows[static_cast<std::size_t>(owner)];
+        const std::int64_t shard_elements = kv_elements(s, rows);
+        // This step's messages: K/V on to the next rank and in from the previous one; the sum the
+        // previous step finished, on its way; the sum over the shard in hand, arriving.
+        if (holding && plan.sent_on(owner, step)) {
+          transfers.send(current.at(0), 2 * s.batch * rows, row_type.get(), plan.next(),
+                         kTagKeysValues);
+        }
+        const int arriving = plan.owner_at(step + 1);
+        if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
+          transfers.receive(incoming.at(0),
+                            2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
+                            row_type.get(), plan.previous(), kTagKeysValues);
+        }
+        if (step > 0) send_sum(transfers, step - 1);
+        if (step > 0 && holding) {
+          transfers.receive(arriving_sum.at(0), 2 * s.batch * rows, gradient_row_type.get(),
+                            plan.previous(), kTagGradients);
+        }
+        receive_own_total(transfers, step);
+        transfers.start();
 
-      const Clock::time_point compute_start = Clock::now();
-      if (holding) {
-        std::fill_n(share.floats(), 2 * shard_elements, 0.0f);
-        const ShardView shard = shard_view(s, current, rows);
-        const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
-        const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
-        for (std::size_t i = 0; i < queries.size(); ++i) {
-          for (std::size_t j = 0; j < keys.size(); ++j) {
-            if (queries[i].length == 0 || keys[j].length == 0) continue;
-            if (!plan.visible(queries[i], keys[j])) {
-              ++stats.blocks_skipped;
-              continue;
+        const Clock::time_point compute_start = Clock::now();
+        if (holding) {
+          std::fill_n(share.floats(), 2 * shard_elements, 0.0f);
+          const ShardView shard = shard_view(s, current, rows);
+          const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
+          const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
+          for (std::size_t i = 0; i < queries.size(); ++i) {
+            for (std::size_t j = 0; j < keys.size(); ++j) {
+              if (queries[i].length == 0 || keys[j].length == 0) continue;
+              if (!plan.visible(queries[i], keys[j])) {
+                ++stats.blocks_skipped;
+                continue;
+              }
+              const std::int64_t q_rows = queries[i].length, k_rows = keys[j].length;
+              const TensorView dq = part_dq.view(0, {s.batch, q_rows, s.heads_q, s.head_dim});
+              const TensorView dk = part_dk.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
+              const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
+              detail::block_attention_backward(
+                  AttentionImpl::flash, rows_of(dout_local, query_rows[i], q_rows),
+                  rows_of(q_local, query_rows[i], q_rows), rows_of(shard.k, key_rows[j], k_rows),
+                  rows_of(shard.v, key_rows[j], k_rows), rows_of(out_local, query_rows[i], q_rows),
+                  segment_lse[i].data(), dq, dk, dv, options, queries[i].begin - keys[j].begin);
+              add_to(dq_sum[i].data(), dq.data, s.dtype, dq.numel());
+              // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dim].
+              const std::int64_t row_elements = s.heads_kv * s.head_dim;
+              for (std::int64_t b = 0; b < s.batch; ++b) {
+                const std::int64_t into = (b * rows + key_rows[j]) * row_elements;
+                const std::int64_t from = b * k_rows * row_elements;
+                add_to(share.floats() + into,
+                       static_cast<const char*>(dk.data) + from * dtype_size(s.dtype), s.dtype,
+                       k_rows * row_elements);
+                add_to(share.floats() + shard_elements + into,
+                       static_cast<const char*>(dv.data) + from * dtype_size(s.dtype), s.dtype,
+                       k_rows * row_elements);
+              }
+              ++stats.blocks_computed;
+              transfers.progress();
             }
-            const std::int64_t q_rows = queries[i].length, k_rows = keys[j].length;
-            const TensorView dq = part_dq.view(0, {s.batch, q_rows, s.heads_q, s.head_dim});
-            const TensorView dk = part_dk.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
-            const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
-            detail::block_attention_backward(
-                AttentionImpl::flash, rows_of(dout_local, query_rows[i], q_rows),
-                rows_of(q_local, query_rows[i], q_rows), rows_of(shard.k, key_rows[j], k_rows),
-                rows_of(shard.v, key_rows[j], k_rows), rows_of(out_local, query_rows[i], q_rows),
-                segment_lse[i].data(), dq, dk, dv, options, queries[i].begin - keys[j].begin);
-            add_to(dq_sum[i].data(), dq.data, s.dtype, dq.numel());
-            // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dim].
-            const std::int64_t row_elements = s.heads_kv * s.head_dim;
-            for (std::int64_t b = 0; b < s.batch; ++b) {
-              const std::int64_t into = (b * rows + key_rows[j]) * row_elements;
-              const std::int64_t from = b * k_rows * row_elements;
-              add_to(share.floats() + into,
-                     static_cast<const char*>(dk.data) + from * dtype_size(s.dtype), s.dtype,
-                     k_rows * row_elements);
-              add_to(share.floats() + shard_elements + into,
-                     static_cast<const char*>(dv.data) + from * dtype_size(s.dtype), s.dtype,
-                     k_rows * row_elements);
-            }
-            ++stats.blocks_computed;
-            transfers.progress();
+          }
+        }
+        stats.compute_seconds += seconds_since(compute_start);
+        stats.exposed_seconds += transfers.finish();
+        if (holding) {
+          float* sum = outgoing_sum.floats();
+          const float* earlier = arriving_sum.floats();
+          const float* mine = share.floats();
+          for (std::int64_t e = 0; e < 2 * shard_elements; ++e) {
+            sum[e] = mine[e] + (step > 0 ? earlier[e] : 0.0f);
           }
         }
       }
-      stats.compute_seconds += seconds_since(compute_start);
+      send_sum(transfers, s.ranks - 1);
+      receive_own_total(transfers, s.ranks);
+      transfers.start();
       stats.exposed_seconds += transfers.finish();
-      if (holding) {
-        float* sum = outgoing_sum.floats();
-        const float* earlier = arriving_sum.floats();
-        const float* mine = share.floats();
-        for (std::int64_t e = 0; e < 2 * shard_elements; ++e) {
-          sum[e] = mine[e] + (step > 0 ? earlier[e] : 0.0f);
-        }
-      }
-    }
-    send_sum(transfers, s.ranks - 1);
-    receive_own_total(transfers, s.ranks);
-    transfers.start();
-    stats.exposed_seconds += transfers.finish();
 
-    for (std::size_t i = 0; i < queries.size(); ++i) {
-      const std::int64_t rows = queries[i].length;
-      if (rows == 0) continue;
-      store(dq_sum[i].data(), rows_of(dq_local, query_rows[i], rows));
-    }
-    store(own_total.floats(), dk_local);
-    store(own_total.floats() + kv_elements(s, own_rows), dv_local);
-    stats.transfer_seconds = transfers.transfer_seconds;
-    stats.bytes_sent = transfers.bytes_sent;
-    stats.seconds = seconds_since(call_start);
-    return stats;
+      for (std::size_t i = 0; i < queries.size(); ++i) {
+        const std::int64_t rows = queries[i].length;
+        if (rows == 0) continue;
+        store(dq_sum[i].data(), rows_of(dq_local, query_rows[i], rows));
+      }
+      store(own_total.floats(), dk_local);
+      store(own_total.floats() + kv_elements(s, own_rows), dv_local);
+      stats.transfer_seconds = transfers.transfer_seconds;
+      stats.bytes_sent = transfers.bytes_sent;
+      stats.seconds = seconds_since(call_start);
+      return stats;
+    });
   });
 }
 
