@@ -134,7 +134,13 @@ struct Header {
   std::int32_t dtype = 0, backward = 0;
 };
 
-Tensor tensor_from(const npy::Array& array, const char* name, const std::string& path) {
+Tensor read_tensor(const char* name, const std::string& path) {
+  npy::Array array;
+  try {
+    array = npy::read_npy(path);
+  } catch (const Error& error) {
+    throw Error(std::string(name) + ": " + error.what());
+  }
   if (array.shape.size() != 4) {
     throw Error(std::string(name) +
                 ": expected a rank-4 array [batch, seqlen, heads, head_dim], got " +
@@ -173,11 +179,10 @@ Inputs load_inputs(const RingCommandOptions& o) {
     }
     return in;
   }
-  in.q = tensor_from(npy::read_npy(o.q_path), "--q", o.q_path);
-  in.k = tensor_from(npy::read_npy(o.k_path), "--k", o.k_path);
-  in.v = tensor_from(npy::read_npy(o.v_path), "--v", o.v_path);
-  if (!o.dout_path.empty())
-    in.dout = tensor_from(npy::read_npy(o.dout_path), "--dout", o.dout_path);
+  in.q = read_tensor("--q", o.q_path);
+  in.k = read_tensor("--k", o.k_path);
+  in.v = read_tensor("--v", o.v_path);
+  if (!o.dout_path.empty()) in.dout = read_tensor("--dout", o.dout_path);
   const auto same = [](const char* name, const Tensor& t, const Tensor& like, const char* like_name,
                        bool heads) {
     if (t.dtype != like.dtype) {

@@ -55,20 +55,41 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 constexpr int kMessageBytes = 1024;
 
+// Waits for a non-blocking collective, at most timeout_seconds: a rank that never joins it (dead,
+// or stopped calling) makes this rank raise RingAborted instead of hanging.
+void wait_bounded(MPI_Request& request, double timeout_seconds, const char* caller, int rank) {
+  const Clock::time_point start = Clock::now();
+  for (int polls = 0;; ++polls) {
+    int done = 0;
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    if (seconds_since(start) > timeout_seconds) {
+      throw RingAborted(std::string(caller) + ": rank " + std::to_string(rank) +
+                        ": the ranks did not all join the call within timeout_seconds = " +
+                        std::to_string(timeout_seconds) + " (a rank died or stopped calling)");
+    }
+    if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 // Raises, on every rank, the error of the lowest rank that has one (local_error non-empty).
-void raise_first_error(MPI_Comm comm, const char* caller, const std::string& local_error) {
+void raise_first_error(MPI_Comm comm, const char* caller, const std::string& local_error,
+                       double timeout_seconds) {
   int ranks = 0, rank = 0;
   MPI_Comm_size(comm, &ranks);
   MPI_Comm_rank(comm, &rank);
   const int mine = local_error.empty() ? ranks : rank;
   int first = ranks;
-  MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm);
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &request);
+  wait_bounded(request, timeout_seconds, caller, rank);
   if (first == ranks) return;
   char message[kMessageBytes] = {};
   if (rank == first) {
     std::strncpy(message, local_error.c_str(), kMessageBytes - 1);
   }
-  MPI_Bcast(message, kMessageBytes, MPI_CHAR, first, comm);
+  MPI_Ibcast(message, kMessageBytes, MPI_CHAR, first, comm, &request);
+  wait_bounded(request, timeout_seconds, caller, rank);
   throw Error(std::string(caller) + ": rank " + std::to_string(first) + ": " + message);
 }
 
@@ -399,7 +420,9 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
       (ring.sharding != Sharding::contiguous && ring.sharding != Sharding::zigzag)) {
     local_error = "sharding: expected contiguous or zigzag";
   }
-  raise_first_error(comm, caller, local_error);
+  // An invalid timeout is reported like any other error, after waits bounded by the default.
+  const double timeout = local_error.empty() ? ring.timeout_seconds : RingOptions{}.timeout_seconds;
+  raise_first_error(comm, caller, local_error, timeout);
 
   const Descriptor mine{q.shape[1],
                         q.shape[0],
@@ -415,8 +438,10 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
                         options.softmax_scale.value_or(0.0f),
                         options.softcap};
   std::vector<Descriptor> all(static_cast<std::size_t>(setup.ranks));
-  MPI_Allgather(&mine, sizeof(Descriptor), MPI_BYTE, all.data(), sizeof(Descriptor), MPI_BYTE,
-                comm);
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Iallgather(&mine, sizeof(Descriptor), MPI_BYTE, all.data(), sizeof(Descriptor), MPI_BYTE,
+                 comm, &request);
+  wait_bounded(request, timeout, caller, setup.rank);
   // Every rank checks the gathered descriptors the same way, so a mismatch raises the same Error
   // everywhere.
   std::int64_t seqlen = 0;

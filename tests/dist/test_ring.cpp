@@ -11,12 +11,14 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flashattn/dist.hpp"
@@ -311,6 +313,46 @@ TEST(RingAttentionErrors, RanksThatDisagreeAreRefused) {
   } else {
     EXPECT_NE(message.find("rows (its contiguous shard of"), std::string::npos) << message;
   }
+}
+
+// A rank that stops calling: the others give up after the timeout with RingAborted, instead of
+// waiting forever. It leaves messages in flight, so it runs alone, in its own mpirun
+// (tests/CMakeLists.txt: dist.ring.silent_rank), and ends the job with MPI_Abort, whose code is
+// the verdict of the ranks that waited (0: each gave up in time).
+TEST(RingAttentionFailures, DISABLED_PeersOfASilentRankGiveUpAfterTheTimeout) {
+  const int ranks = world_size(), rank = world_rank();
+  ASSERT_GE(ranks, 2) << "needs two ranks";
+  MPI_Comm waiting;
+  MPI_Comm_split(MPI_COMM_WORLD, rank == 1 ? 1 : 0, rank, &waiting);
+  const std::int64_t rows = dist::shard_length(Sharding::contiguous, 64 * ranks, ranks, rank);
+  Tensor q(DType::f32, {1, rows, 2, 16}), k(DType::f32, {1, rows, 2, 16}),
+      v(DType::f32, {1, rows, 2, 16}), out(DType::f32, {1, rows, 2, 16});
+  q.fill(0.5f);
+  k.fill(0.5f);
+  v.fill(0.5f);
+  if (rank == 1) {
+    // Silent from here on: its peers must not hang. The job ends by their MPI_Abort.
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string message;
+  try {
+    dist::ring_attention_forward(MPI_COMM_WORLD, q.view, k.view, v.view, out.view, nullptr, {},
+                                 {.sharding = Sharding::contiguous, .timeout_seconds = 2.0});
+  } catch (const dist::RingAborted& error) {
+    message = error.what();
+  }
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(message.find("within timeout_seconds = 2"), std::string::npos) << message;
+  EXPECT_LT(waited, 10.0);
+  int failed = ::testing::Test::HasFailure() ? 1 : 0, any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, waiting);
+  std::printf("rank %d: gave up after %.1f s: %s\n", rank, waited, message.c_str());
+  std::fflush(stdout);
+  if (rank == 0) MPI_Abort(MPI_COMM_WORLD, any_failed);
+  std::this_thread::sleep_for(std::chrono::seconds(60));
 }
 
 TEST(Sharding, ZigzagShardsCoverTheSequenceOnce) {
