@@ -43,10 +43,10 @@ inline std::filesystem::path make_temp_dir(const std::string& prefix) {
   return pattern;
 }
 
-// Runs the CLI (FLASHATTN_CLI_PATH) with `args`, stdout and stderr captured in files of
-// `capture_dir`.
-inline Completed run_cli(const std::vector<std::string>& args,
-                         const std::filesystem::path& capture_dir) {
+// Starts `program` with `args` (argv[0] = program), stdout and stderr going to files of
+// `capture_dir`; the child's pid, or -1.
+inline pid_t spawn_program(const std::string& program, const std::vector<std::string>& args,
+                           const std::filesystem::path& capture_dir) {
   const std::filesystem::path out_path = capture_dir / "stdout", err_path = capture_dir / "stderr";
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -54,18 +54,21 @@ inline Completed run_cli(const std::vector<std::string>& args,
                                    0644);
   posix_spawn_file_actions_addopen(&actions, 2, err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
                                    0644);
-  std::vector<std::string> all = {FLASHATTN_CLI_PATH};
+  std::vector<std::string> all = {program};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& arg : all) argv.push_back(arg.data());
   argv.push_back(nullptr);
-
-  Completed completed;
   pid_t pid = 0;
-  const int spawned =
-      posix_spawn(&pid, FLASHATTN_CLI_PATH, &actions, nullptr, argv.data(), environ);
+  const int spawned = posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
-  if (spawned != 0) {
+  return spawned == 0 ? pid : -1;
+}
+
+// Waits for a child that spawn_program started and collects what it wrote.
+inline Completed wait_program(pid_t pid, const std::filesystem::path& capture_dir) {
+  Completed completed;
+  if (pid < 0) {
     completed.err = "posix_spawn failed";
     return completed;
   }
@@ -73,9 +76,22 @@ inline Completed run_cli(const std::vector<std::string>& args,
   waitpid(pid, &status, 0);
   // A crash (signal) reads as a distinct negative code, never as a clean failure.
   completed.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-  completed.out = read_text(out_path);
-  completed.err = read_text(err_path);
+  completed.out = read_text(capture_dir / "stdout");
+  completed.err = read_text(capture_dir / "stderr");
   return completed;
+}
+
+// Runs `program` with `args` to the end.
+inline Completed run_program(const std::string& program, const std::vector<std::string>& args,
+                             const std::filesystem::path& capture_dir) {
+  return wait_program(spawn_program(program, args, capture_dir), capture_dir);
+}
+
+// Runs the CLI (FLASHATTN_CLI_PATH) with `args`, stdout and stderr captured in files of
+// `capture_dir`.
+inline Completed run_cli(const std::vector<std::string>& args,
+                         const std::filesystem::path& capture_dir) {
+  return run_program(FLASHATTN_CLI_PATH, args, capture_dir);
 }
 
 // A failure as the CLI must fail: nothing on stdout and exactly one line on stderr,

@@ -2,7 +2,8 @@
 
 // A file that appears whole or not at all: written under a hidden temporary name next to its
 // destination and renamed over it on commit(), so that a failed or interrupted run never leaves
-// a partial output behind.
+// a partial output behind. A process stopped by SIGINT, SIGTERM or SIGHUP removes its temporary
+// files on the way out (a handler installed with the first file).
 
 #include <cstddef>
 #include <filesystem>
@@ -41,6 +42,7 @@ class AtomicFile {
   std::filesystem::path temp_path_;
   int fd_ = -1;
   bool committed_ = false;
+  int pending_slot_ = -1;  // where a signal handler finds temp_path_ to remove it
 };
 
 }  // namespace flashattn::cli
