@@ -409,6 +409,7 @@ int run_ring(const RingCommandOptions& o, const MpiSession& mpi) {
   const std::vector<double> blocks = gathered(mpi, stats.blocks_computed);
   const std::vector<double> backward_seconds = gathered(mpi, backward_stats.seconds);
   const std::vector<double> backward_compute = gathered(mpi, backward_stats.compute_seconds);
+  const std::vector<double> backward_exposed = gathered(mpi, backward_stats.exposed_seconds);
 
   const Tensor whole_out = gather(mpi, out, h, sharding);
   Tensor whole_dq, whole_dk, whole_dv;
@@ -473,7 +474,8 @@ int run_ring(const RingCommandOptions& o, const MpiSession& mpi) {
       balance, json_list(sent, "%.0f").c_str(), json_list(blocks, "%.0f").c_str(),
       json_list(alone, "%.5f").c_str(), json_list(exposed, "%.5f").c_str(), hidden,
       backward ? (", \"backward_seconds\": " + json_list(backward_seconds, "%.4f") +
-                  ", \"backward_compute_seconds\": " + json_list(backward_compute, "%.4f"))
+                  ", \"backward_compute_seconds\": " + json_list(backward_compute, "%.4f") +
+                  ", \"backward_exposed_seconds\": " + json_list(backward_exposed, "%.5f"))
                      .c_str()
                : "",
       check.c_str());
