@@ -18,6 +18,7 @@ packages=(
   libomp-dev              # LLVM OpenMP and its ThreadSanitizer tool, Archer (tsan preset)
   libbenchmark-dev        # Google Benchmark: the flashattn_benchmark target
   gnuplot-nox             # `flashattn bench` plots
+  libopenmpi-dev openmpi-bin  # Open MPI: ring attention across processes (flashattn::dist)
 )
 missing=()
 for package in "${packages[@]}"; do
