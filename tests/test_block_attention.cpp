@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <sstream>
 #include <string>
@@ -71,14 +73,14 @@ Blocks blocks_of(const BlockCase& c) {
   return blocks;
 }
 
-class BlockAttention : public ::testing::TestWithParam<BlockCase> {
- protected:
-  void SetUp() override {
-    const BlockCase& c = GetParam();
-    rng.seed(test_seed());
-    q = Tensor(c.dtype, {1, c.seqlen, c.heads_q, c.head_dim});
-    k = Tensor(c.dtype, {1, c.seqlen, c.heads_kv, c.head_dim});
-    v = Tensor(c.dtype, {1, c.seqlen, c.heads_kv, c.head_dim});
+// One case's random inputs and options.
+struct BlockProblem {
+  explicit BlockProblem(const BlockCase& block_case, std::uint64_t seed)
+      : c(block_case),
+        rng(seed),
+        q(c.dtype, {1, c.seqlen, c.heads_q, c.head_dim}),
+        k(c.dtype, {1, c.seqlen, c.heads_kv, c.head_dim}),
+        v(c.dtype, {1, c.seqlen, c.heads_kv, c.head_dim}) {
     q.fill_normal(rng);
     k.fill_normal(rng);
     v.fill_normal(rng);
@@ -86,26 +88,28 @@ class BlockAttention : public ::testing::TestWithParam<BlockCase> {
     options.window_left = c.window_left;
     options.window_right = c.window_right;
     options.softcap = c.softcap;
-    for (std::int64_t h = 0; h < c.heads_q; ++h)
+    for (std::int64_t h = 0; h < c.heads_q; ++h) {
       slopes.push_back(0.25f / static_cast<float>(h + 1));
+    }
     if (c.alibi) options.alibi_slopes = slopes;
   }
 
   double score_rounding() const {
-    const double scale = 1.0 / std::sqrt(static_cast<double>(GetParam().head_dim));
-    return 0x1p-24 * scale * std::sqrt(static_cast<double>(GetParam().head_dim)) * max_abs(q) *
-           max_abs(k);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    return 0x1p-24 * scale * std::sqrt(static_cast<double>(c.head_dim)) * max_abs(q) * max_abs(k);
   }
 
+  BlockCase c;
   std::mt19937_64 rng;
-  Tensor q{DType::f32, {1, 1, 1, 1}}, k{DType::f32, {1, 1, 1, 1}}, v{DType::f32, {1, 1, 1, 1}};
+  Tensor q, k, v;
   std::vector<float> slopes;
   AttentionOptions options;
 };
 
-TEST_P(BlockAttention, MergedBlocksMatchTheWholeSequence) {
-  const BlockCase& c = GetParam();
-  SCOPED_TRACE(describe(c) + ", seed " + std::to_string(test_seed()));
+void check_merged_forward(BlockProblem& p) {
+  const BlockCase& c = p.c;
+  const Tensor &q = p.q, &k = p.k, &v = p.v;
+  const AttentionOptions& options = p.options;
   const Blocks blocks = blocks_of(c);
   const ReferenceResult want = reference(q, k, v, options);
 
@@ -149,7 +153,7 @@ TEST_P(BlockAttention, MergedBlocksMatchTheWholeSequence) {
   const MaxError error = max_error(assembled, want.out);
   const double g = max_abs_finite(want.out) + max_abs(v);
   const double tolerance = assembled_tolerance(
-      single_error, c.dtype, static_cast<std::int64_t>(blocks.begin.size()), score_rounding(), g);
+      single_error, c.dtype, static_cast<std::int64_t>(blocks.begin.size()), p.score_rounding(), g);
   EXPECT_LE(error.value, tolerance)
       << "at flat index " << error.index << ": got " << error.got << ", want " << error.want
       << "; single-call flash error " << single_error;
@@ -164,9 +168,11 @@ TEST_P(BlockAttention, MergedBlocksMatchTheWholeSequence) {
   }
 }
 
-TEST_P(BlockAttention, SummedBlockGradientsMatchTheWholeSequence) {
-  const BlockCase& c = GetParam();
-  SCOPED_TRACE(describe(c) + ", seed " + std::to_string(test_seed()));
+void check_summed_backward(BlockProblem& p) {
+  const BlockCase& c = p.c;
+  const Tensor &q = p.q, &k = p.k, &v = p.v;
+  const AttentionOptions& options = p.options;
+  std::mt19937_64& rng = p.rng;
   const Blocks blocks = blocks_of(c);
   Tensor dout(c.dtype, q.view.shape), out(c.dtype, q.view.shape);
   dout.fill_normal(rng);
@@ -227,7 +233,7 @@ TEST_P(BlockAttention, SummedBlockGradientsMatchTheWholeSequence) {
       std::max({max_abs_finite(want_dq), max_abs_finite(want_dk), max_abs_finite(want_dv)}) +
       max_abs(dout) * max_abs(v);
   const double tolerance = assembled_tolerance(
-      single_error, c.dtype, static_cast<std::int64_t>(blocks.begin.size()), score_rounding(), g);
+      single_error, c.dtype, static_cast<std::int64_t>(blocks.begin.size()), p.score_rounding(), g);
   for (const auto& [name, got, want] : {std::tuple{"dq", &sum_dq, &want_dq},
                                         {"dk", &sum_dk, &want_dk},
                                         {"dv", &sum_dv, &want_dv}}) {
@@ -246,6 +252,20 @@ TEST_P(BlockAttention, SummedBlockGradientsMatchTheWholeSequence) {
   }
 }
 
+class BlockAttention : public ::testing::TestWithParam<BlockCase> {};
+
+TEST_P(BlockAttention, MergedBlocksMatchTheWholeSequence) {
+  SCOPED_TRACE(describe(GetParam()) + ", seed " + std::to_string(test_seed()));
+  BlockProblem problem(GetParam(), test_seed());
+  check_merged_forward(problem);
+}
+
+TEST_P(BlockAttention, SummedBlockGradientsMatchTheWholeSequence) {
+  SCOPED_TRACE(describe(GetParam()) + ", seed " + std::to_string(test_seed()));
+  BlockProblem problem(GetParam(), test_seed());
+  check_summed_backward(problem);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Grid, BlockAttention,
     ::testing::Values(BlockCase{129, 4, 2, 64, {37, 80}, true},
@@ -257,6 +277,38 @@ INSTANTIATE_TEST_SUITE_P(
                       BlockCase{150, 4, 2, 64, {50, 100}, true, -1, -1, false, 0.0f, DType::bf16},
                       BlockCase{150, 4, 2, 64, {75}, false, 30, 0, false, 0.0f, DType::f16}),
     [](const auto& info) { return describe(info.param); });
+
+// Random cases: lengths, cuts, heads, dims, masks, windows, ALiBi, softcap and dtypes drawn
+// afresh each run (FLASHATTN_TEST_SEED replays one), forward and backward.
+TEST(BlockAttentionProperty, RandomCasesMatchTheWholeSequence) {
+  std::mt19937_64 draw(test_seed());
+  const auto pick = [&](std::int64_t low, std::int64_t high) {
+    return std::uniform_int_distribution<std::int64_t>(low, high)(draw);
+  };
+  for (int trial = 0; trial < 24; ++trial) {
+    BlockCase c;
+    c.seqlen = pick(1, 160);
+    c.heads_kv = pick(1, 2);
+    c.heads_q = c.heads_kv * pick(1, 3);
+    c.head_dim = pick(1, 80);
+    for (std::int64_t cuts = pick(0, 4); cuts > 0; --cuts) c.cuts.push_back(pick(0, c.seqlen));
+    std::sort(c.cuts.begin(), c.cuts.end());
+    c.causal = pick(0, 1) == 1;
+    c.window_left = pick(0, 2) == 0 ? pick(0, c.seqlen) : -1;
+    c.window_right = pick(0, 2) == 0 ? pick(0, c.seqlen) : -1;
+    c.alibi = pick(0, 3) == 0;
+    c.softcap = pick(0, 3) == 0 ? 4.0f : 0.0f;
+    c.dtype = std::array{DType::f32, DType::f32, DType::f16, DType::bf16}[pick(0, 3)];
+    const std::uint64_t seed = draw();
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + describe(c) + ", seed " +
+                 std::to_string(test_seed()));
+    BlockProblem forward(c, seed);
+    check_merged_forward(forward);
+    BlockProblem backward(c, seed);
+    check_summed_backward(backward);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
 
 TEST(BlockAttentionErrors, RefusesWhatBelongsToTheWholeSequence) {
   Tensor q(DType::f32, {1, 8, 2, 16}), k(DType::f32, {1, 8, 2, 16}), v(DType::f32, {1, 8, 2, 16});
