@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -154,10 +155,8 @@ double local_error(const Placed& got, const std::vector<double>& want) {
   return worst;
 }
 
-class RingAttention : public ::testing::TestWithParam<RingCase> {};
-
-TEST_P(RingAttention, ForwardMatchesTheReference) {
-  const Problem p(GetParam());
+void check_forward(const RingCase& ring_case) {
+  const Problem p(ring_case);
   SCOPED_TRACE(describe(p.c) + ", " + std::to_string(p.ranks) + " ranks, seed " +
                std::to_string(shared_seed()));
   const ReferenceResult want = reference(p.q, p.k, p.v, p.options);
@@ -200,8 +199,8 @@ TEST_P(RingAttention, ForwardMatchesTheReference) {
   EXPECT_EQ(stats.blocks_computed > 0, rows > 0);
 }
 
-TEST_P(RingAttention, BackwardMatchesTheReference) {
-  const Problem p(GetParam());
+void check_backward(const RingCase& ring_case) {
+  const Problem p(ring_case);
   SCOPED_TRACE(describe(p.c) + ", " + std::to_string(p.ranks) + " ranks, seed " +
                std::to_string(shared_seed()));
   // The whole sequence's forward and its reference gradients.
@@ -250,7 +249,36 @@ TEST_P(RingAttention, BackwardMatchesTheReference) {
       << "dv; single-process flash error " << single_error;
 }
 
+class RingAttention : public ::testing::TestWithParam<RingCase> {};
+
+TEST_P(RingAttention, ForwardMatchesTheReference) { check_forward(GetParam()); }
+
+TEST_P(RingAttention, BackwardMatchesTheReference) { check_backward(GetParam()); }
+
 using dist::Sharding;
+
+// Random cases, the same on every rank (rank 0's seed): lengths, heads, dims, masks, windows,
+// sharding and dtypes drawn afresh each run, forward and backward.
+TEST(RingAttentionProperty, RandomCasesMatchTheReference) {
+  std::mt19937_64 draw(shared_seed() ^ 0x5eed);
+  const auto pick = [&](std::int64_t low, std::int64_t high) {
+    return std::uniform_int_distribution<std::int64_t>(low, high)(draw);
+  };
+  for (int trial = 0; trial < 8; ++trial) {
+    RingCase c{pick(1, 2), pick(1, 150), 0, pick(1, 2), pick(1, 72)};
+    c.heads_q = c.heads_kv * pick(1, 3);
+    c.causal = pick(0, 1) == 1;
+    c.window_left = pick(0, 2) == 0 ? pick(0, c.seqlen) : -1;
+    c.window_right = pick(0, 2) == 0 ? pick(0, c.seqlen) : -1;
+    c.sharding = pick(0, 1) == 1 ? Sharding::zigzag : Sharding::contiguous;
+    c.dtype = std::array{DType::f32, DType::f32, DType::f16, DType::bf16}[pick(0, 3)];
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + describe(c));
+    check_forward(c);
+    check_backward(c);
+    if (::testing::Test::HasFailure()) return;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Grid, RingAttention,
     ::testing::Values(RingCase{1, 129, 4, 2, 64, true}, RingCase{1, 129, 4, 2, 64, false},
