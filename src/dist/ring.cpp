@@ -740,6 +740,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
         const std::int64_t rows = queries[i].length;
         max_segment = std::max(max_segment, rows);
         dq_sum[i].assign(static_cast<std::size_t>(s.batch * rows * s.heads_q * s.head_dim), 0.0f);
+        if (rows == 0) continue;
         // The segment's lse rows, contiguous [batch, heads_q, rows] as the block backward takes it.
         segment_lse[i].resize(static_cast<std::size_t>(s.batch * s.heads_q * rows));
         for (std::int64_t bh = 0; bh < s.batch * s.heads_q; ++bh) {

@@ -314,10 +314,10 @@ TEST(RingAttentionErrors, OneRanksBadInputRaisesTheSameErrorEverywhere) {
       << message;
   EXPECT_NE(message.find("head_dim"), std::string::npos) << message;
   // Every rank got the same message: compare lengths and a checksum with rank 0's.
-  long length = static_cast<long>(message.size()), checksum = 0;
-  for (char ch : message) checksum = checksum * 31 + ch;
-  long zero[2] = {length, checksum};
-  MPI_Bcast(zero, 2, MPI_LONG, 0, MPI_COMM_WORLD);
+  std::uint64_t length = message.size(), checksum = 0;
+  for (char ch : message) checksum = checksum * 31 + static_cast<unsigned char>(ch);
+  std::uint64_t zero[2] = {length, checksum};
+  MPI_Bcast(zero, 2, MPI_UINT64_T, 0, MPI_COMM_WORLD);
   EXPECT_EQ(length, zero[0]);
   EXPECT_EQ(checksum, zero[1]);
   EXPECT_EQ(out.at(0, 0, 0, 0), 7.0f) << "out written despite the error";
