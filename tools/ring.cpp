@@ -205,94 +205,23 @@ Inputs load_inputs(const RingCommandOptions& o) {
   return in;
 }
 
-// An MPI datatype of one (batch, row) of a shard: heads x dim elements.
-class RowType {
- public:
-  RowType(std::int64_t heads, std::int64_t dim, DType dtype) {
-    MPI_Type_contiguous(
-        static_cast<int>(heads * dim * static_cast<std::int64_t>(dtype_size(dtype))), MPI_BYTE,
-        &type_);
-    MPI_Type_commit(&type_);
-  }
-  ~RowType() { MPI_Type_free(&type_); }
-  RowType(const RowType&) = delete;
-  RowType& operator=(const RowType&) = delete;
-  MPI_Datatype get() const { return type_; }
-
- private:
-  MPI_Datatype type_ = MPI_DATATYPE_NULL;
-};
-
-// Rank 0 deals each rank its shard of `whole`; every rank returns its own.
-Tensor scatter(const MpiSession& mpi, const Tensor* whole, const Header& h, std::int64_t heads,
-               dist::Sharding sharding) {
-  const DType dtype = static_cast<DType>(h.dtype);
-  const RowType row(heads, h.head_dim, dtype);
-  const auto shard_of = [&](int rank) {
-    return Tensor(dtype, {h.batch, dist::shard_length(sharding, h.seqlen, mpi.ranks, rank), heads,
-                          h.head_dim});
-  };
-  Tensor mine = shard_of(mpi.rank);
-  if (mpi.rank == 0) {
-    for (int rank = 1; rank < mpi.ranks; ++rank) {
-      Tensor theirs = shard_of(rank);
-      dist::shard(whole->view(), sharding, mpi.ranks, rank, theirs.view());
-      MPI_Send(theirs.bytes.data(), static_cast<int>(theirs.shape[0] * theirs.shape[1]), row.get(),
-               rank, 0, MPI_COMM_WORLD);
-    }
-    dist::shard(whole->view(), sharding, mpi.ranks, 0, mine.view());
-  } else {
-    MPI_Recv(mine.bytes.data(), static_cast<int>(mine.shape[0] * mine.shape[1]), row.get(), 0, 0,
-             MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-  }
+// Rank 0 deals each rank its shard of `whole` (empty elsewhere); every rank returns its own.
+Tensor scatter(const MpiSession& mpi, const Tensor& whole, const Header& h, std::int64_t heads,
+               dist::Sharding sharding, double timeout) {
+  Tensor mine(
+      static_cast<DType>(h.dtype),
+      {h.batch, dist::shard_length(sharding, h.seqlen, mpi.ranks, mpi.rank), heads, h.head_dim});
+  dist::scatter_shards(MPI_COMM_WORLD, 0, whole.view(), sharding, mine.view(), timeout);
   return mine;
 }
 
 // Every rank's shard gathered into the whole tensor on rank 0 (empty elsewhere).
-Tensor gather(const MpiSession& mpi, const Tensor& mine, const Header& h, dist::Sharding sharding) {
-  const std::int64_t heads = mine.shape[2];
-  const RowType row(heads, h.head_dim, mine.dtype);
-  if (mpi.rank != 0) {
-    MPI_Send(mine.bytes.data(), static_cast<int>(mine.shape[0] * mine.shape[1]), row.get(), 0, 1,
-             MPI_COMM_WORLD);
-    return {};
-  }
-  Tensor whole(mine.dtype, {h.batch, h.seqlen, heads, h.head_dim});
-  dist::unshard(mine.view(), sharding, mpi.ranks, 0, whole.view());
-  for (int rank = 1; rank < mpi.ranks; ++rank) {
-    Tensor theirs(mine.dtype, {h.batch, dist::shard_length(sharding, h.seqlen, mpi.ranks, rank),
-                               heads, h.head_dim});
-    MPI_Recv(theirs.bytes.data(), static_cast<int>(theirs.shape[0] * theirs.shape[1]), row.get(),
-             rank, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-    dist::unshard(theirs.view(), sharding, mpi.ranks, rank, whole.view());
-  }
+Tensor gather(const MpiSession& mpi, const Tensor& mine, const Header& h, dist::Sharding sharding,
+              double timeout) {
+  Tensor whole =
+      mpi.rank == 0 ? Tensor(mine.dtype, {h.batch, h.seqlen, mine.shape[2], h.head_dim}) : Tensor();
+  dist::gather_shards(MPI_COMM_WORLD, 0, mine.view(), sharding, whole.view(), timeout);
   return whole;
-}
-
-// Seconds that one shift of this rank's K/V shard around the ring takes with nothing else
-// running: the transfer time that compute can hide. The fastest of three.
-double shift_seconds(const MpiSession& mpi, const Tensor& k, const Tensor& v) {
-  if (mpi.ranks == 1) return 0.0;
-  // Shards differ by up to two rows per batch entry: the receive buffer has room for more.
-  const std::int64_t rows = 2 * k.shape[0] * k.shape[1], capacity = rows + 4 * k.shape[0];
-  const std::size_t row_bytes =
-      static_cast<std::size_t>(k.shape[2] * k.shape[3]) * dtype_size(k.dtype);
-  std::vector<std::byte> send(k.bytes.size() + v.bytes.size()),
-      receive(static_cast<std::size_t>(capacity) * row_bytes);
-  std::memcpy(send.data(), k.bytes.data(), k.bytes.size());
-  std::memcpy(send.data() + k.bytes.size(), v.bytes.data(), v.bytes.size());
-  const int next = (mpi.rank + 1) % mpi.ranks, previous = (mpi.rank + mpi.ranks - 1) % mpi.ranks;
-  const RowType row(k.shape[2], k.shape[3], k.dtype);
-  double best = INFINITY;
-  for (int trial = 0; trial < 3; ++trial) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    const double start = MPI_Wtime();
-    MPI_Sendrecv(send.data(), static_cast<int>(rows), row.get(), next, 2, receive.data(),
-                 static_cast<int>(capacity), row.get(), previous, 2, MPI_COMM_WORLD,
-                 MPI_STATUS_IGNORE);
-    best = std::min(best, MPI_Wtime() - start);
-  }
-  return best;
 }
 
 double max_abs_difference(const Tensor& a, const Tensor& b) {
@@ -355,11 +284,12 @@ int run_ring(const RingCommandOptions& o, const MpiSession& mpi) {
   mpi.agree(problem);
   MPI_Bcast(&h, sizeof h, MPI_BYTE, 0, MPI_COMM_WORLD);
 
-  const Tensor q = scatter(mpi, &in.q, h, h.heads_q, sharding);
-  const Tensor k = scatter(mpi, &in.k, h, h.heads_kv, sharding);
-  const Tensor v = scatter(mpi, &in.v, h, h.heads_kv, sharding);
-  const Tensor dout = backward ? scatter(mpi, &in.dout, h, h.heads_q, sharding) : Tensor();
-  const double shift = shift_seconds(mpi, k, v);
+  const Tensor q = scatter(mpi, in.q, h, h.heads_q, sharding, o.timeout);
+  const Tensor k = scatter(mpi, in.k, h, h.heads_kv, sharding, o.timeout);
+  const Tensor v = scatter(mpi, in.v, h, h.heads_kv, sharding, o.timeout);
+  const Tensor dout =
+      backward ? scatter(mpi, in.dout, h, h.heads_q, sharding, o.timeout) : Tensor();
+  const double shift = dist::ring_shift_seconds(MPI_COMM_WORLD, k.view(), v.view());
 
   AttentionOptions options;
   options.causal = o.causal;
@@ -411,12 +341,12 @@ int run_ring(const RingCommandOptions& o, const MpiSession& mpi) {
   const std::vector<double> backward_compute = gathered(mpi, backward_stats.compute_seconds);
   const std::vector<double> backward_exposed = gathered(mpi, backward_stats.exposed_seconds);
 
-  const Tensor whole_out = gather(mpi, out, h, sharding);
+  const Tensor whole_out = gather(mpi, out, h, sharding, o.timeout);
   Tensor whole_dq, whole_dk, whole_dv;
   if (backward) {
-    whole_dq = gather(mpi, dq, h, sharding);
-    whole_dk = gather(mpi, dk, h, sharding);
-    whole_dv = gather(mpi, dv, h, sharding);
+    whole_dq = gather(mpi, dq, h, sharding, o.timeout);
+    whole_dk = gather(mpi, dk, h, sharding, o.timeout);
+    whole_dv = gather(mpi, dv, h, sharding, o.timeout);
   }
   if (mpi.rank != 0) return kExitOk;
 

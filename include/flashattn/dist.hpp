@@ -56,6 +56,22 @@ class RingAborted : public Error {
   using Error::Error;
 };
 
+// Rank `root` deals every rank of `comm` its shard of a whole [batch, seqlen, heads, dim] tensor,
+// and back. Collective. On root, `whole` is read (scatter) or written (gather); the other ranks
+// pass a view whose shape alone is read (data may be null). `local` on each rank is
+// [batch, shard_length(sharding, seqlen, ranks, rank), heads, dim] in whole's dtype; any
+// strides, last dim contiguous. Every wait is bounded by timeout_seconds (RingAborted).
+void scatter_shards(MPI_Comm comm, int root, const ConstTensorView& whole, Sharding sharding,
+                    const TensorView& local, double timeout_seconds = 300.0);
+void gather_shards(MPI_Comm comm, int root, const ConstTensorView& local, Sharding sharding,
+                   const TensorView& whole, double timeout_seconds = 300.0);
+
+// Seconds that one shift of this rank's K and V shard to the next rank takes with nothing else
+// running (the fastest of three, after a barrier): the transfer time that the ring's compute
+// has to hide. Collective; 0 on a communicator of one.
+double ring_shift_seconds(MPI_Comm comm, const ConstTensorView& k_local,
+                          const ConstTensorView& v_local);
+
 struct RingOptions {
   Sharding sharding = Sharding::contiguous;
   // The longest wait for a peer's message before the call gives up with an Error (a rank that

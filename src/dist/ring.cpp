@@ -34,6 +34,7 @@
 #include "api/block_attention.hpp"
 #include "api/fail.hpp"
 #include "api/params.hpp"
+#include "dist/transport.hpp"
 #include "flashattn/dist.hpp"
 #include "flashattn/merge.hpp"
 
@@ -56,21 +57,12 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 
 constexpr int kMessageBytes = 1024;
 
-// Waits for a non-blocking collective, at most timeout_seconds: a rank that never joins it (dead,
-// or stopped calling) makes this rank raise RingAborted instead of hanging.
-void wait_bounded(MPI_Request& request, double timeout_seconds, const char* caller, int rank) {
-  const Clock::time_point start = Clock::now();
-  for (int polls = 0;; ++polls) {
-    int done = 0;
-    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-    if (done) return;
-    if (seconds_since(start) > timeout_seconds) {
-      throw RingAborted(std::string(caller) + ": rank " + std::to_string(rank) +
-                        ": the ranks did not all join the call within timeout_seconds = " +
-                        std::to_string(timeout_seconds) + " (a rank died or stopped calling)");
-    }
-    if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
+// Waits for a non-blocking collective that every rank must join.
+void wait_for_all(MPI_Request& request, double timeout_seconds, const char* caller, int rank) {
+  std::vector<MPI_Request> requests{request};
+  transport::wait_bounded(requests, timeout_seconds, caller, rank,
+                          "the ranks did not all join the call");
+  request = requests[0];
 }
 
 // Raises, on every rank, the error of the lowest rank that has one (local_error non-empty).
@@ -83,14 +75,14 @@ void raise_first_error(MPI_Comm comm, const char* caller, const std::string& loc
   int first = ranks;
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &request);
-  wait_bounded(request, timeout_seconds, caller, rank);
+  wait_for_all(request, timeout_seconds, caller, rank);
   if (first == ranks) return;
   char message[kMessageBytes] = {};
   if (rank == first) {
     std::strncpy(message, local_error.c_str(), kMessageBytes - 1);
   }
   MPI_Ibcast(message, kMessageBytes, MPI_CHAR, first, comm, &request);
-  wait_bounded(request, timeout_seconds, caller, rank);
+  wait_for_all(request, timeout_seconds, caller, rank);
   throw Error(std::string(caller) + ": rank " + std::to_string(first) + ": " + message);
 }
 
@@ -291,23 +283,6 @@ class Transfers {
   std::string error_;
 };
 
-// An MPI datatype of `bytes` contiguous bytes (one row of a shard), freed on scope exit: counts
-// of rows stay far below MPI's int limit where counts of bytes would not.
-class RowType {
- public:
-  explicit RowType(std::int64_t bytes) {
-    MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &type_);
-    MPI_Type_commit(&type_);
-  }
-  ~RowType() { MPI_Type_free(&type_); }
-  RowType(const RowType&) = delete;
-  RowType& operator=(const RowType&) = delete;
-  MPI_Datatype get() const { return type_; }
-
- private:
-  MPI_Datatype type_ = MPI_DATATYPE_NULL;
-};
-
 // ---------------------------------------------------------------------------------------------
 // Views and buffers.
 
@@ -455,7 +430,7 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
   MPI_Request request = MPI_REQUEST_NULL;
   MPI_Iallgather(&mine, sizeof(Descriptor), MPI_BYTE, all.data(), sizeof(Descriptor), MPI_BYTE,
                  comm, &request);
-  wait_bounded(request, timeout, caller, setup.rank);
+  wait_for_all(request, timeout, caller, setup.rank);
   // Every rank checks the gathered descriptors the same way, so a mismatch raises the same Error
   // everywhere.
   std::int64_t seqlen = 0;
@@ -585,8 +560,8 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
       const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
       pack(k_local, shards[0].at(0));
       pack(v_local, shards[0].at(kv_elements(s, own_rows)));
-      const RowType row_type(s.heads_kv * s.head_dim *
-                             static_cast<std::int64_t>(dtype_size(s.dtype)));
+      const transport::RowType row_type(s.heads_kv * s.head_dim *
+                                        static_cast<std::int64_t>(dtype_size(s.dtype)));
 
       // Running state of each query segment, fp32: out [batch, rows, heads_q, dim], lse
       // [batch, heads_q, rows]; and one block's partial result.
@@ -716,10 +691,10 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
       for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
       pack(k_local, shards[0].at(0));
       pack(v_local, shards[0].at(kv_elements(s, own_rows)));
-      const RowType row_type(s.heads_kv * s.head_dim *
-                             static_cast<std::int64_t>(dtype_size(s.dtype)));
-      const RowType gradient_row_type(s.heads_kv * s.head_dim *
-                                      static_cast<std::int64_t>(sizeof(float)));
+      const transport::RowType row_type(s.heads_kv * s.head_dim *
+                                        static_cast<std::int64_t>(dtype_size(s.dtype)));
+      const transport::RowType gradient_row_type(s.heads_kv * s.head_dim *
+                                                 static_cast<std::int64_t>(sizeof(float)));
 
       // dK and dV of a shard, fp32 [dK rows | dV rows]: this rank's share of the block in hand, the
       // sum of the earlier ranks' shares arriving with it, the sum being sent on, and this rank's

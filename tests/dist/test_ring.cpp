@@ -383,6 +383,31 @@ TEST(RingAttentionFailures, DISABLED_PeersOfASilentRankGiveUpAfterTheTimeout) {
   std::this_thread::sleep_for(std::chrono::seconds(60));
 }
 
+// scatter_shards then gather_shards gives the whole back, bit for bit, from either end of the
+// communicator as root, each rank holding exactly its rows.
+TEST(Sharding, ScatterThenGatherIsTheIdentity) {
+  const int ranks = world_size(), rank = world_rank();
+  std::mt19937_64 rng(shared_seed());
+  for (Sharding sharding : {Sharding::contiguous, Sharding::zigzag}) {
+    for (int root : {0, ranks - 1}) {
+      const std::int64_t seqlen = 4 * ranks + 3;
+      Tensor whole(DType::bf16, {2, seqlen, 3, 8});
+      whole.fill_normal(rng);
+      Tensor local(DType::bf16, {2, dist::shard_length(sharding, seqlen, ranks, rank), 3, 8});
+      dist::scatter_shards(MPI_COMM_WORLD, root, whole.view, sharding, local.view);
+      Tensor expected(DType::bf16, local.view.shape);
+      dist::shard(whole.view, sharding, ranks, rank, expected.view);
+      EXPECT_EQ(local.bytes, expected.bytes) << dist::sharding_name(sharding) << ", root " << root;
+      Tensor back(DType::bf16, whole.view.shape);
+      back.poison();
+      dist::gather_shards(MPI_COMM_WORLD, root, local.view, sharding, back.view);
+      if (rank == root) {
+        EXPECT_EQ(back.bytes, whole.bytes) << dist::sharding_name(sharding) << ", root " << root;
+      }
+    }
+  }
+}
+
 TEST(Sharding, ZigzagShardsCoverTheSequenceOnce) {
   for (int ranks = 1; ranks <= 5; ++ranks) {
     for (std::int64_t seqlen : {0, 1, 7, 10, 129}) {
