@@ -3,7 +3,10 @@
 // (causal, window, scale, GQA group, threads, lse or not), the data (including NaN, ±inf and
 // denormals), the score modifiers (softcap, ALiBi slopes of either length, sinks, a bias and a
 // mask of any broadcast shape and layout; each sometimes a value, length or shape the API must
-// refuse) and, for one input in eight, a corruption that makes the call invalid.
+// refuse), for one input in four without a bias, mask or sinks an offset that makes the call a
+// block of a longer sequence (api/block_attention.hpp: the diagonal moved, the largest shift
+// included, one past it refused) and, for one input in eight, a corruption that makes the call
+// invalid.
 //
 // Invalid calls must raise flashattn::Error and leave out and lse untouched. Valid calls must
 // not throw, must write every element of out (and lse) and nothing around them, and must match
@@ -53,11 +56,13 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "api/backends.hpp"
+#include "api/block_attention.hpp"
 #include "flashattn/dtype.hpp"
 #include "flashattn/flashattn.hpp"
 #include "fuzz_support.hpp"
@@ -78,6 +83,10 @@ struct Problem {
   std::vector<float> alibi_slopes, sinks;  // what options.alibi_slopes and options.sinks view
   bool refused_modifier = false;           // a modifier the API must refuse
   FuzzedLogitViews logit_views;            // what options.bias and options.mask view
+  // Set: the call attends as a block of a longer sequence, row i on key i + offset
+  // (api/block_attention.hpp).
+  std::optional<std::int64_t> block_offset;
+  bool refused_offset = false;  // an offset whose diagonal shift is past the API's limit
   std::string description;
 
   flashattn::ConstTensorView view(const Tensor& t) const {
@@ -372,7 +381,8 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
             logit = softcap;
           }
           if (slope > 0) {
-            const double alibi = slope * static_cast<double>(std::abs(row + Skv - Sq - j));
+            const double alibi =
+                slope * static_cast<double>(std::abs(row + Skv - Sq + params.diagonal_shift - j));
             error += kU32 * (logit + 2 * alibi);
             logit += alibi;
           }
@@ -428,6 +438,48 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   if (written >= 0) finding(p, "wrote padding element " + std::to_string(written) + " of out");
 }
 
+// One input in four without a bias, mask or sinks attends as a block of a longer sequence: its
+// diagonal moved by an offset within a few lengths, now and then by the largest shift the API
+// takes (without ALiBi, whose distances would then dwarf fp32), or one past it, which must be
+// refused.
+void choose_block_offset(FuzzedDataProvider& in, Problem& p) {
+  const AttentionOptions& o = p.options;
+  if (o.bias.data != nullptr || o.mask.data != nullptr || !o.sinks.empty() ||
+      in.ConsumeIntegralInRange(0, 3) != 0) {
+    return;
+  }
+  constexpr std::int64_t kMaxShift = std::int64_t{1} << 59;
+  const std::int64_t lengths = p.q.shape[1] - p.k.shape[1];
+  const std::int64_t reach = p.q.shape[1] + p.k.shape[1] + 4;
+  const bool alibi = !o.alibi_slopes.empty();
+  switch (in.ConsumeIntegralInRange(0, 7)) {
+    case 0:
+      p.block_offset = alibi ? reach : kMaxShift - lengths;
+      break;
+    case 1:
+      p.block_offset = alibi ? -reach : -kMaxShift - lengths;
+      break;
+    case 2:
+      p.block_offset = kMaxShift - lengths + 1;
+      p.refused_offset = true;
+      break;
+    default:
+      p.block_offset = in.ConsumeIntegralInRange(-reach, reach);
+  }
+  p.description += " block offset " + std::to_string(*p.block_offset);
+}
+
+void attend(const Problem& p, const flashattn::ConstTensorView& q,
+            const flashattn::ConstTensorView& k, const flashattn::ConstTensorView& v,
+            const flashattn::TensorView& out, float* lse) {
+  if (p.block_offset) {
+    flashattn::detail::block_attention_forward(p.impl, q, k, v, out, lse, p.options,
+                                               *p.block_offset);
+  } else {
+    flashattn::attention_forward(p.impl, q, k, v, out, lse, p.options);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -435,13 +487,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const int corruption =
       in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 20) : -1;
   Problem p = make_problem(in);
+  choose_block_offset(in, p);
   flashattn::ConstTensorView q = p.view(p.q), k = p.view(p.k), v = p.view(p.v);
   flashattn::TensorView out = p.out_view();
   float* lse = p.lse();
 
-  // A corruption that cannot apply skips the input, unless a refused modifier makes the call
-  // invalid anyway.
-  bool invalid = p.refused_modifier;
+  // A corruption that cannot apply skips the input, unless a refused modifier or offset makes
+  // the call invalid anyway.
+  bool invalid = p.refused_modifier || p.refused_offset;
   if (corruption >= 0) {
     if (corrupt(p, corruption, q, k, v, out, lse)) {
       invalid = true;
@@ -453,7 +506,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (invalid) {
     const std::vector<std::uint8_t> out_before = p.out.buffer.bytes, lse_before = p.lse_bytes;
     try {
-      flashattn::attention_forward(p.impl, q, k, v, out, lse, p.options);
+      attend(p, q, k, v, out, lse);
     } catch (const flashattn::Error&) {
       if (p.out.buffer.bytes != out_before || p.lse_bytes != lse_before) {
         finding(p, "an invalid call wrote its output before raising Error");
@@ -464,12 +517,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
 
   try {
-    flashattn::attention_forward(p.impl, q, k, v, out, lse, p.options);
+    attend(p, q, k, v, out, lse);
   } catch (const flashattn::Error& error) {
     finding(p, std::string("a valid call raised Error: ") + error.what());
   }
-  const flashattn::detail::AttentionParams params =
+  flashattn::detail::AttentionParams params =
       flashattn::detail::make_params("fuzz", q, k, v, out, lse, p.options);
+  if (p.block_offset) flashattn::detail::place_block("fuzz", params, p.options, *p.block_offset);
   check_against_reference(p, params);
   return 0;
 }

@@ -310,6 +310,50 @@ TEST(BlockAttentionProperty, RandomCasesMatchTheWholeSequence) {
   }
 }
 
+// The largest shift of the diagonal the API takes, either way: under a causal mask and a window
+// every row then sees every key (the keys lie far behind the row) or none (far ahead): the plain
+// non-causal result, or out 0 and lse −inf. One past it is refused before anything is written.
+TEST(BlockAttentionEdges, TheLargestShiftsSeeEverythingOrNothing) {
+  constexpr std::int64_t kMaxShift = std::int64_t{1} << 59;
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, {1, 9, 2, 16}), k(DType::f32, {1, 13, 2, 16}), v(DType::f32, {1, 13, 2, 16});
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  const std::int64_t lengths = 9 - 13;  // seqlen_q − seqlen_kv
+  AttentionOptions causal;
+  causal.causal = true;
+  AttentionOptions banded = causal;
+  banded.window_left = 1000;
+  Tensor out(DType::f32, q.view.shape), plain(DType::f32, q.view.shape);
+  std::vector<float> lse(18), plain_lse(18);
+  flash_attention_forward(q.view, k.view, v.view, plain.view, plain_lse.data());
+
+  detail::block_attention_forward(AttentionImpl::flash, q.view, k.view, v.view, out.view,
+                                  lse.data(), causal, kMaxShift - lengths);
+  EXPECT_EQ(out.bytes, plain.bytes) << "far behind the rows: every key visible";
+  EXPECT_EQ(lse, plain_lse);
+
+  detail::block_attention_forward(AttentionImpl::flash, q.view, k.view, v.view, out.view,
+                                  lse.data(), banded, -kMaxShift - lengths);
+  out.for_each_index([&](auto a, auto s, auto h, auto d) { EXPECT_EQ(out.at(a, s, h, d), 0.0f); });
+  for (float value : lse) EXPECT_EQ(value, -std::numeric_limits<float>::infinity());
+
+  out.fill(7.0f);
+  for (const std::int64_t refused : {kMaxShift - lengths + 1, -kMaxShift - lengths - 1,
+                                     std::numeric_limits<std::int64_t>::max()}) {
+    try {
+      detail::block_attention_forward(AttentionImpl::flash, q.view, k.view, v.view, out.view,
+                                      lse.data(), banded, refused);
+      FAIL() << "offset " << refused << " accepted";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("query_minus_key_offset"), std::string::npos)
+          << error.what();
+    }
+    EXPECT_EQ(out.at(0, 0, 0, 0), 7.0f) << "written before the error";
+  }
+}
+
 TEST(BlockAttentionErrors, RefusesWhatBelongsToTheWholeSequence) {
   Tensor q(DType::f32, {1, 8, 2, 16}), k(DType::f32, {1, 8, 2, 16}), v(DType::f32, {1, 8, 2, 16});
   Tensor out(DType::f32, {1, 8, 2, 16});

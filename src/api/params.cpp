@@ -198,9 +198,18 @@ AttentionParams checked_params(const ConstTensorView& q, const ConstTensorView& 
 
 void place_block(const char* caller, AttentionParams& params, const AttentionOptions& options,
                  std::int64_t query_minus_key_offset) {
-  if (query_minus_key_offset < -kMaxDim || query_minus_key_offset > kMaxDim) {
-    fail(caller, "query_minus_key_offset: expected at most 2^61 either way, got ",
-         query_minus_key_offset);
+  // |shift| <= 2^59 keeps diagonal ± window (each below 2^61 + 2^59 and 2^62 + 2^59) inside 64
+  // bits; the first test keeps computing the shift itself inside them.
+  constexpr std::int64_t kMaxShift = std::int64_t{1} << 59;
+  const std::int64_t lengths = params.seqlen_q - params.seqlen_kv;
+  if (query_minus_key_offset < -kMaxDim || query_minus_key_offset > kMaxDim ||
+      query_minus_key_offset + lengths < -kMaxShift ||
+      query_minus_key_offset + lengths > kMaxShift) {
+    fail(caller,
+         "query_minus_key_offset: expected the diagonal's shift, offset + seqlen_q - seqlen_kv, "
+         "within 2^59 either way, got offset ",
+         query_minus_key_offset, " with seqlen_q ", params.seqlen_q, " and seqlen_kv ",
+         params.seqlen_kv);
   }
   if (params.modifiers.masks_logits() || params.modifiers.sinks != nullptr) {
     fail(caller,
@@ -208,7 +217,7 @@ void place_block(const char* caller, AttentionParams& params, const AttentionOpt
          "(they belong to the whole sequence), got ",
          params.modifiers.sinks != nullptr ? "sinks" : "a bias or mask");
   }
-  const std::int64_t shift = query_minus_key_offset + params.seqlen_q - params.seqlen_kv;
+  const std::int64_t shift = query_minus_key_offset + lengths;
   params.diagonal_shift = shift;
   // The window reaches as far as both sequences plus the shift before it stops mattering.
   const std::int64_t reach = params.seqlen_q + params.seqlen_kv + (shift < 0 ? -shift : shift);

@@ -267,7 +267,7 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
 
 // Makes checked params a block of a longer sequence whose row i sits on key
 // i + query_minus_key_offset (api/block_attention.hpp): the diagonal shifted, the windows
-// re-capped for it. Refuses a bias, a mask or sinks, and offsets beyond ±2^61.
+// re-capped for it. Refuses a bias, a mask or sinks, and a shift of the diagonal beyond ±2^59.
 void place_block(const char* caller, AttentionParams& params, const AttentionOptions& options,
                  std::int64_t query_minus_key_offset);
 
