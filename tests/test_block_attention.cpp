@@ -310,9 +310,11 @@ TEST(BlockAttentionProperty, RandomCasesMatchTheWholeSequence) {
   }
 }
 
-// The largest shift of the diagonal the API takes, either way: under a causal mask and a window
-// every row then sees every key (the keys lie far behind the row) or none (far ahead): the plain
-// non-causal result, or out 0 and lse −inf. One past it is refused before anything is written.
+// The largest shift of the diagonal the API takes, either way, on every path: under a causal
+// mask the keys then lie far behind every row, which sees them all (the plain non-causal result);
+// with a window as well, or shifted the other way, far from every row, which sees none (out 0,
+// lse −inf; the window's start then lies past the last key, which the standard path once filled
+// up to: a fuzz finding). One past the limit is refused before anything is written.
 TEST(BlockAttentionEdges, TheLargestShiftsSeeEverythingOrNothing) {
   constexpr std::int64_t kMaxShift = std::int64_t{1} << 59;
   std::mt19937_64 rng(test_seed());
@@ -327,17 +329,23 @@ TEST(BlockAttentionEdges, TheLargestShiftsSeeEverythingOrNothing) {
   banded.window_left = 1000;
   Tensor out(DType::f32, q.view.shape), plain(DType::f32, q.view.shape);
   std::vector<float> lse(18), plain_lse(18);
-  flash_attention_forward(q.view, k.view, v.view, plain.view, plain_lse.data());
-
-  detail::block_attention_forward(AttentionImpl::flash, q.view, k.view, v.view, out.view,
-                                  lse.data(), causal, kMaxShift - lengths);
-  EXPECT_EQ(out.bytes, plain.bytes) << "far behind the rows: every key visible";
-  EXPECT_EQ(lse, plain_lse);
-
-  detail::block_attention_forward(AttentionImpl::flash, q.view, k.view, v.view, out.view,
-                                  lse.data(), banded, -kMaxShift - lengths);
-  out.for_each_index([&](auto a, auto s, auto h, auto d) { EXPECT_EQ(out.at(a, s, h, d), 0.0f); });
-  for (float value : lse) EXPECT_EQ(value, -std::numeric_limits<float>::infinity());
+  for (AttentionImpl impl :
+       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+    SCOPED_TRACE(impl_name(impl));
+    attention_forward(impl, q.view, k.view, v.view, plain.view, plain_lse.data());
+    detail::block_attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), causal,
+                                    kMaxShift - lengths);
+    EXPECT_EQ(out.bytes, plain.bytes) << "far behind the rows: every key visible";
+    EXPECT_EQ(lse, plain_lse);
+    for (const std::int64_t offset : {kMaxShift - lengths, -kMaxShift - lengths}) {
+      out.poison();
+      detail::block_attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), banded,
+                                      offset);
+      out.for_each_index(
+          [&](auto a, auto s, auto h, auto d) { ASSERT_EQ(out.at(a, s, h, d), 0.0f) << offset; });
+      for (float value : lse) ASSERT_EQ(value, -std::numeric_limits<float>::infinity()) << offset;
+    }
+  }
 
   out.fill(7.0f);
   for (const std::int64_t refused : {kMaxShift - lengths + 1, -kMaxShift - lengths - 1,

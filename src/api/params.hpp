@@ -152,6 +152,8 @@ struct AttentionParams {
     if (window_right >= 0) end = std::min(end, diagonal + window_right + 1);
     std::int64_t begin = 0;
     if (window_left >= 0) begin = std::max(begin, diagonal - window_left);
+    // A shifted diagonal can lie past the last key: the range is then empty, at the end.
+    begin = std::min(begin, length);
     return {begin, std::max(begin, end)};
   }
 
