@@ -180,4 +180,36 @@ inline double assembled_tolerance(double single_flash_error, DType dtype, std::i
          (2.0 * unit_roundoff(dtype) + 4.0 * score_rounding + pieces * per_piece) * scale_g;
 }
 
+// What a gradient assembled from partial ones (block or ring attention) is held to: the fp64
+// reference gradients (contiguous, C order) of one forward whose out and lse are given, the
+// single-call flash backward's largest error against them, and the gradients' scale
+// G = max|grad| + max|dO|·max|v| (assembled_tolerance's scale_g).
+struct GradientOracle {
+  std::vector<double> dq, dk, dv;
+  double single_flash_error = 0.0, scale_g = 0.0;
+};
+inline GradientOracle gradient_oracle(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                      const Tensor& v, const Tensor& out, const float* lse,
+                                      const AttentionOptions& options) {
+  Tensor dq(q.view.dtype, q.view.shape), dk(k.view.dtype, k.view.shape),
+      dv(v.view.dtype, v.view.shape);
+  const detail::BackwardParams params =
+      detail::make_backward_params("reference", dout.view, q.view, k.view, v.view, out.view, lse,
+                                   dq.view, dk.view, dv.view, options);
+  GradientOracle oracle;
+  oracle.dq.resize(static_cast<std::size_t>(q.view.numel()));
+  oracle.dk.resize(static_cast<std::size_t>(k.view.numel()));
+  oracle.dv.resize(oracle.dk.size());
+  detail::reference_backward_f64(params, oracle.dq.data(), oracle.dk.data(), oracle.dv.data());
+  flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse, dq.view, dk.view,
+                           dv.view, options);
+  oracle.single_flash_error =
+      std::max({max_error(dq, oracle.dq).value, max_error(dk, oracle.dk).value,
+                max_error(dv, oracle.dv).value});
+  oracle.scale_g =
+      std::max({max_abs_finite(oracle.dq), max_abs_finite(oracle.dk), max_abs_finite(oracle.dv)}) +
+      max_abs(dout) * max_abs(v);
+  return oracle;
+}
+
 }  // namespace flashattn::testing

@@ -39,6 +39,20 @@ struct MaskView {
   std::array<std::int64_t, 4> strides{};
 };
 
+// Positions [begin, begin + count) along dim 1 (the sequence) of a view: the same memory, no copy.
+// The caller keeps them within the view.
+template <class Pointer>
+BasicTensorView<Pointer> sequence_slice(const BasicTensorView<Pointer>& view, std::int64_t begin,
+                                        std::int64_t count) {
+  using Byte =
+      std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const char, char>;
+  BasicTensorView<Pointer> part = view;
+  part.data = static_cast<Byte*>(view.data) +
+              begin * view.strides[1] * static_cast<std::int64_t>(dtype_size(view.dtype));
+  part.shape[1] = count;
+  return part;
+}
+
 // Row-major (C order) strides for `shape`.
 constexpr std::array<std::int64_t, 4> contiguous_strides(const std::array<std::int64_t, 4>& shape) {
   return {shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1};

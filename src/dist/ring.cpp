@@ -286,17 +286,6 @@ class Transfers {
 // ---------------------------------------------------------------------------------------------
 // Views and buffers.
 
-// Rows [row, row + rows) of a [batch, n, heads, dim] view.
-template <class View>
-View rows_of(const View& view, std::int64_t row, std::int64_t rows) {
-  View part = view;
-  using Byte = std::conditional_t<std::is_same_v<View, TensorView>, char, const char>;
-  part.data = static_cast<Byte*>(view.data) +
-              row * view.strides[1] * static_cast<std::int64_t>(dtype_size(view.dtype));
-  part.shape[1] = rows;
-  return part;
-}
-
 // A contiguous buffer of one dtype seen as [batch, rows, heads, dim] blocks.
 // Left uninitialized unless asked (a shard buffer is written whole before it is read; at
 // S = 32768 a memset of every buffer cost ~7% of a call).
@@ -508,6 +497,17 @@ std::vector<std::int64_t> local_offsets(const Plan& plan, int owner) {
   return offsets;
 }
 
+// What a local check raised, or empty.
+template <class Check>
+std::string error_of(Check&& check) {
+  try {
+    check();
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return {};
+}
+
 // Runs the part of a call after the ranks agreed: any failure there is this rank's alone.
 template <class Body>
 RingStats after_agreement(const char* caller, int rank, Body&& body) {
@@ -524,6 +524,23 @@ RingStats after_agreement(const char* caller, int rank, Body&& body) {
 
 // The whole call: a std::bad_alloc before the agreement (validation's small buffers) is an
 // Error like any other local one.
+// A step's K/V messages: the shard in hand on to the next rank when a later rank needs it, the
+// next one in from the previous rank when it comes.
+void move_shards(Transfers& transfers, const Setup& s, int step, Buffer& current, Buffer& incoming,
+                 MPI_Datatype row_type) {
+  const Plan& plan = s.plan;
+  const int owner = plan.owner_at(step);
+  if (plan.held(owner, step) && plan.sent_on(owner, step)) {
+    transfers.send(current.at(0), 2 * s.batch * plan.rows[static_cast<std::size_t>(owner)],
+                   row_type, plan.next(), kTagKeysValues);
+  }
+  const int arriving = plan.owner_at(step + 1);
+  if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
+    transfers.receive(incoming.at(0), 2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
+                      row_type, plan.previous(), kTagKeysValues);
+  }
+}
+
 template <class Body>
 RingStats run_collective(const char* caller, Body&& body) {
   try {
@@ -542,12 +559,9 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
   constexpr const char* caller = "ring_attention_forward";
   return run_collective(caller, [&] {
     const Clock::time_point call_start = Clock::now();
-    std::string local_error;
-    try {
+    const std::string local_error = error_of([&] {
       detail::make_params(caller, q_local, k_local, v_local, out_local, lse_local, options);
-    } catch (const Error& error) {
-      local_error = error.what();
-    }
+    });
     const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {
       const Plan& plan = s.plan;
@@ -592,16 +606,7 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
         Buffer& incoming = shards[(step + 1) % 2];
         const bool holding = plan.held(owner, step);
         const std::int64_t rows = plan.rows[static_cast<std::size_t>(owner)];
-        if (holding && plan.sent_on(owner, step)) {
-          transfers.send(current.at(0), 2 * s.batch * rows, row_type.get(), plan.next(),
-                         kTagKeysValues);
-        }
-        const int arriving = plan.owner_at(step + 1);
-        if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
-          transfers.receive(incoming.at(0),
-                            2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
-                            row_type.get(), plan.previous(), kTagKeysValues);
-        }
+        move_shards(transfers, s, step, current, incoming, row_type.get());
         transfers.start();
 
         const Clock::time_point compute_start = Clock::now();
@@ -620,10 +625,10 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
               const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim};
               const TensorView partial = part_out.view(0, out_shape);
               detail::block_attention_forward(
-                  AttentionImpl::flash, rows_of(q_local, query_rows[i], q_rows),
-                  rows_of(shard.k, key_rows[j], keys[j].length),
-                  rows_of(shard.v, key_rows[j], keys[j].length), partial, part_lse.data(), options,
-                  queries[i].begin - keys[j].begin);
+                  AttentionImpl::flash, sequence_slice(q_local, query_rows[i], q_rows),
+                  sequence_slice(shard.k, key_rows[j], keys[j].length),
+                  sequence_slice(shard.v, key_rows[j], keys[j].length), partial, part_lse.data(),
+                  options, queries[i].begin - keys[j].begin);
               TensorView partial_f32 = partial;
               if (s.dtype != DType::f32) {
                 partial_f32 = part_out_f32.view(0, out_shape);
@@ -647,7 +652,7 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
       for (std::size_t i = 0; i < queries.size(); ++i) {
         const std::int64_t rows = queries[i].length;
         if (rows == 0) continue;
-        store(state_out[i].floats(), rows_of(out_local, query_rows[i], rows));
+        store(state_out[i].floats(), sequence_slice(out_local, query_rows[i], rows));
         if (lse_local != nullptr) {
           for (std::int64_t bh = 0; bh < s.batch * s.heads_q; ++bh) {
             std::memcpy(
@@ -673,13 +678,10 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
   constexpr const char* caller = "ring_attention_backward";
   return run_collective(caller, [&] {
     const Clock::time_point call_start = Clock::now();
-    std::string local_error;
-    try {
+    const std::string local_error = error_of([&] {
       detail::make_backward_params(caller, dout_local, q_local, k_local, v_local, out_local,
                                    lse_local, dq_local, dk_local, dv_local, options);
-    } catch (const Error& error) {
-      local_error = error.what();
-    }
+    });
     const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {
       const Plan& plan = s.plan;
@@ -766,16 +768,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
         const std::int64_t shard_elements = kv_elements(s, rows);
         // This step's messages: K/V on to the next rank and in from the previous one; the sum the
         // previous step finished, on its way; the sum over the shard in hand, arriving.
-        if (holding && plan.sent_on(owner, step)) {
-          transfers.send(current.at(0), 2 * s.batch * rows, row_type.get(), plan.next(),
-                         kTagKeysValues);
-        }
-        const int arriving = plan.owner_at(step + 1);
-        if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
-          transfers.receive(incoming.at(0),
-                            2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
-                            row_type.get(), plan.previous(), kTagKeysValues);
-        }
+        move_shards(transfers, s, step, current, incoming, row_type.get());
         if (step > 0) send_sum(transfers, step - 1);
         if (step > 0 && holding) {
           transfers.receive(arriving_sum.at(0), 2 * s.batch * rows, gradient_row_type.get(),
@@ -802,10 +795,12 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
               const TensorView dk = part_dk.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
               const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
               detail::block_attention_backward(
-                  AttentionImpl::flash, rows_of(dout_local, query_rows[i], q_rows),
-                  rows_of(q_local, query_rows[i], q_rows), rows_of(shard.k, key_rows[j], k_rows),
-                  rows_of(shard.v, key_rows[j], k_rows), rows_of(out_local, query_rows[i], q_rows),
-                  segment_lse[i].data(), dq, dk, dv, options, queries[i].begin - keys[j].begin);
+                  AttentionImpl::flash, sequence_slice(dout_local, query_rows[i], q_rows),
+                  sequence_slice(q_local, query_rows[i], q_rows),
+                  sequence_slice(shard.k, key_rows[j], k_rows),
+                  sequence_slice(shard.v, key_rows[j], k_rows),
+                  sequence_slice(out_local, query_rows[i], q_rows), segment_lse[i].data(), dq, dk,
+                  dv, options, queries[i].begin - keys[j].begin);
               add_to(dq_sum[i].data(), dq.data, s.dtype, dq.numel());
               // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dim].
               const std::int64_t row_elements = s.heads_kv * s.head_dim;
@@ -843,7 +838,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
       for (std::size_t i = 0; i < queries.size(); ++i) {
         const std::int64_t rows = queries[i].length;
         if (rows == 0) continue;
-        store(dq_sum[i].data(), rows_of(dq_local, query_rows[i], rows));
+        store(dq_sum[i].data(), sequence_slice(dq_local, query_rows[i], rows));
       }
       store(own_total.floats(), dk_local);
       store(own_total.floats() + kv_elements(s, own_rows), dv_local);

@@ -207,18 +207,7 @@ void check_backward(const RingCase& ring_case) {
   Tensor out(p.c.dtype, p.q.view.shape);
   std::vector<float> lse(static_cast<std::size_t>(p.c.batch * p.c.heads_q * p.c.seqlen));
   flash_attention_forward(p.q.view, p.k.view, p.v.view, out.view, lse.data(), p.options);
-  Tensor dq(p.c.dtype, p.q.view.shape), dk(p.c.dtype, p.k.view.shape),
-      dv(p.c.dtype, p.k.view.shape);
-  std::vector<double> want_dq(static_cast<std::size_t>(p.q.view.numel()));
-  std::vector<double> want_dk(static_cast<std::size_t>(p.k.view.numel())), want_dv(want_dk.size());
-  const detail::BackwardParams params =
-      detail::make_backward_params("reference", p.dout.view, p.q.view, p.k.view, p.v.view, out.view,
-                                   lse.data(), dq.view, dk.view, dv.view, p.options);
-  detail::reference_backward_f64(params, want_dq.data(), want_dk.data(), want_dv.data());
-  flash_attention_backward(p.dout.view, p.q.view, p.k.view, p.v.view, out.view, lse.data(), dq.view,
-                           dk.view, dv.view, p.options);
-  const double single_error = std::max(
-      {max_error(dq, want_dq).value, max_error(dk, want_dk).value, max_error(dv, want_dv).value});
+  const GradientOracle want = gradient_oracle(p.dout, p.q, p.k, p.v, out, lse.data(), p.options);
 
   // The ring's forward, then its backward from what the forward wrote.
   Tensor out_local(p.c.dtype, p.local_shape(p.c.heads_q));
@@ -236,17 +225,14 @@ void check_backward(const RingCase& ring_case) {
                                 p.v_local.view, out_local.view, lse_local.data(), dq_local.view,
                                 dk_local.view, dv_local.view, p.options, p.ring());
 
-  const double g =
-      std::max({max_abs_finite(want_dq), max_abs_finite(want_dk), max_abs_finite(want_dv)}) +
-      max_abs(p.dout) * max_abs(p.v);
-  const double tolerance =
-      assembled_tolerance(single_error, p.c.dtype, p.pieces(), p.score_rounding(), g);
-  EXPECT_LE(max_over_ranks(local_error(placed(p, dq_local, p.c.heads_q), want_dq)), tolerance)
-      << "dq; single-process flash error " << single_error;
-  EXPECT_LE(max_over_ranks(local_error(placed(p, dk_local, p.c.heads_kv), want_dk)), tolerance)
-      << "dk; single-process flash error " << single_error;
-  EXPECT_LE(max_over_ranks(local_error(placed(p, dv_local, p.c.heads_kv), want_dv)), tolerance)
-      << "dv; single-process flash error " << single_error;
+  const double tolerance = assembled_tolerance(want.single_flash_error, p.c.dtype, p.pieces(),
+                                               p.score_rounding(), want.scale_g);
+  EXPECT_LE(max_over_ranks(local_error(placed(p, dq_local, p.c.heads_q), want.dq)), tolerance)
+      << "dq; single-process flash error " << want.single_flash_error;
+  EXPECT_LE(max_over_ranks(local_error(placed(p, dk_local, p.c.heads_kv), want.dk)), tolerance)
+      << "dk; single-process flash error " << want.single_flash_error;
+  EXPECT_LE(max_over_ranks(local_error(placed(p, dv_local, p.c.heads_kv), want.dv)), tolerance)
+      << "dv; single-process flash error " << want.single_flash_error;
 }
 
 class RingAttention : public ::testing::TestWithParam<RingCase> {};
