@@ -131,7 +131,9 @@ TEST_F(RingCli, AKilledRankEndsTheJobInsteadOfHangingIt) {
       mpirun_args(2, {"--shape", "1,32768,8,8,64", "--threads", "1", "--out", path("o.npy")}),
       capture_);
   ASSERT_GT(job, 0);
-  // Find a rank: a child of mpirun running flashattn.
+  // Find rank 1: a child of mpirun running flashattn with OMPI_COMM_WORLD_RANK=1. (Rank 0 holds
+  // the output's temporary file, which no process can remove on SIGKILL; rank 1's death makes
+  // mpirun stop rank 0 with SIGTERM, on which it does.)
   pid_t rank = -1;
   const auto start = std::chrono::steady_clock::now();
   while (rank < 0 && std::chrono::steady_clock::now() - start < std::chrono::seconds(20)) {
@@ -142,11 +144,15 @@ TEST_F(RingCli, AKilledRankEndsTheJobInsteadOfHangingIt) {
       std::string pid, command, state;
       long parent = 0;
       stat >> pid >> command >> state >> parent;
-      if (parent == job && command == "(flashattn)") rank = static_cast<pid_t>(std::stol(pid));
+      if (parent != job || command != "(flashattn)") continue;
+      const std::string environment = read_text(entry.path() / "environ");
+      if (environment.find(std::string("OMPI_COMM_WORLD_RANK=1") + '\0') != std::string::npos) {
+        rank = static_cast<pid_t>(std::stol(pid));
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ASSERT_GT(rank, 0) << "no rank of the job found";
+  ASSERT_GT(rank, 0) << "rank 1 of the job not found";
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
   kill(rank, SIGKILL);
   const Completed completed = wait_program(job, capture_);
