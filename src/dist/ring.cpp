@@ -37,6 +37,7 @@
 #include "dist/transport.hpp"
 #include "flashattn/dist.hpp"
 #include "flashattn/merge.hpp"
+#include "util/convert.hpp"
 
 namespace flashattn::dist {
 namespace {
@@ -329,14 +330,13 @@ void pack(const ConstTensorView& from, void* to) {
 
 // to (any dtype, any strides) = from (fp32, contiguous, same shape).
 void store(const float* from, const TensorView& to) {
-  std::int64_t flat = 0;
   for (std::int64_t b = 0; b < to.shape[0]; ++b) {
     for (std::int64_t s = 0; s < to.shape[1]; ++s) {
       for (std::int64_t h = 0; h < to.shape[2]; ++h) {
-        const std::int64_t offset = b * to.strides[0] + s * to.strides[1] + h * to.strides[2];
-        for (std::int64_t d = 0; d < to.shape[3]; ++d) {
-          store_f32(to.data, to.dtype, offset + d, from[flat++]);
-        }
+        detail::store_row_f32(to.data, to.dtype,
+                              b * to.strides[0] + s * to.strides[1] + h * to.strides[2], from,
+                              to.shape[3]);
+        from += to.shape[3];
       }
     }
   }
@@ -524,6 +524,24 @@ RingStats after_agreement(const char* caller, int rank, Body&& body) {
 
 // The whole call: a std::bad_alloc before the agreement (validation's small buffers) is an
 // Error like any other local one.
+// Calls visit(i, j) for each query segment i of this rank and key segment j of owner's shard
+// that the mask leaves visible; counts the pairs it hides entirely in stats.blocks_skipped.
+template <class Visit>
+void for_each_visible_pair(const Plan& plan, int owner, RingStats& stats, Visit&& visit) {
+  const std::vector<Segment>& queries = plan.segments[static_cast<std::size_t>(plan.rank)];
+  const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
+  for (std::size_t i = 0; i < queries.size(); ++i) {
+    for (std::size_t j = 0; j < keys.size(); ++j) {
+      if (queries[i].length == 0 || keys[j].length == 0) continue;
+      if (!plan.visible(queries[i], keys[j])) {
+        ++stats.blocks_skipped;
+        continue;
+      }
+      visit(i, j);
+    }
+  }
+}
+
 // A step's K/V messages: the shard in hand on to the next rank when a later rank needs it, the
 // next one in from the previous rank when it comes.
 void move_shards(Transfers& transfers, const Setup& s, int step, Buffer& current, Buffer& incoming,
@@ -614,36 +632,27 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
           const ShardView shard = shard_view(s, current, rows);
           const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
           const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
-          for (std::size_t i = 0; i < queries.size(); ++i) {
-            for (std::size_t j = 0; j < keys.size(); ++j) {
-              if (queries[i].length == 0 || keys[j].length == 0) continue;
-              if (!plan.visible(queries[i], keys[j])) {
-                ++stats.blocks_skipped;
-                continue;
-              }
-              const std::int64_t q_rows = queries[i].length;
-              const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim};
-              const TensorView partial = part_out.view(0, out_shape);
-              detail::block_attention_forward(
-                  AttentionImpl::flash, sequence_slice(q_local, query_rows[i], q_rows),
-                  sequence_slice(shard.k, key_rows[j], keys[j].length),
-                  sequence_slice(shard.v, key_rows[j], keys[j].length), partial, part_lse.data(),
-                  options, queries[i].begin - keys[j].begin);
-              TensorView partial_f32 = partial;
-              if (s.dtype != DType::f32) {
-                partial_f32 = part_out_f32.view(0, out_shape);
-                const std::int64_t count = partial.numel();
-                float* widened = static_cast<float*>(partial_f32.data);
-                for (std::int64_t e = 0; e < count; ++e)
-                  widened[e] = load_f32(partial.data, s.dtype, e);
-              }
-              const TensorView state = state_out[i].view(0, out_shape);
-              merge_attention_states(state, state_lse[i].data(), partial_f32, part_lse.data(),
-                                     state, state_lse[i].data(), options.num_threads);
-              ++stats.blocks_computed;
-              transfers.progress();
+          for_each_visible_pair(plan, owner, stats, [&](std::size_t i, std::size_t j) {
+            const std::int64_t q_rows = queries[i].length;
+            const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim};
+            const TensorView partial = part_out.view(0, out_shape);
+            detail::block_attention_forward(
+                AttentionImpl::flash, sequence_slice(q_local, query_rows[i], q_rows),
+                sequence_slice(shard.k, key_rows[j], keys[j].length),
+                sequence_slice(shard.v, key_rows[j], keys[j].length), partial, part_lse.data(),
+                options, queries[i].begin - keys[j].begin);
+            TensorView partial_f32 = partial;
+            if (s.dtype != DType::f32) {
+              partial_f32 = part_out_f32.view(0, out_shape);
+              detail::load_row_f32(static_cast<float*>(partial_f32.data), partial.data, s.dtype, 0,
+                                   partial.numel());
             }
-          }
+            const TensorView state = state_out[i].view(0, out_shape);
+            merge_attention_states(state, state_lse[i].data(), partial_f32, part_lse.data(), state,
+                                   state_lse[i].data(), options.num_threads);
+            ++stats.blocks_computed;
+            transfers.progress();
+          });
         }
         stats.compute_seconds += seconds_since(compute_start);
         stats.exposed_seconds += transfers.finish();
@@ -783,41 +792,34 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
           const ShardView shard = shard_view(s, current, rows);
           const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
           const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
-          for (std::size_t i = 0; i < queries.size(); ++i) {
-            for (std::size_t j = 0; j < keys.size(); ++j) {
-              if (queries[i].length == 0 || keys[j].length == 0) continue;
-              if (!plan.visible(queries[i], keys[j])) {
-                ++stats.blocks_skipped;
-                continue;
-              }
-              const std::int64_t q_rows = queries[i].length, k_rows = keys[j].length;
-              const TensorView dq = part_dq.view(0, {s.batch, q_rows, s.heads_q, s.head_dim});
-              const TensorView dk = part_dk.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
-              const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
-              detail::block_attention_backward(
-                  AttentionImpl::flash, sequence_slice(dout_local, query_rows[i], q_rows),
-                  sequence_slice(q_local, query_rows[i], q_rows),
-                  sequence_slice(shard.k, key_rows[j], k_rows),
-                  sequence_slice(shard.v, key_rows[j], k_rows),
-                  sequence_slice(out_local, query_rows[i], q_rows), segment_lse[i].data(), dq, dk,
-                  dv, options, queries[i].begin - keys[j].begin);
-              add_to(dq_sum[i].data(), dq.data, s.dtype, dq.numel());
-              // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dim].
-              const std::int64_t row_elements = s.heads_kv * s.head_dim;
-              for (std::int64_t b = 0; b < s.batch; ++b) {
-                const std::int64_t into = (b * rows + key_rows[j]) * row_elements;
-                const std::int64_t from = b * k_rows * row_elements;
-                add_to(share.floats() + into,
-                       static_cast<const char*>(dk.data) + from * dtype_size(s.dtype), s.dtype,
-                       k_rows * row_elements);
-                add_to(share.floats() + shard_elements + into,
-                       static_cast<const char*>(dv.data) + from * dtype_size(s.dtype), s.dtype,
-                       k_rows * row_elements);
-              }
-              ++stats.blocks_computed;
-              transfers.progress();
+          for_each_visible_pair(plan, owner, stats, [&](std::size_t i, std::size_t j) {
+            const std::int64_t q_rows = queries[i].length, k_rows = keys[j].length;
+            const TensorView dq = part_dq.view(0, {s.batch, q_rows, s.heads_q, s.head_dim});
+            const TensorView dk = part_dk.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
+            const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
+            detail::block_attention_backward(
+                AttentionImpl::flash, sequence_slice(dout_local, query_rows[i], q_rows),
+                sequence_slice(q_local, query_rows[i], q_rows),
+                sequence_slice(shard.k, key_rows[j], k_rows),
+                sequence_slice(shard.v, key_rows[j], k_rows),
+                sequence_slice(out_local, query_rows[i], q_rows), segment_lse[i].data(), dq, dk, dv,
+                options, queries[i].begin - keys[j].begin);
+            add_to(dq_sum[i].data(), dq.data, s.dtype, dq.numel());
+            // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dim].
+            const std::int64_t row_elements = s.heads_kv * s.head_dim;
+            for (std::int64_t b = 0; b < s.batch; ++b) {
+              const std::int64_t into = (b * rows + key_rows[j]) * row_elements;
+              const std::int64_t from = b * k_rows * row_elements;
+              add_to(share.floats() + into,
+                     static_cast<const char*>(dk.data) + from * dtype_size(s.dtype), s.dtype,
+                     k_rows * row_elements);
+              add_to(share.floats() + shard_elements + into,
+                     static_cast<const char*>(dv.data) + from * dtype_size(s.dtype), s.dtype,
+                     k_rows * row_elements);
             }
-          }
+            ++stats.blocks_computed;
+            transfers.progress();
+          });
         }
         stats.compute_seconds += seconds_since(compute_start);
         stats.exposed_seconds += transfers.finish();
