@@ -282,6 +282,40 @@ TEST_F(CliTest, RunFloat16InputsRunAsF16AndWriteFloat32) {
                             compute(AttentionImpl::standard, q, k, v, options), v, "flash, f16");
 }
 
+// --device cuda: on a GPU, the f16 forward within the f16 bound of tests/cuda (P rounded to f16
+// as the operand of P·V: u·max|v|; out rounded: u·|out|; u = 2^-11); without a GPU, or in a
+// build without the CUDA backend, one error line naming --device cuda and no file.
+TEST_F(CliTest, RunOnCudaComputesThereOrFailsCleanly) {
+  std::mt19937_64 rng(6);
+  const Operand q = random_operand(DType::f16, {1, 70, 2, 64}, rng);
+  const Operand k = random_operand(DType::f16, {1, 70, 2, 64}, rng);
+  const Operand v = random_operand(DType::f16, {1, 70, 2, 64}, rng);
+  save_inputs(q, k, v);
+  std::vector<std::string> args = run_args();
+  args.insert(args.end(), {"--lse", path("lse.npy"), "--causal", "--device", "cuda"});
+  const Completed completed = run(args);
+  if (completed.exit_code != 0) {
+    EXPECT_TRUE(completed.exit_code == 1 || completed.exit_code == 2) << completed.exit_code;
+    EXPECT_NE(completed.err.find("--device cuda"), std::string::npos) << completed.err;
+    EXPECT_EQ(entries(), (std::vector<std::string>{"k.npy", "q.npy", "v.npy"}));
+    return;
+  }
+  EXPECT_EQ(parse_json_line(completed.out.substr(0, completed.out.find('\n'))).at("device"),
+            "cuda");
+  AttentionOptions options;
+  options.causal = true;
+  const Outputs reference = compute(AttentionImpl::reference, q, k, v, options);
+  const std::vector<float> out = flashattn::npy::read_npy(path("out.npy")).f32;
+  std::vector<float> v_values;
+  for (std::int64_t i = 0; i < v.numel(); ++i) v_values.push_back(v.at(i));
+  const double u = std::ldexp(1.0, -11), max_v = max_abs(v_values);
+  ASSERT_EQ(out.size(), reference.out.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    ASSERT_NEAR(out[i], reference.out[i], u * (max_v + std::fabs(reference.out[i])) + 1e-5)
+        << "element " << i;
+  }
+}
+
 TEST_F(CliTest, RunWithoutLseWritesOnlyOut) {
   std::mt19937_64 rng(4);
   const Operand q = random_operand(DType::f32, {1, 5, 1, 8}, rng);

@@ -21,6 +21,9 @@
 #include "flashattn/dtype.hpp"
 #include "flashattn/error.hpp"
 #include "npy.hpp"
+#ifdef FLASHATTN_WITH_CUDA
+#include "cuda_run.hpp"
+#endif
 
 namespace flashattn::cli {
 namespace {
@@ -35,6 +38,7 @@ struct RunOptions {
   std::string window = "-1,-1";
   std::string scale;  // empty: 1/sqrt(head_dim)
   std::string impl = "flash";
+  std::string device = "cpu";
   int threads = 0;
   int repeat = 3;
 };
@@ -273,11 +277,22 @@ int run_attention(const RunOptions& options) {
   Output out(q.dtype, q_shape);
   std::vector<float> lse(static_cast<std::size_t>(batch * heads_q * seqlen_q));
 
-  auto compute = [&] {
-    attention_forward(impl, view_of(q), view_of(k), view_of(v), out.view(), lse.data(), attention);
-  };
-  compute();  // warm-up; also where invalid shapes are rejected
-  const double seconds = median_seconds(options.repeat, compute);
+  double seconds = 0.0;
+  if (options.device == "cuda") {
+#ifdef FLASHATTN_WITH_CUDA
+    CudaForwardRun compute_on_gpu(view_of(q), view_of(k), view_of(v), attention);
+    compute_on_gpu();  // warm-up; also where invalid shapes are rejected
+    seconds = median_seconds(options.repeat, [&] { compute_on_gpu(); });
+    compute_on_gpu.copy_out(out.view(), lse.data());
+#endif
+  } else {
+    auto compute = [&] {
+      attention_forward(impl, view_of(q), view_of(k), view_of(v), out.view(), lse.data(),
+                        attention);
+    };
+    compute();  // warm-up; also where invalid shapes are rejected
+    seconds = median_seconds(options.repeat, compute);
+  }
 
   // The gradients have the inputs' dtype, as the forward's output; allocated only when asked.
   std::optional<Output> dq, dk, dv;
@@ -323,12 +338,13 @@ int run_attention(const RunOptions& options) {
   const float scale =
       attention.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
   std::printf(
-      "{\"impl\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, \"seqlen_q\": %lld, "
+      "{\"impl\": \"%s\", \"device\": \"%s\", \"dtype\": \"%s\", \"batch\": %lld, "
+      "\"seqlen_q\": %lld, "
       "\"seqlen_kv\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, "
       "\"causal\": %s, \"window\": [%lld, %lld], \"scale\": %.9g, \"threads\": %d, "
       "\"softcap\": %.9g, \"modifiers\": [%s], "
       "\"repeat\": %d, \"seconds\": %.9g, \"flops\": %.17g, \"gflops\": %.6g",
-      impl_name(impl), dtype_name(q.dtype), static_cast<long long>(batch),
+      impl_name(impl), options.device.c_str(), dtype_name(q.dtype), static_cast<long long>(batch),
       static_cast<long long>(seqlen_q), static_cast<long long>(seqlen_kv),
       static_cast<long long>(heads_q), static_cast<long long>(heads_kv),
       static_cast<long long>(head_dim), options.causal ? "true" : "false",
@@ -407,6 +423,12 @@ Action add_run_command(CLI::App& app) {
       ->check([](const std::string& text) -> std::string {
         return parse_impl(text) ? "" : "expected flash, standard or reference, got '" + text + "'";
       });
+  command
+      ->add_option("--device", options->device,
+                   "cpu, or cuda: the forward on the current GPU (float16 inputs, --impl flash, "
+                   "no backward or score modifiers yet; timed with the copies left out)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   add_threads_option(command, &options->threads)->capture_default_str();
   command->add_option("--repeat", options->repeat, "Timed runs after one warm-up (median)")
       ->capture_default_str()
@@ -436,6 +458,21 @@ Action add_run_command(CLI::App& app) {
     if (!options->dbias_path.empty() && (options->bias_path.empty() || given == 0)) {
       throw CLI::ValidationError(
           "--dbias: expected --bias and the backward's --dout, --dq, --dk, --dv with it");
+    }
+    if (options->device == "cuda") {
+#ifndef FLASHATTN_WITH_CUDA
+      throw CLI::ValidationError(
+          "--device cuda: this flashattn was built without its CUDA backend (FLASHATTN_CUDA)");
+#endif
+      if (options->impl != "flash") {
+        throw CLI::ValidationError("--device cuda: expected --impl flash, got --impl " +
+                                   options->impl);
+      }
+      if (given > 0) {
+        throw CLI::ValidationError(
+            "--device cuda: expected no --dout, --dq, --dk, --dv (the backward runs on the CPU "
+            "only)");
+      }
     }
   });
   return [options] { return run_attention(*options); };
