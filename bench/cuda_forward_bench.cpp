@@ -1,6 +1,7 @@
-// flashattn_cuda_bench: the CUDA forward timed against the GPU's own ceilings, measured in the
-// same run (a cuBLAS bf16 matrix product for arithmetic, a device-to-device copy for memory),
-// every case verified on sampled rows against the fp64 reference before it is timed.
+// flashattn_cuda_bench: the CUDA forward and backward timed against the GPU's own ceilings,
+// measured in the same run (a cuBLAS bf16 matrix product for arithmetic, a device-to-device copy
+// for memory). Every forward case is verified on sampled rows against the fp64 reference before
+// it is timed; the backward once, on a smaller problem, against the fp64 reference backward.
 // scripts/gpu-check runs it; bench/README.md describes the columns.
 
 #include <cublas_v2.h>
@@ -8,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -124,6 +126,7 @@ struct Case {
 
 struct Result {
   double seconds = 0, tflops = 0, kv_gbps = 0, worst_error_over_bound = 0;
+  double backward_seconds = 0, backward_tflops = 0;  // prefill cases, when asked for
 };
 
 // The largest |error| / bound over `samples` rows of batch entry 0, query head 0, against the
@@ -172,58 +175,160 @@ double verify(const Case& c, const std::vector<std::uint16_t>& q,
   return worst;
 }
 
-Result run_case(const Case& c, cudaStream_t stream, std::mt19937_64& rng) {
+ConstTensorView device_view(const DeviceBuffer& buffer, DType dtype, std::int64_t batch,
+                            std::int64_t seqlen, std::int64_t heads, std::int64_t head_dim) {
+  const std::array<std::int64_t, 4> shape{batch, seqlen, heads, head_dim};
+  return {buffer.data, dtype, shape, contiguous_strides(shape)};
+}
+
+TensorView mutable_view(const ConstTensorView& view) {
+  return {const_cast<void*>(view.data), view.dtype, view.shape, view.strides};
+}
+
+std::vector<std::uint16_t> upload(const DeviceBuffer& buffer, std::size_t count, DType dtype,
+                                  std::mt19937_64& rng) {
+  auto values = random_values(count, dtype, rng);
+  check(cudaMemcpy(buffer.data, values.data(), count * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
+  return values;
+}
+
+Result run_case(const Case& c, bool time_backward, cudaStream_t stream, std::mt19937_64& rng) {
   const std::size_t q_count =
       static_cast<std::size_t>(c.batch * c.seqlen_q * c.heads_q * c.head_dim);
   const std::size_t kv_count =
       static_cast<std::size_t>(c.batch * c.seqlen_kv * c.heads_kv * c.head_dim);
-  const auto q = random_values(q_count, c.dtype, rng);
-  const auto k = random_values(kv_count, c.dtype, rng);
-  const auto v = random_values(kv_count, c.dtype, rng);
-  DeviceBuffer dq(q_count * 2), dk(kv_count * 2), dv(kv_count * 2), dout(q_count * 2);
-  check(cudaMemcpy(dq.data, q.data(), q_count * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
-  check(cudaMemcpy(dk.data, k.data(), kv_count * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
-  check(cudaMemcpy(dv.data, v.data(), kv_count * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
-  check(cudaMemset(dout.data, 0xff, q_count * 2), "cudaMemset");
+  DeviceBuffer q_device(q_count * 2), k_device(kv_count * 2), v_device(kv_count * 2),
+      out_device(q_count * 2);
+  DeviceBuffer lse_device(static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q) * 4);
+  const auto q = upload(q_device, q_count, c.dtype, rng);
+  const auto k = upload(k_device, kv_count, c.dtype, rng);
+  const auto v = upload(v_device, kv_count, c.dtype, rng);
+  check(cudaMemset(out_device.data, 0xff, q_count * 2), "cudaMemset");
 
-  const ConstTensorView qv{dq.data,
-                           c.dtype,
-                           {c.batch, c.seqlen_q, c.heads_q, c.head_dim},
-                           contiguous_strides({c.batch, c.seqlen_q, c.heads_q, c.head_dim})};
-  const ConstTensorView kv{dk.data,
-                           c.dtype,
-                           {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim},
-                           contiguous_strides({c.batch, c.seqlen_kv, c.heads_kv, c.head_dim})};
-  ConstTensorView vv = kv;
-  vv.data = dv.data;
-  TensorView ov{dout.data, c.dtype, qv.shape, qv.strides};
+  const ConstTensorView qv =
+      device_view(q_device, c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim);
+  const ConstTensorView kv =
+      device_view(k_device, c.dtype, c.batch, c.seqlen_kv, c.heads_kv, c.head_dim);
+  const ConstTensorView vv =
+      device_view(v_device, c.dtype, c.batch, c.seqlen_kv, c.heads_kv, c.head_dim);
+  const TensorView ov =
+      mutable_view(device_view(out_device, c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim));
+  float* lse = static_cast<float*>(lse_device.data);
   AttentionOptions options;
   options.causal = c.causal;
-  auto call = [&] { cuda::flash_attention_forward(qv, kv, vv, ov, nullptr, options, stream); };
+  auto forward = [&] { cuda::flash_attention_forward(qv, kv, vv, ov, lse, options, stream); };
 
-  call();
+  forward();
   check(cudaStreamSynchronize(stream), "the forward");
   std::vector<std::uint16_t> out(q_count);
-  check(cudaMemcpy(out.data(), dout.data, q_count * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  check(cudaMemcpy(out.data(), out_device.data, q_count * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
   Result result;
   result.worst_error_over_bound = verify(c, q, k, v, out, 8, rng);
   if (!(result.worst_error_over_bound <= 1.0)) return result;  // not timed: wrong
 
-  result.seconds = median_seconds(stream, 7, call);
+  result.seconds = median_seconds(stream, 7, forward);
   result.tflops =
       attention_flops(c.batch, c.heads_q, c.seqlen_q, c.seqlen_kv, c.head_dim, options) /
       result.seconds * 1e-12;
   result.kv_gbps = 2.0 * static_cast<double>(kv_count) * 2 / result.seconds * 1e-9;
+
+  if (time_backward) {
+    DeviceBuffer dout_device(q_count * 2), dq_device(q_count * 2), dk_device(kv_count * 2),
+        dv_device(kv_count * 2);
+    upload(dout_device, q_count, c.dtype, rng);
+    const ConstTensorView dout =
+        device_view(dout_device, c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim);
+    const TensorView dq =
+        mutable_view(device_view(dq_device, c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim));
+    const TensorView dk =
+        mutable_view(device_view(dk_device, c.dtype, c.batch, c.seqlen_kv, c.heads_kv, c.head_dim));
+    const TensorView dv =
+        mutable_view(device_view(dv_device, c.dtype, c.batch, c.seqlen_kv, c.heads_kv, c.head_dim));
+    result.backward_seconds = median_seconds(stream, 5, [&] {
+      cuda::flash_attention_backward(dout, qv, kv, vv, ov, lse, dq, dk, dv, options, stream);
+    });
+    result.backward_tflops =
+        attention_backward_flops(c.batch, c.heads_q, c.seqlen_q, c.seqlen_kv, c.head_dim, options) /
+        result.backward_seconds * 1e-12;
+  }
   return result;
+}
+
+// The backward once on [1, 1024, 2, head_dim] causal against the fp64 reference backward:
+// ‖g − ref‖ / ‖ref‖ for dq, dk and dv, over the dtype's unit roundoff u; the largest of the
+// three. tests/cuda holds every element to a derived bound; this is the benchmark's check that
+// the code it times is that code.
+double check_backward(DType dtype, std::int64_t head_dim, cudaStream_t stream,
+                      std::mt19937_64& rng) {
+  constexpr std::int64_t kSeq = 1024, kHeads = 2;
+  const std::size_t count = static_cast<std::size_t>(kSeq * kHeads * head_dim);
+  DeviceBuffer q_device(count * 2), k_device(count * 2), v_device(count * 2),
+      dout_device(count * 2), out_device(count * 2), lse_device(kSeq * kHeads * 4),
+      dq_device(count * 2), dk_device(count * 2), dv_device(count * 2);
+  const auto q = upload(q_device, count, dtype, rng), k = upload(k_device, count, dtype, rng),
+             v = upload(v_device, count, dtype, rng), dout = upload(dout_device, count, dtype, rng);
+  auto view = [&](const DeviceBuffer& b) {
+    return device_view(b, dtype, 1, kSeq, kHeads, head_dim);
+  };
+  AttentionOptions options;
+  options.causal = true;
+  float* lse = static_cast<float*>(lse_device.data);
+  cuda::flash_attention_forward(view(q_device), view(k_device), view(v_device),
+                                mutable_view(view(out_device)), lse, options, stream);
+  cuda::flash_attention_backward(view(dout_device), view(q_device), view(k_device), view(v_device),
+                                 view(out_device), lse, mutable_view(view(dq_device)),
+                                 mutable_view(view(dk_device)), mutable_view(view(dv_device)),
+                                 options, stream);
+  check(cudaStreamSynchronize(stream), "the backward");
+
+  auto widen = [&](const std::vector<std::uint16_t>& bits) {
+    std::vector<float> values(bits.size());
+    for (std::size_t i = 0; i < bits.size(); ++i) {
+      values[i] = dtype == DType::bf16 ? f32_from_bf16(bits[i]) : f32_from_f16(bits[i]);
+    }
+    return values;
+  };
+  auto download = [&](const DeviceBuffer& b) {
+    std::vector<std::uint16_t> bits(count);
+    check(cudaMemcpy(bits.data(), b.data, count * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return widen(bits);
+  };
+  std::vector<float> q32 = widen(q), k32 = widen(k), v32 = widen(v), dout32 = widen(dout);
+  std::vector<float> out(count), ref_lse(kSeq * kHeads), dq(count), dk(count), dv(count);
+  const std::array<std::int64_t, 4> shape{1, kSeq, kHeads, head_dim};
+  reference_attention_forward(contiguous_view(q32.data(), shape),
+                              contiguous_view(k32.data(), shape),
+                              contiguous_view(v32.data(), shape),
+                              contiguous_view(out.data(), shape), ref_lse.data(), options);
+  reference_attention_backward(
+      contiguous_view(dout32.data(), shape), contiguous_view(q32.data(), shape),
+      contiguous_view(k32.data(), shape), contiguous_view(v32.data(), shape),
+      contiguous_view(out.data(), shape), ref_lse.data(), contiguous_view(dq.data(), shape),
+      contiguous_view(dk.data(), shape), contiguous_view(dv.data(), shape), options);
+  const double u = dtype == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  double worst = 0;
+  for (const auto& [device, reference] :
+       {std::pair{&dq_device, &dq}, {&dk_device, &dk}, {&dv_device, &dv}}) {
+    const std::vector<float> got = download(*device);
+    double error = 0, norm = 0;
+    for (std::size_t i = 0; i < count; ++i) {
+      error += (double(got[i]) - (*reference)[i]) * (double(got[i]) - (*reference)[i]);
+      norm += double((*reference)[i]) * (*reference)[i];
+    }
+    const double ratio = std::sqrt(error / norm) / u;
+    worst = std::isnan(ratio) ? INFINITY : std::max(worst, ratio);
+  }
+  return worst;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "Times flashattn's CUDA forward against the GPU's cuBLAS bf16 matrix rate and its copy "
-      "bandwidth, measured in the same run; every case is verified on sampled rows against the "
-      "fp64 reference first, and a case that fails is reported and not timed (exit status 1)."};
+      "Times flashattn's CUDA forward and backward against the GPU's cuBLAS bf16 matrix rate and "
+      "its copy bandwidth, measured in the same run; every forward case is verified on sampled "
+      "rows against the fp64 reference first, the backward once on a smaller problem, and what "
+      "fails is reported and not timed (exit status 1)."};
   std::vector<std::int64_t> seqlens = {1024, 2048, 4096, 8192, 16384};
   std::int64_t tokens = 16384, heads = 16, head_dim = 128, decode_keys = 131072;
   std::string dtype_name_arg = "bf16", csv_path;
@@ -258,6 +363,17 @@ int main(int argc, char** argv) {
     std::printf("ceilings: cuBLAS bf16 8192^3 %.1f TFLOP/s; device copy %.0f GB/s\n",
                 ceilings.gemm_tflops, ceilings.copy_gbps);
 
+    // Rounding gives a norm-wise error of about u on random inputs (the tests hold every element
+    // to a derived bound); above 8 u the backward is taken for wrong and not timed.
+    constexpr double kBackwardLimit = 8.0;
+    const bool backward_ok =
+        head_dim > 128 || check_backward(dtype, head_dim, stream, rng) < kBackwardLimit;
+    if (head_dim <= 128) {
+      std::printf("backward check ([1, 1024, 2, %lld] causal, against the fp64 reference): %s\n",
+                  static_cast<long long>(head_dim),
+                  backward_ok ? "within 8 u (norm-wise)" : "WRONG: the backward is not timed");
+    }
+
     std::vector<Case> cases;
     for (const std::int64_t s : seqlens) {
       for (const bool causal : {false, true}) {
@@ -271,23 +387,26 @@ int main(int argc, char** argv) {
     if (!csv_path.empty()) {
       csv.open(csv_path);
       csv << "dtype,batch,seqlen_q,seqlen_kv,heads_q,heads_kv,head_dim,causal,seconds,tflops,"
-             "tflops_over_gemm,kv_gbps,kv_over_copy,error_over_bound,gemm_tflops,copy_gbps\n";
+             "tflops_over_gemm,kv_gbps,kv_over_copy,error_over_bound,backward_seconds,"
+             "backward_tflops,backward_over_gemm,gemm_tflops,copy_gbps\n";
     }
-    std::printf("%-5s %4s %7s %7s %3s %3s %4s %6s %10s %8s %6s %8s %6s %6s\n", "dtype", "B", "Sq",
-                "Skv", "Hq", "Hkv", "D", "causal", "ms", "TFLOP/s", "/gemm", "KV GB/s", "/copy",
-                "err/bd");
+    std::printf("%-5s %4s %7s %7s %3s %3s %4s %6s %10s %8s %6s %8s %6s %6s %10s %8s %6s\n", "dtype",
+                "B", "Sq", "Skv", "Hq", "Hkv", "D", "causal", "ms", "TFLOP/s", "/gemm", "KV GB/s",
+                "/copy", "err/bd", "bwd ms", "TFLOP/s", "/gemm");
     bool all_verified = true;
     for (const Case& c : cases) {
-      const Result r = run_case(c, stream, rng);
+      const Result r = run_case(c, backward_ok && c.seqlen_q > 1 && head_dim <= 128, stream, rng);
       const bool verified = r.worst_error_over_bound <= 1.0;
       all_verified = all_verified && verified;
       std::printf(
-          "%-5s %4lld %7lld %7lld %3lld %3lld %4lld %6s %10.4f %8.1f %6.3f %8.0f %6.3f %6.3f%s\n",
+          "%-5s %4lld %7lld %7lld %3lld %3lld %4lld %6s %10.4f %8.1f %6.3f %8.0f %6.3f %6.3f "
+          "%10.4f %8.1f %6.3f%s\n",
           dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.seqlen_q),
           static_cast<long long>(c.seqlen_kv), static_cast<long long>(c.heads_q),
           static_cast<long long>(c.heads_kv), static_cast<long long>(c.head_dim),
           c.causal ? "yes" : "no", r.seconds * 1e3, r.tflops, r.tflops / ceilings.gemm_tflops,
           r.kv_gbps, r.kv_gbps / ceilings.copy_gbps, r.worst_error_over_bound,
+          r.backward_seconds * 1e3, r.backward_tflops, r.backward_tflops / ceilings.gemm_tflops,
           verified ? "" : "  WRONG: not timed");
       if (csv.is_open()) {
         csv << dtype_name(c.dtype) << ',' << c.batch << ',' << c.seqlen_q << ',' << c.seqlen_kv
@@ -295,11 +414,13 @@ int main(int argc, char** argv) {
             << (c.causal ? 1 : 0) << ',' << r.seconds << ',' << r.tflops << ','
             << r.tflops / ceilings.gemm_tflops << ',' << r.kv_gbps << ','
             << r.kv_gbps / ceilings.copy_gbps << ',' << r.worst_error_over_bound << ','
-            << ceilings.gemm_tflops << ',' << ceilings.copy_gbps << '\n';
+            << r.backward_seconds << ',' << r.backward_tflops << ','
+            << r.backward_tflops / ceilings.gemm_tflops << ',' << ceilings.gemm_tflops << ','
+            << ceilings.copy_gbps << '\n';
       }
     }
     cudaStreamDestroy(stream);
-    return all_verified ? 0 : 1;
+    return all_verified && backward_ok ? 0 : 1;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "flashattn_cuda_bench: %s\n", error.what());
     return 1;

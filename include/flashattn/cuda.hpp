@@ -13,6 +13,7 @@
 #include <string>
 
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*; this header does not need CUDA's.
 
@@ -40,5 +41,21 @@ std::string device_description();
 void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
                              const ConstTensorView& v, const TensorView& out, float* lse,
                              const AttentionOptions& options = {}, Stream stream = nullptr);
+
+// FlashAttention backward (FlashAttention-2's scheme: key blocks outermost, P recomputed from
+// lse, dK and dV summed in registers). Shapes, masks, GQA and the gradients' meaning as
+// backward.hpp's flash_attention_backward; every pointer is device (or managed) memory.
+//   dtype     f16 or bf16; P and dS rounded to it as operands of the products, all sums fp32
+//   head_dim  a multiple of 8 up to 128
+//   strides   as the forward
+// dq is summed in fp32 by atomic additions from every key block that its row sees, so its last
+// bits may differ from run to run (dk and dv are summed in a fixed order); scratch of
+// 4·(head_dim + 1) bytes per query row and head is taken from the stream-ordered allocator.
+// Not on this path yet, and refused: f32, score modifiers and their gradients.
+void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
+                              const ConstTensorView& k, const ConstTensorView& v,
+                              const ConstTensorView& out, const float* lse, const TensorView& dq,
+                              const TensorView& dk, const TensorView& dv,
+                              const AttentionOptions& options = {}, Stream stream = nullptr);
 
 }  // namespace flashattn::cuda

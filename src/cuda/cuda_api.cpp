@@ -6,11 +6,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "api/fail.hpp"
 #include "api/params.hpp"
-#include "cuda/forward_params.hpp"
+#include "cuda/kernel_params.hpp"
 #include "cuda/launch.hpp"
 #include "flashattn/cuda.hpp"
 
@@ -20,6 +22,7 @@ namespace {
 using flashattn::detail::fail;
 
 constexpr const char* kForward = "cuda::flash_attention_forward";
+constexpr const char* kBackward = "cuda::flash_attention_backward";
 constexpr int kMinComputeCapability = 80;
 constexpr std::int64_t kMaxGridYZ = 65535;  // CUDA's limit on grid.y and grid.z
 constexpr float kLog2e = 1.44269504088896341f;
@@ -138,6 +141,29 @@ detail::ForwardParams kernel_params(const flashattn::detail::AttentionParams& ch
   return p;
 }
 
+// What both passes ask beyond the CPU contract: a 16-bit dtype, a head_dim the tiles cover,
+// 16-byte rows, grid dims within CUDA's limits.
+void check_kernel_limits(const char* caller, const flashattn::detail::AttentionParams& checked,
+                         std::int64_t max_head_dim,
+                         std::initializer_list<std::pair<const char*, ConstTensorView>> views) {
+  if (checked.dtype == DType::f32) {
+    fail(caller, "q: expected dtype f16 or bf16 (the tensor cores' inputs; f32 runs on the CPU ",
+         "paths), got f32");
+  }
+  if (checked.head_dim % 8 != 0 || checked.head_dim > max_head_dim) {
+    fail(caller, "q: expected head_dim a multiple of 8 up to ", max_head_dim, ", got ",
+         checked.head_dim);
+  }
+  for (const auto& [name, view] : views) check_rows_copyable(caller, name, view);
+  for (const auto& [name, dim] : {std::pair{"heads_q", checked.heads_q},
+                                  {"heads_kv", checked.heads_kv},
+                                  {"batch", checked.batch}}) {
+    if (dim > kMaxGridYZ) {
+      fail(caller, "q: expected ", name, " <= ", kMaxGridYZ, " (a CUDA grid dim), got ", dim);
+    }
+  }
+}
+
 // Frees a stream-ordered allocation when the call leaves, on the same stream.
 struct StreamBuffer {
   void* data = nullptr;
@@ -193,27 +219,8 @@ void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
     refuse_modifiers(kForward, options);
     const flashattn::detail::AttentionParams checked =
         flashattn::detail::make_params(kForward, q, k, v, out, lse, options);
-    if (checked.dtype == DType::f32) {
-      fail(kForward, "q: expected dtype f16 or bf16 (the tensor cores' inputs; f32 runs on the ",
-           "CPU paths), got f32");
-    }
-    if (checked.head_dim % 8 != 0 || checked.head_dim > 256) {
-      fail(kForward, "q: expected head_dim a multiple of 8 up to 256, got ", checked.head_dim);
-    }
-    for (const auto& [name, view] : {std::pair<const char*, ConstTensorView>{"q", q},
-                                     {"k", k},
-                                     {"v", v},
-                                     {"out", ConstTensorView(out)}}) {
-      check_rows_copyable(kForward, name, view);
-    }
-    if (checked.heads_q > kMaxGridYZ) {
-      fail(kForward, "q: expected heads_q <= ", kMaxGridYZ, " (a CUDA grid dim), got ",
-           checked.heads_q);
-    }
-    if (checked.batch > kMaxGridYZ) {
-      fail(kForward, "q: expected batch <= ", kMaxGridYZ, " (a CUDA grid dim), got ",
-           checked.batch);
-    }
+    check_kernel_limits(kForward, checked, 256,
+                        {{"q", q}, {"k", k}, {"v", v}, {"out", ConstTensorView(out)}});
     if (checked.batch == 0 || checked.seqlen_q == 0) return;
 
     const Device device = current_device(kForward);
@@ -251,6 +258,86 @@ void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
       p.split_lse = p.split_out + p.num_splits * rows * p.head_dim;
     }
     check_cuda(kForward, detail::launch_flash_forward(p, stream), "kernel launch");
+  });
+}
+
+void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView& q,
+                              const ConstTensorView& k, const ConstTensorView& v,
+                              const ConstTensorView& out, const float* lse, const TensorView& dq,
+                              const TensorView& dk, const TensorView& dv,
+                              const AttentionOptions& options, Stream stream) {
+  flashattn::detail::out_of_memory_as_error(kBackward, [&] {
+    refuse_modifiers(kBackward, options);
+    const flashattn::detail::BackwardParams checked = flashattn::detail::make_backward_params(
+        kBackward, dout, q, k, v, out, lse, dq, dk, dv, options);
+    const flashattn::detail::AttentionParams& f = checked.forward;
+    check_kernel_limits(kBackward, f, 128,
+                        {{"q", q},
+                         {"k", k},
+                         {"v", v},
+                         {"out", out},
+                         {"dout", dout},
+                         {"dq", ConstTensorView(dq)},
+                         {"dk", ConstTensorView(dk)},
+                         {"dv", ConstTensorView(dv)}});
+    if (f.batch == 0 || (f.seqlen_q == 0 && f.seqlen_kv == 0)) return;
+
+    current_device(kBackward);
+    for (const auto& [name, data] : {std::pair<const char*, const void*>{"dout", dout.data},
+                                     {"q", q.data},
+                                     {"k", k.data},
+                                     {"v", v.data},
+                                     {"out", out.data},
+                                     {"lse", lse},
+                                     {"dq", dq.data},
+                                     {"dk", dk.data},
+                                     {"dv", dv.data}}) {
+      if (data != nullptr) check_device_pointer(kBackward, name, data);
+    }
+
+    detail::BackwardParams b;
+    b.forward = kernel_params(f);
+    b.forward.lse = const_cast<float*>(lse);
+    b.dout = dout.data;
+    b.dq = dq.data;
+    b.dk = dk.data;
+    b.dv = dv.data;
+    b.dout_batch = checked.dout_strides.batch;
+    b.dout_seq = checked.dout_strides.seq;
+    b.dout_head = checked.dout_strides.head;
+    b.dq_batch = checked.dq_strides.batch;
+    b.dq_seq = checked.dq_strides.seq;
+    b.dq_head = checked.dq_strides.head;
+    b.dk_batch = checked.dk_strides.batch;
+    b.dk_seq = checked.dk_strides.seq;
+    b.dk_head = checked.dk_strides.head;
+    b.dv_batch = checked.dv_strides.batch;
+    b.dv_seq = checked.dv_strides.seq;
+    b.dv_head = checked.dv_strides.head;
+    b.scale = f.scale;
+
+    // dq's fp32 sums [batch, seqlen_q, heads_q, head_dim] and D [batch, heads_q, seqlen_q].
+    const std::int64_t rows = f.batch * f.heads_q * f.seqlen_q;
+    const std::int64_t floats = rows * (f.head_dim + 1);
+    StreamBuffer workspace{nullptr, stream};
+    if (floats > 0) {
+      const cudaError_t allocated = cudaMallocAsync(
+          &workspace.data, static_cast<std::size_t>(floats) * sizeof(float), stream);
+      if (allocated == cudaErrorMemoryAllocation) {
+        cudaGetLastError();
+        fail(kBackward, "out of memory: could not allocate the backward's workspace (",
+             floats * static_cast<std::int64_t>(sizeof(float)), " bytes of device memory)");
+      }
+      check_cuda(kBackward, allocated, "cudaMallocAsync");
+      b.dq_sum = static_cast<float*>(workspace.data);
+      b.row_dot = b.dq_sum + rows * f.head_dim;
+      check_cuda(
+          kBackward,
+          cudaMemsetAsync(b.dq_sum, 0, static_cast<std::size_t>(rows * f.head_dim) * sizeof(float),
+                          stream),
+          "cudaMemsetAsync");
+    }
+    check_cuda(kBackward, detail::launch_flash_backward(b, stream), "kernel launch");
   });
 }
 

@@ -28,14 +28,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/forward_params.hpp"
+#include "cuda/kernel_params.hpp"
 #include "cuda/launch.hpp"
+#include "cuda/mma_sm80.cuh"
 
 namespace flashattn::cuda::detail {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
 constexpr int kBlockM = 16 * kWarps;  // query rows per thread block: 16 per warp
 
 // Keys per block: 64, and 32 for head_dim 256 to keep its tiles in 96 KiB.
@@ -44,120 +43,7 @@ constexpr int kBlockNFor = kHeadDim <= 128 ? 64 : 32;
 
 // Q, then 2 stages of K and V, 2 bytes an element.
 template <int kHeadDim>
-constexpr int kSharedBytesFor = (kBlockM + 4 * kBlockNFor<kHeadDim>) * kHeadDim * 2;
-
-// ---- element types ---------------------------------------------------------------------------
-
-template <Element E>
-struct ElementTraits;
-
-template <>
-struct ElementTraits<Element::f16> {
-  using Scalar = __half;
-  // Two floats as one 32-bit register of two halves, the first in the low half (the element of
-  // the lower column in an mma fragment).
-  __device__ static std::uint32_t pack(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  }
-  __device__ static void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                             std::uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct ElementTraits<Element::bf16> {
-  using Scalar = __nv_bfloat16;
-  __device__ static std::uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  }
-  __device__ static void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0,
-                             std::uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-// ---- shared memory and copies ----------------------------------------------------------------
-
-// Element offset of (row, column) in a swizzled tile of kHeadDim columns: 16-byte chunk c of a
-// row is stored at chunk c ^ (row % 8).
-template <int kHeadDim>
-__device__ __forceinline__ int swizzled(int row, int column) {
-  const int chunk = (column >> 3) ^ (row & 7);
-  return row * kHeadDim + chunk * 8 + (column & 7);
-}
-
-__device__ __forceinline__ std::uint32_t shared_address(const void* pointer) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-// 16 bytes from global to shared memory, asynchronously; `bytes` 0 writes 16 zero bytes and reads
-// nothing.
-__device__ __forceinline__ void copy_16_async(std::uint32_t destination, const void* source,
-                                              int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(source),
-               "r"(bytes));
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// Rows [first_row, first_row + kRows) of a [seq, head_dim] slice (row stride `row_stride`
-// elements) into a swizzled tile; rows at or past `rows` and columns at or past `head_dim` are
-// zero-filled.
-template <int kHeadDim, int kRows, class Scalar>
-__device__ __forceinline__ void load_tile(Scalar* tile, const Scalar* source,
-                                          std::int64_t row_stride, std::int64_t first_row,
-                                          std::int64_t rows, int head_dim) {
-  constexpr int kChunks = kHeadDim / 8;
-  for (int index = threadIdx.x; index < kRows * kChunks; index += kThreads) {
-    const int row = index / kChunks, chunk = index % kChunks;
-    const bool inside = first_row + row < rows && chunk * 8 < head_dim;
-    const Scalar* from = inside ? source + (first_row + row) * row_stride + chunk * 8 : source;
-    copy_16_async(shared_address(tile + swizzled<kHeadDim>(row, chunk * 8)), from,
-                  inside ? 16 : 0);
-  }
-}
-
-// Four 8x8 matrices of 16-bit elements from shared memory; lane l gives the address of row
-// l % 8 of matrix l / 8. Without .trans, register i holds matrix i's row lane/4, columns
-// 2·(lane%4) and +1; with .trans the same of the transposed matrix.
-__device__ __forceinline__ void load_matrices(std::uint32_t (&r)[4], std::uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-__device__ __forceinline__ void load_matrices_transposed(std::uint32_t (&r)[4],
-                                                         std::uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// The row maximum and sum of the 4 lanes that share a row in an mma accumulator.
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-constexpr float kMinusInf = -INFINITY;
-constexpr float kLn2 = 0.693147180559945309f;
+constexpr int kSharedBytesFor = (kBlockM + 4 * kBlockNFor<kHeadDim>)*kHeadDim * 2;
 
 // ---- the kernel ------------------------------------------------------------------------------
 
@@ -168,16 +54,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   using Traits = ElementTraits<E>;
   using Scalar = typename Traits::Scalar;
   constexpr int kBlockN = kBlockNFor<kHeadDim>;
-  constexpr int kSteps = kHeadDim / 16;   // k-steps of Q·Kᵀ
-  constexpr int kKeyGroups = kBlockN / 8;  // 8-key accumulator blocks of S
+  constexpr int kSteps = kHeadDim / 16;     // k-steps of Q·Kᵀ
+  constexpr int kKeyGroups = kBlockN / 8;   // 8-key accumulator blocks of S
   constexpr int kDimGroups = kHeadDim / 8;  // 8-column accumulator blocks of O
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim 64, 128 or 256");
   static_assert(kBlockN % 16 == 0, "P·V takes keys 16 at a time");
 
   extern __shared__ __align__(128) unsigned char shared[];
-  Scalar* q_tile = reinterpret_cast<Scalar*>(shared);         // [kBlockM, kHeadDim]
-  Scalar* k_tiles = q_tile + kBlockM * kHeadDim;                // [2][kBlockN, kHeadDim]
-  Scalar* v_tiles = k_tiles + 2 * kBlockN * kHeadDim;           // [2][kBlockN, kHeadDim]
+  Scalar* q_tile = reinterpret_cast<Scalar*>(shared);  // [kBlockM, kHeadDim]
+  Scalar* k_tiles = q_tile + kBlockM * kHeadDim;       // [2][kBlockN, kHeadDim]
+  Scalar* v_tiles = k_tiles + 2 * kBlockN * kHeadDim;  // [2][kBlockN, kHeadDim]
 
   const int m_block = blockIdx.x, head = blockIdx.y;
   const int batch = blockIdx.z % p.batch, split = blockIdx.z / p.batch;
@@ -199,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // This thread's two rows of every accumulator: the warp's row `group` and `group` + 8.
   const std::int64_t first_row = row_begin + warp * 16 + group;  // the other is first_row + 8
-  float o[kDimGroups][4] = {};                 // O, unnormalized   [16, kHeadDim] per warp
+  float o[kDimGroups][4] = {};                // O, unnormalized   [16, kHeadDim] per warp
   float row_max[2] = {kMinusInf, kMinusInf};  // m, in units of log2 (scores · scale · log2 e)
   float row_sum[2] = {0.0f, 0.0f};            // l, this lane's part of the row
 
@@ -218,10 +104,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int stage = static_cast<int>((n_block - blocks.first) & 1);
     if (n_block + 1 < blocks.last) {
       const std::int64_t next_key = (n_block + 1) * kBlockN;
-      load_tile<kHeadDim, kBlockN>(k_tiles + (stage ^ 1) * kBlockN * kHeadDim, k, p.k_seq,
-                                   next_key, p.seqlen_kv, p.head_dim);
-      load_tile<kHeadDim, kBlockN>(v_tiles + (stage ^ 1) * kBlockN * kHeadDim, v, p.v_seq,
-                                   next_key, p.seqlen_kv, p.head_dim);
+      load_tile<kHeadDim, kBlockN>(k_tiles + (stage ^ 1) * kBlockN * kHeadDim, k, p.k_seq, next_key,
+                                   p.seqlen_kv, p.head_dim);
+      load_tile<kHeadDim, kBlockN>(v_tiles + (stage ^ 1) * kBlockN * kHeadDim, v, p.v_seq, next_key,
+                                   p.seqlen_kv, p.head_dim);
       commit_copies();
       wait_copies<1>();  // this block's copies (and Q) done, the next block's may be in flight
     } else {
@@ -238,8 +124,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       std::uint32_t a[4];
       // Matrices: rows 0-7 / 8-15 of the warp's 16, columns step·16 + 0-7 / 8-15.
       const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      load_matrices(a, shared_address(q_tile + swizzled<kHeadDim>(a_row, step * 16 +
-                                                                         (lane >> 4) * 8)));
+      load_matrices(
+          a, shared_address(q_tile + swizzled<kHeadDim>(a_row, step * 16 + (lane >> 4) * 8)));
 #pragma unroll
       for (int pair = 0; pair < kKeyGroups / 2; ++pair) {
         // Matrices: keys pair·16 + 0-7 (columns 0-7, 8-15), keys pair·16 + 8-15 (the same).
@@ -306,11 +192,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int key_step = 0; key_step < kBlockN / 16; ++key_step) {
       // P's A fragment is S's accumulators of key groups 2·key_step and 2·key_step + 1.
-      const std::uint32_t a[4] = {
-          Traits::pack(s[2 * key_step][0], s[2 * key_step][1]),
-          Traits::pack(s[2 * key_step][2], s[2 * key_step][3]),
-          Traits::pack(s[2 * key_step + 1][0], s[2 * key_step + 1][1]),
-          Traits::pack(s[2 * key_step + 1][2], s[2 * key_step + 1][3])};
+      const std::uint32_t a[4] = {Traits::pack(s[2 * key_step][0], s[2 * key_step][1]),
+                                  Traits::pack(s[2 * key_step][2], s[2 * key_step][3]),
+                                  Traits::pack(s[2 * key_step + 1][0], s[2 * key_step + 1][1]),
+                                  Traits::pack(s[2 * key_step + 1][2], s[2 * key_step + 1][3])};
 #pragma unroll
       for (int pair = 0; pair < kDimGroups / 2; ++pair) {
         // Transposed matrices: keys 0-7 / 8-15 of the step, columns pair·16 + 0-7, then + 8-15.
@@ -338,8 +223,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     // No visible key: out 0, lse -inf (a split without keys the same, which the merge skips).
     const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
     const float lse = sum > 0.0f ? (row_max[half] + log2f(sum)) * kLn2 : kMinusInf;
-    const std::int64_t lse_index = (static_cast<std::int64_t>(batch) * p.heads_q + head) *
-                                       p.seqlen_q + row;
+    const std::int64_t lse_index =
+        (static_cast<std::int64_t>(batch) * p.heads_q + head) * p.seqlen_q + row;
     if (partial) {
       const std::int64_t split_row =
           static_cast<std::int64_t>(split) * p.batch * p.heads_q * p.seqlen_q + lse_index;
@@ -354,8 +239,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       if (in_group == 0) p.split_lse[split_row] = lse;
     } else {
-      Scalar* out_row = static_cast<Scalar*>(p.out) + batch * p.out_batch + row * p.out_seq +
-                        head * p.out_head;
+      Scalar* out_row =
+          static_cast<Scalar*>(p.out) + batch * p.out_batch + row * p.out_seq + head * p.out_head;
 #pragma unroll
       for (int d = 0; d < kDimGroups; ++d) {
         const int column = d * 8 + 2 * in_group;
@@ -372,37 +257,36 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Merges the splits of each row exactly: lse = log Σ exp(lse_s), out = Σ exp(lse_s − lse)·out_s
 // (merge.hpp's rule; splits without keys have lse -inf and weight 0). One thread block per row.
 template <Element E>
-__global__ void __launch_bounds__(kThreads) combine_splits_kernel(const __grid_constant__
-                                                                  ForwardParams p) {
+__global__ void __launch_bounds__(kThreads)
+    combine_splits_kernel(const __grid_constant__ ForwardParams p) {
   using Scalar = typename ElementTraits<E>::Scalar;
   const std::int64_t row_index = blockIdx.x;  // (batch · heads_q + head) · seqlen_q + row
   const std::int64_t rows = static_cast<std::int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   float max_lse = kMinusInf;
-  for (int s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.split_lse[s * rows + row_index]);
+  for (int s = 0; s < p.num_splits; ++s)
+    max_lse = fmaxf(max_lse, p.split_lse[s * rows + row_index]);
   float total = 0.0f;
   if (max_lse != kMinusInf) {
-    for (int s = 0; s < p.num_splits; ++s) total += expf(p.split_lse[s * rows + row_index] - max_lse);
+    for (int s = 0; s < p.num_splits; ++s)
+      total += expf(p.split_lse[s * rows + row_index] - max_lse);
   }
   const float lse = max_lse == kMinusInf ? kMinusInf : max_lse + logf(total);
 
   const std::int64_t row = row_index % p.seqlen_q;
   const std::int64_t head = (row_index / p.seqlen_q) % p.heads_q;
   const std::int64_t batch = row_index / (p.seqlen_q * p.heads_q);
-  Scalar* out_row = static_cast<Scalar*>(p.out) + batch * p.out_batch + row * p.out_seq +
-                    head * p.out_head;
+  Scalar* out_row =
+      static_cast<Scalar*>(p.out) + batch * p.out_batch + row * p.out_seq + head * p.out_head;
   for (int column = threadIdx.x; column < p.head_dim; column += kThreads) {
     float value = 0.0f;
     if (lse != kMinusInf) {
       for (int s = 0; s < p.num_splits; ++s) {
         const float weight = expf(p.split_lse[s * rows + row_index] - lse);
-        if (weight > 0.0f) value += weight * p.split_out[(s * rows + row_index) * p.head_dim + column];
+        if (weight > 0.0f)
+          value += weight * p.split_out[(s * rows + row_index) * p.head_dim + column];
       }
     }
-    if constexpr (E == Element::bf16) {
-      out_row[column] = __float2bfloat16_rn(value);
-    } else {
-      out_row[column] = __float2half_rn(value);
-    }
+    out_row[column] = ElementTraits<E>::from_float(value);
   }
   if (threadIdx.x == 0 && p.lse != nullptr) p.lse[row_index] = lse;
 }
@@ -414,14 +298,13 @@ cudaError_t launch_for(const ForwardParams& p, cudaStream_t stream) {
       flash_forward_kernel<kHeadDim, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (attribute != cudaSuccess) return attribute;
   const dim3 grid(static_cast<unsigned>((p.seqlen_q + kBlockM - 1) / kBlockM),
-                  static_cast<unsigned>(p.heads_q),
-                  static_cast<unsigned>(p.batch * p.num_splits));
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch * p.num_splits));
   flash_forward_kernel<kHeadDim, E><<<grid, kThreads, kBytes, stream>>>(p);
   if (p.num_splits > 1) {
     const cudaError_t launched = cudaGetLastError();
     if (launched != cudaSuccess) return launched;
-    const auto rows = static_cast<unsigned>(static_cast<std::int64_t>(p.batch) * p.heads_q *
-                                            p.seqlen_q);
+    const auto rows =
+        static_cast<unsigned>(static_cast<std::int64_t>(p.batch) * p.heads_q * p.seqlen_q);
     combine_splits_kernel<E><<<rows, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();

@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cuda/forward_params.hpp"
+#include "cuda/kernel_params.hpp"
 
 namespace flashattn::cuda::detail {
 
@@ -17,5 +17,9 @@ int forward_block_n(int head_dim);
 // Queues the forward (and, with p.num_splits > 1, the merge of the splits) on `stream`; returns
 // the launch's error.
 cudaError_t launch_flash_forward(const ForwardParams& p, cudaStream_t stream);
+
+// Queues the backward's three launches (D, the key blocks, dq) on `stream`; b.dq_sum must be
+// zeroed on the stream before. Returns the launches' error.
+cudaError_t launch_flash_backward(const BackwardParams& b, cudaStream_t stream);
 
 }  // namespace flashattn::cuda::detail

@@ -1,10 +1,11 @@
 #pragma once
 
 // What the host side (cuda_api.cpp, compiled by the C++ compiler) hands the kernels
-// (flash_forward_sm80.cu, compiled by nvcc), and the small pieces of arithmetic both sides share:
-// the mask as one key interval per row, the key blocks a query block must visit, and how many
-// splits a call's keys get. Plain structs and functions, so that the tests check them on the CPU
-// against the CPU paths' definitions (tests/cuda/test_cuda_forward.cpp).
+// (flash_forward_sm80.cu, flash_backward_sm80.cu, compiled by nvcc), and the small pieces of
+// arithmetic both sides share: the mask as one key interval per row, the key blocks a query block
+// must visit, the query rows a key block is seen by, and how many splits a call's keys get. Plain
+// structs and functions, so that the tests check them on the CPU against the CPU paths' definitions
+// (tests/cuda/test_cuda.cpp).
 
 #include <cstdint>
 
@@ -46,6 +47,24 @@ struct ForwardParams {
   int blocks_per_split = 0;
   float* split_out = nullptr;
   float* split_lse = nullptr;
+};
+
+// The backward's operands beside the forward's (whose out and lse it reads). Gradients have q's
+// dtype; dq is summed in fp32 by every key block that sees its row (atomically, so its bits may
+// differ from run to run), then scaled and rounded once.
+struct BackwardParams {
+  ForwardParams forward;  // out and lse are read
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  std::int64_t dout_batch = 0, dout_seq = 0, dout_head = 0;
+  std::int64_t dq_batch = 0, dq_seq = 0, dq_head = 0;
+  std::int64_t dk_batch = 0, dk_seq = 0, dk_head = 0;
+  std::int64_t dv_batch = 0, dv_seq = 0, dv_head = 0;
+  float scale = 0.0f;        // the softmax scale (dS = P ∘ (dP − D) is scaled into dq, dk)
+  float* dq_sum = nullptr;   // workspace: fp32 [batch, seqlen_q, heads_q, head_dim], zeroed
+  float* row_dot = nullptr;  // workspace: D = rowsum(dO ∘ O), fp32 [batch, heads_q, seqlen_q]
 };
 
 // Keys [begin, end) that query row `row` sees, the interval of
@@ -93,6 +112,39 @@ FLASHATTN_HOST_DEVICE inline bool block_fully_visible(const ForwardParams& p,
                                                       std::int64_t key_begin,
                                                       std::int64_t key_end) {
   return row_keys(p, row_end - 1).begin <= key_begin && key_end <= row_keys(p, row_begin).end;
+}
+
+// The query rows [first, last) that see at least one key of [key_begin, key_end): a row's
+// interval begins and ends no earlier than the row before's, so the rows whose interval ends after
+// key_begin are a suffix and those whose interval begins before key_end a prefix; found by
+// bisection. Rows inside may still see none of these keys (an empty interval), which the mask
+// then drops.
+struct RowInterval {
+  std::int64_t first = 0, last = 0;
+};
+
+FLASHATTN_HOST_DEVICE inline RowInterval query_rows(const ForwardParams& p, std::int64_t key_begin,
+                                                    std::int64_t key_end) {
+  std::int64_t low = 0, high = p.seqlen_q;  // first row whose interval ends after key_begin
+  while (low < high) {
+    const std::int64_t mid = low + (high - low) / 2;
+    if (row_keys(p, mid).end > key_begin) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  const std::int64_t first = low;
+  high = p.seqlen_q;  // first row (from `first` on) whose interval begins at or after key_end
+  while (low < high) {
+    const std::int64_t mid = low + (high - low) / 2;
+    if (row_keys(p, mid).begin >= key_end) {
+      high = mid;
+    } else {
+      low = mid + 1;
+    }
+  }
+  return {first, low};
 }
 
 // Splits of the key blocks for a grid of `work_items` query blocks (over all batch entries and

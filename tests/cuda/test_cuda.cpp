@@ -1,10 +1,11 @@
-// The CUDA forward (flashattn/cuda.hpp). Three parts:
-//  - the arithmetic the kernels and the host share (cuda/forward_params.hpp: each row's key
+// The CUDA forward and backward (flashattn/cuda.hpp). Three parts:
+//  - the arithmetic the kernels and the host share (cuda/kernel_params.hpp: each row's key
 //    interval, the key blocks a query block visits, the blocks that need no mask, the split
 //    count), checked on the CPU against the CPU paths' definitions: these run everywhere;
 //  - argument errors that are found before any device is asked for: these run everywhere too;
 //  - the kernels against the fp64 reference on the DESIGN.md §4 grid, on fresh random inputs,
-//    outputs poisoned first: these need a GPU and skip, saying so, where there is none.
+//    outputs poisoned first, each element held to a bound derived from the roundings the
+//    contract allows: these need a GPU and skip, saying so, where there is none.
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -17,7 +18,7 @@
 #include <vector>
 
 #include "api/params.hpp"
-#include "cuda/forward_params.hpp"
+#include "cuda/kernel_params.hpp"
 #include "flashattn/cuda.hpp"
 #include "test_support.hpp"
 
@@ -111,6 +112,36 @@ TEST(CudaMaskArithmetic, KeyBlocksHoldEveryVisibleKeyAndUnmaskedBlocksAreFullyVi
                   << keys.begin << ", " << keys.end << ")";
             }
           }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaMaskArithmetic, QueryRowsHoldEveryRowThatSeesAKeyOfTheBlock) {
+  std::mt19937_64 rng(test_seed() + 5);
+  for (const MaskCase& c : random_mask_cases(rng, 200)) {
+    const ForwardParams p =
+        mask_params(c.seqlen_q, c.seqlen_kv, c.causal, c.window_left, c.window_right);
+    const detail::AttentionParams cpu = cpu_params(p);
+    for (std::int64_t key = 0; key < c.seqlen_kv; key += 64) {
+      const std::int64_t key_end = std::min<std::int64_t>(key + 64, c.seqlen_kv);
+      const auto rows = cuda::detail::query_rows(p, key, key_end);
+      ASSERT_LE(rows.first, rows.last);
+      for (std::int64_t row = 0; row < c.seqlen_q; ++row) {
+        const detail::KeyRange keys = cpu.key_range(row);
+        const bool sees = !keys.empty() && keys.begin < key_end && keys.end > key;
+        if (sees) {
+          ASSERT_TRUE(rows.first <= row && row < rows.last)
+              << "row " << row << " sees keys of [" << key << ", " << key_end << ") but lies "
+              << "outside [" << rows.first << ", " << rows.last << ")";
+        }
+      }
+      // Tight at both ends: the first and the last row of the interval see a key of the block.
+      if (rows.first < rows.last) {
+        for (const std::int64_t row : {rows.first, rows.last - 1}) {
+          const detail::KeyRange keys = cpu.key_range(row);
+          EXPECT_TRUE(keys.begin < key_end && keys.end > key) << "row " << row;
         }
       }
     }
@@ -412,6 +443,206 @@ TEST(CudaForward, EmptyKeySequenceGivesZerosAndMinusInfinity) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(test_seed() + 3);
   expect_matches_reference({1, 5, 0, 2, 2, 64}, DType::bf16, rng);
+}
+
+// ---- the backward against the fp64 reference (GPU only) ----
+
+// Every gradient element of one case held to a bound built, element by element, from the fp64
+// magnitudes of the quantities whose roundings the contract allows (u: the dtype's unit roundoff;
+// e = 2^-24, fp32's):
+//   P    fp32 scores (D·e·scale·Σ|q||k|), lse in fp32, exp2: relative error e_P; then rounded to
+//        the dtype (u) as the operand of dV = Pᵀ·dO
+//   D    Σ dO·O from the forward's 16-bit O (u·Σ|dO·O|) in fp32 (D·e·Σ|dO·O|)
+//   dP   fp32 sums of exact products: D·e·Σ|dO||v|
+//   dS   P·(dP − D): the errors above, then rounded to the dtype (u·|dS|) as the operand of
+//        dK = scale·dSᵀ·Q and dQ = scale·dS·K
+//   sums fp32 over up to S terms (S·e relative) and each gradient rounded once (u·|g|).
+// The bound is twice the first-order sum, for the second-order terms it leaves out.
+void expect_backward_matches_reference(const GpuCase& c, DType dtype, std::mt19937_64& rng) {
+  auto operand = [&](std::int64_t seq, std::int64_t heads) {
+    return make_operand(dtype, c.batch, seq, heads, c.head_dim, c.head_major);
+  };
+  Tensor q = operand(c.seqlen_q, c.heads_q), k = operand(c.seqlen_kv, c.heads_kv),
+         v = operand(c.seqlen_kv, c.heads_kv), dout = operand(c.seqlen_q, c.heads_q),
+         out = operand(c.seqlen_q, c.heads_q);
+  Tensor dq = operand(c.seqlen_q, c.heads_q), dk = operand(c.seqlen_kv, c.heads_kv),
+         dv = operand(c.seqlen_kv, c.heads_kv);
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  dout.fill_normal(rng);
+  AttentionOptions options;
+  options.causal = c.causal;
+  options.window_left = c.window_left;
+  options.window_right = c.window_right;
+  const std::size_t lse_count = static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q);
+  std::vector<float> lse(lse_count);
+  // The forward's out (16-bit) and lse as the GPU backward reads them: the reference's.
+  reference_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+
+  auto widened = [](const Tensor& t) {
+    Tensor wide(DType::f32, t.view.shape);
+    t.for_each_index(
+        [&](auto a, auto b, auto h, auto d) { wide.set(a, b, h, d, t.at(a, b, h, d)); });
+    return wide;
+  };
+  Tensor q32 = widened(q), k32 = widened(k), v32 = widened(v), dout32 = widened(dout),
+         out32 = widened(out);
+  Tensor dq_ref(DType::f32, q.view.shape), dk_ref(DType::f32, k.view.shape),
+      dv_ref(DType::f32, v.view.shape), out_ref(DType::f32, q.view.shape);
+  std::vector<float> lse_ref(lse_count);
+  reference_attention_forward(q32.view, k32.view, v32.view, out_ref.view, lse_ref.data(), options);
+  reference_attention_backward(dout32.view, q32.view, k32.view, v32.view, out_ref.view,
+                               lse_ref.data(), dq_ref.view, dk_ref.view, dv_ref.view, options);
+
+  // The bounds, accumulated in the gradients' layouts.
+  const double u = dtype == DType::bf16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  const double e = std::ldexp(1.0, -24), dim = static_cast<double>(c.head_dim);
+  const double scale = 1.0 / std::sqrt(dim), log2e = 1.4426950408889634;
+  const double sum_terms = static_cast<double>(std::max(c.seqlen_q, c.seqlen_kv));
+  Tensor dq_bound(DType::f32, q.view.shape), dk_bound(DType::f32, k.view.shape),
+      dv_bound(DType::f32, v.view.shape);
+  ForwardParams mask =
+      mask_params(c.seqlen_q, c.seqlen_kv, c.causal,
+                  c.window_left < 0 ? -1 : std::min(c.window_left, c.seqlen_q + c.seqlen_kv),
+                  c.window_right < 0 ? -1 : std::min(c.window_right, c.seqlen_q + c.seqlen_kv));
+  const detail::AttentionParams keys_of = cpu_params(mask);
+  const std::int64_t group = c.heads_q / c.heads_kv;
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    for (std::int64_t h = 0; h < c.heads_q; ++h) {
+      const std::int64_t hk = h / group;
+      for (std::int64_t i = 0; i < c.seqlen_q; ++i) {
+        const detail::KeyRange keys = keys_of.key_range(i);
+        const double row_lse =
+            lse_ref[static_cast<std::size_t>((b * c.heads_q + h) * c.seqlen_q + i)];
+        if (keys.empty() || std::isinf(row_lse)) continue;
+        double dot = 0, dot_abs = 0;  // D_i and Σ|dO·O|
+        for (std::int64_t d = 0; d < c.head_dim; ++d) {
+          dot += double(dout32.at(b, i, h, d)) * out_ref.at(b, i, h, d);
+          dot_abs += std::abs(double(dout32.at(b, i, h, d)) * out_ref.at(b, i, h, d));
+        }
+        const double dot_error = (u + dim * e) * dot_abs;
+        for (std::int64_t j = keys.begin; j < keys.end; ++j) {
+          double score = 0, score_abs = 0, dp = 0, dp_abs = 0;
+          for (std::int64_t d = 0; d < c.head_dim; ++d) {
+            score += double(q32.at(b, i, h, d)) * k32.at(b, j, hk, d);
+            score_abs += std::abs(double(q32.at(b, i, h, d)) * k32.at(b, j, hk, d));
+            dp += double(dout32.at(b, i, h, d)) * v32.at(b, j, hk, d);
+            dp_abs += std::abs(double(dout32.at(b, i, h, d)) * v32.at(b, j, hk, d));
+          }
+          const double p = std::exp(score * scale - row_lse);
+          const double e_p = dim * e * scale * score_abs +
+                             4 * e * (1 + (std::abs(score * scale) + std::abs(row_lse)) * log2e);
+          const double ds = p * (dp - dot);
+          const double ds_error =
+              p * (e_p * std::abs(dp - dot) + dim * e * dp_abs + dot_error) + u * std::abs(ds);
+          for (std::int64_t d = 0; d < c.head_dim; ++d) {
+            dv_bound.set(
+                b, j, hk, d,
+                dv_bound.at(b, j, hk, d) + float(p * (u + e_p) * std::abs(dout32.at(b, i, h, d))));
+            dk_bound.set(
+                b, j, hk, d,
+                dk_bound.at(b, j, hk, d) + float(scale * ds_error * std::abs(q32.at(b, i, h, d))));
+            dq_bound.set(
+                b, i, h, d,
+                dq_bound.at(b, i, h, d) + float(scale * ds_error * std::abs(k32.at(b, j, hk, d))));
+          }
+        }
+      }
+    }
+  }
+
+  DeviceCopy ddout(dout), dq_(q), dk_(k), dv_(v), dout_(out), dlse(lse_count * sizeof(float));
+  check(cudaMemcpy(dlse.data, lse.data(), lse_count * sizeof(float), cudaMemcpyHostToDevice),
+        "cudaMemcpy");
+  DeviceCopy ddq(dq.bytes.size()), ddk(dk.bytes.size()), ddv(dv.bytes.size());
+  cuda::flash_attention_backward(ddout.view_of(dout), dq_.view_of(q), dk_.view_of(k),
+                                 dv_.view_of(v), dout_.view_of(out),
+                                 static_cast<const float*>(dlse.data), ddq.view_of(dq),
+                                 ddk.view_of(dk), ddv.view_of(dv), options);
+  check(cudaDeviceSynchronize(), "the backward");
+  check(cudaMemcpy(dq.bytes.data(), ddq.data, dq.bytes.size(), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+  check(cudaMemcpy(dk.bytes.data(), ddk.data, dk.bytes.size(), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+  check(cudaMemcpy(dv.bytes.data(), ddv.data, dv.bytes.size(), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+
+  const std::string name = describe(c, dtype);
+  auto expect_within = [&](const char* what, const Tensor& got, const Tensor& expected,
+                           const Tensor& bound) {
+    got.for_each_index([&](auto a, auto s_, auto h, auto d) {
+      if (::testing::Test::HasFatalFailure()) return;
+      const double g = got.at(a, s_, h, d), x = expected.at(a, s_, h, d);
+      const double limit =
+          2 * (bound.at(a, s_, h, d) * (1 + sum_terms * e) + u * std::abs(x)) + e * std::abs(x);
+      ASSERT_FALSE(std::isnan(g)) << name << " " << what << " unwritten or NaN at " << s_ << ","
+                                  << h << "," << d;
+      ASSERT_NEAR(g, x, limit) << name << " " << what << " at seq " << s_ << " head " << h << " d "
+                               << d;
+    });
+  };
+  expect_within("dq", dq, dq_ref, dq_bound);
+  expect_within("dk", dk, dk_ref, dk_bound);
+  expect_within("dv", dv, dv_ref, dv_bound);
+}
+
+std::vector<GpuCase> backward_cases() {
+  std::vector<GpuCase> cases;
+  for (const std::int64_t s : {1, 7, 64, 113, 129, 255}) {
+    for (const bool causal : {false, true}) cases.push_back({1, s, s, 2, 1, 64, causal});
+  }
+  for (const std::int64_t d : {32, 40, 64, 80, 96, 128})
+    cases.push_back({1, 129, 129, 2, 2, d, true});
+  for (const auto& [sq, skv] :
+       {std::pair<std::int64_t, std::int64_t>{113, 203}, {1, 239}, {203, 3}, {203, 113}}) {
+    for (const bool causal : {false, true}) cases.push_back({2, sq, skv, 4, 2, 128, causal});
+  }
+  cases.push_back({1, 255, 255, 8, 2, 128, false, 17, 5});
+  cases.push_back({1, 64, 300, 2, 2, 64, false, -1, 0});
+  cases.push_back({2, 129, 203, 4, 2, 96, true, -1, -1, true});
+  cases.push_back({1, 0, 70, 2, 2, 64});  // no queries: dk = dv = 0
+  cases.push_back({1, 70, 0, 2, 2, 64});  // no keys: dq = 0
+  return cases;
+}
+
+TEST(CudaBackward, MatchesTheReferenceWithinTheDerivedBound) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(test_seed() + 4);
+  for (const DType dtype : {DType::bf16, DType::f16}) {
+    for (const GpuCase& c : backward_cases()) {
+      expect_backward_matches_reference(c, dtype, rng);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
+TEST(CudaValidation, TheBackwardRefusesWhatItCannotTake) {
+  std::vector<float> lse(32);
+  HostOperands f32(DType::f32, 64);
+  Tensor dq(DType::f32, f32.q.view.shape), dk(DType::f32, f32.k.view.shape),
+      dv(DType::f32, f32.v.view.shape), out(DType::f32, f32.q.view.shape);
+  try {
+    cuda::flash_attention_backward(f32.q.view, f32.q.view, f32.k.view, f32.v.view, out.view,
+                                   lse.data(), dq.view, dk.view, dv.view);
+    FAIL() << "no Error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("expected dtype f16 or bf16"), std::string::npos)
+        << error.what();
+  }
+  HostOperands d136(DType::bf16, 136);
+  Tensor dq2(DType::bf16, d136.q.view.shape), dk2(DType::bf16, d136.k.view.shape),
+      dv2(DType::bf16, d136.v.view.shape), dout2(DType::bf16, d136.q.view.shape);
+  try {
+    cuda::flash_attention_backward(dout2.view, d136.q.view, d136.k.view, d136.v.view, d136.out.view,
+                                   lse.data(), dq2.view, dk2.view, dv2.view);
+    FAIL() << "no Error";
+  } catch (const Error& error) {
+    EXPECT_NE(
+        std::string(error.what()).find("expected head_dim a multiple of 8 up to 128, got 136"),
+        std::string::npos)
+        << error.what();
+  }
 }
 
 }  // namespace
