@@ -5,9 +5,10 @@
 // Three launches:
 //   row_dot      D_i = Σ_d dO_id · O_id per query row (fp32), the softmax backward's row term
 //   backward     one thread block per (key block of 64 keys, KV head, batch entry); each warp
-//                owns 16 keys. For every query head of the KV head's group and every block of 64
-//                query rows that sees these keys (Q and dO double-buffered by cp.async):
-//                  Sᵀ  = K·Qᵀ                        [16 keys, 64 rows] per warp
+//                owns 16 keys. For every query head of the KV head's group and every step of
+//                64 query rows (32 for head_dim 128) that sees these keys (Q and dO
+//                double-buffered by cp.async):
+//                  Sᵀ  = K·Qᵀ                        [16 keys, the step's rows] per warp
 //                  Pᵀ  = exp2(Sᵀ·scale·log2 e − lse·log2 e), 0 where masked
 //                  dV += Pᵀ·dO                       P rounded to the dtype as the A operand
 //                  dPᵀ = V·dOᵀ
@@ -19,10 +20,10 @@
 //                query heads that read it, so GQA needs no atomics for dK and dV.
 //   dq           dq = scale · dq_sum, rounded once.
 //
-// head_dim up to 128 (64 or 128 tiles): a warp holds 16 keys' dK and dV in fp32, head_dim / 4
-// registers each, which for 256 would leave no room (FlashAttention-2 splits its warps
+// head_dim up to 128 (64 or 128 tiles): a warp holds 16 keys' dK and dV in fp32, head_dim / 2
+// registers each (64 for 128), which for 256 would leave no room (FlashAttention-2 splits its warps
 // differently there; not done here). Shared memory for 128: K, V 32 KiB, two stages of Q and dO
-// 64 KiB, dSᵀ 8 KiB, lse and D 1 KiB: 105 KiB.
+// (32 rows) 32 KiB, dSᵀ 4 KiB, lse and D 0.5 KiB: 68.5 KiB.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Scalar* k = static_cast<const Scalar*>(p.k) + batch * p.k_batch + kv_head * p.k_head;
   const Scalar* v = static_cast<const Scalar*>(p.v) + batch * p.v_batch + kv_head * p.v_head;
 
-  // The steps: every (query head of the group, block of 64 rows that sees these keys).
+  // The steps: every (query head of the group, block of kRowsPerStep rows that sees these keys).
   const RowInterval seen_by = query_rows(p, key_begin, min(key_begin + kKeysPerBlock, p.seqlen_kv));
   const std::int64_t first_step_row = seen_by.first / kRowsPerStep * kRowsPerStep;
   const std::int64_t row_steps =
@@ -187,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* lse_log2 = lse_tiles + stage * kRowsPerStep;
     const float* row_dot = dot_tiles + stage * kRowsPerStep;
 
-    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ                                     [16 keys, 64 rows] per warp
+    // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ                         [16 keys, kRowsPerStep rows] per warp
     float s[kRowGroups][4] = {};
     float dp[kRowGroups][4] = {};
     // Not unrolled: the accumulators are indexed by `pair` only, and an unrolled step_d would
