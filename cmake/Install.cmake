@@ -2,12 +2,18 @@
 # `find_package(flashattn)` gives the imported target flashattn::flashattn.
 include(CMakePackageConfigHelpers)
 
+# The optional libraries, and their headers only where they are built.
 set(FLASHATTN_INSTALL_TARGETS flashattn)
+set(FLASHATTN_HEADERS_EXCLUDED "")
 if(TARGET flashattn_dist)
   list(APPEND FLASHATTN_INSTALL_TARGETS flashattn_dist)
-  set(FLASHATTN_HEADERS_EXCLUDED "")
 else()
-  set(FLASHATTN_HEADERS_EXCLUDED PATTERN dist.hpp EXCLUDE)
+  list(APPEND FLASHATTN_HEADERS_EXCLUDED PATTERN dist.hpp EXCLUDE)
+endif()
+if(TARGET flashattn_cuda)
+  list(APPEND FLASHATTN_INSTALL_TARGETS flashattn_cuda)
+else()
+  list(APPEND FLASHATTN_HEADERS_EXCLUDED PATTERN cuda.hpp EXCLUDE)
 endif()
 install(TARGETS ${FLASHATTN_INSTALL_TARGETS} EXPORT flashattnTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
