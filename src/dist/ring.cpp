@@ -179,12 +179,22 @@ class Transfers {
     messages_.push_back({data, count, type, from, tag, false});
   }
 
-  // Posts the messages added since the last finish().
+  // Posts the messages added since the last finish(). Everything the helper thread would
+  // allocate is allocated here, on the calling thread, where a failure is an exception the call
+  // turns into an Error; the helper itself allocates only for a timeout's message, and a failure
+  // there is kept for finish() to raise (an exception leaving a std::thread ends the process).
   void start() {
     started_ = Clock::now();
     if (messages_.empty()) return;
+    requests_.reserve(messages_.size());
     if (threaded_) {
-      helper_ = std::thread([this] { post_and_wait(); });
+      helper_ = std::thread([this] {
+        try {
+          post_and_wait();
+        } catch (const std::bad_alloc&) {
+          helper_out_of_memory_ = true;
+        }
+      });
     } else {
       post();
     }
@@ -211,6 +221,10 @@ class Transfers {
     transfer_seconds += transfer_;
     messages_.clear();
     requests_.clear();
+    if (helper_out_of_memory_) {
+      throw RingAborted(std::string(caller_) + ": rank " + std::to_string(rank_) +
+                        ": out of memory (in the transfer thread)");
+    }
     if (!error_.empty()) throw RingAborted(error_);
     return waited;
   }
@@ -282,6 +296,7 @@ class Transfers {
   Clock::time_point started_;
   double transfer_ = 0.0;
   std::string error_;
+  bool helper_out_of_memory_ = false;  // written by the helper, read after join()
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,13 @@
 // Every such call must raise flashattn::Error saying "out of memory" (never std::bad_alloc,
 // never a crash), and the next call, with nothing failing, must give the same results bit for
 // bit. The outputs are poisoned before each call, so a result left from before cannot pass.
+//
+// Built a second time with FLASHATTN_FAULT_INJECTION_RING (and MPI) for ring attention, in one
+// process without mpirun: a ring of one rank moves no message, so the sweep reaches every other
+// allocation of the ring's calls (the plan, the shards, the partial states, the merges). With
+// more ranks a failing allocation on one rank is that rank's RingAborted, and its peers' after
+// their timeout (tests/dist covers that path); which allocation fails would differ from rank to
+// rank, so it is not swept.
 
 #include <gtest/gtest.h>
 
@@ -22,6 +29,11 @@
 #include <vector>
 
 #include "flashattn/flashattn.hpp"
+#ifdef FLASHATTN_FAULT_INJECTION_RING
+#include <mpi.h>
+
+#include "flashattn/dist.hpp"
+#endif
 
 namespace {
 
@@ -287,6 +299,44 @@ TEST(FaultInjectionLayer, MultiHeadAttentionForwardAndBackward) {
          },
          {&dx}});
 }
+
+#ifdef FLASHATTN_FAULT_INJECTION_RING
+// MPI for the whole process, initialized when the tests start (not when ctest lists them).
+class MpiEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  }
+  void TearDown() override { MPI_Finalize(); }
+};
+const ::testing::Environment* const mpi_environment =
+    ::testing::AddGlobalTestEnvironment(new MpiEnvironment);
+
+TEST(FaultInjectionRing, ForwardAndBackwardOnOneRank) {
+  constexpr std::int64_t S = 38;  // even: zig-zag cuts one rank's sequence in two segments
+  Buffer q(B * S * Hq * D, 23), k(B * S * Hkv * D, 24), v(B * S * Hkv * D, 25), out(B * S * Hq * D),
+      lse(B * Hq * S), dout(B * S * Hq * D, 26), dq(B * S * Hq * D), dk(B * S * Hkv * D),
+      dv(B * S * Hkv * D);
+  const AttentionOptions options = causal_two_threads();
+  dist::RingOptions ring;
+  ring.sharding = dist::Sharding::zigzag;
+  sweep({[&] {
+           dist::ring_attention_forward(MPI_COMM_WORLD, q.view({B, S, Hq, D}),
+                                        k.view({B, S, Hkv, D}), v.view({B, S, Hkv, D}),
+                                        out.view({B, S, Hq, D}), lse.data.data(), options, ring);
+         },
+         {&out, &lse}});
+  sweep({[&] {
+           dist::ring_attention_backward(
+               MPI_COMM_WORLD, dout.view({B, S, Hq, D}), q.view({B, S, Hq, D}),
+               k.view({B, S, Hkv, D}), v.view({B, S, Hkv, D}), out.view({B, S, Hq, D}),
+               lse.data.data(), dq.view({B, S, Hq, D}), dk.view({B, S, Hkv, D}),
+               dv.view({B, S, Hkv, D}), options, ring);
+         },
+         {&dq, &dk, &dv}});
+}
+#endif
 
 }  // namespace
 }  // namespace flashattn
