@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -164,13 +165,29 @@ void check_kernel_limits(const char* caller, const flashattn::detail::AttentionP
   }
 }
 
-// Frees a stream-ordered allocation when the call leaves, on the same stream.
-struct StreamBuffer {
-  void* data = nullptr;
-  cudaStream_t stream = nullptr;
-  ~StreamBuffer() {
-    if (data != nullptr) cudaFreeAsync(data, stream);
+// A call's fp32 scratch from the stream-ordered allocator, freed on the same stream when the
+// call leaves (the kernels queued before it are done with it by then, in stream order).
+class Workspace {
+ public:
+  Workspace(const char* caller, const char* what, std::int64_t floats, cudaStream_t stream)
+      : stream_(stream) {
+    const cudaError_t allocated =
+        cudaMallocAsync(&data_, static_cast<std::size_t>(floats) * sizeof(float), stream);
+    if (allocated == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      fail(caller, "out of memory: could not allocate ", what, " (",
+           floats * static_cast<std::int64_t>(sizeof(float)), " bytes of device memory)");
+    }
+    check_cuda(caller, allocated, "cudaMallocAsync");
   }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() { cudaFreeAsync(data_, stream_); }
+  float* floats() const { return static_cast<float*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  cudaStream_t stream_;
 };
 
 }  // namespace
@@ -241,20 +258,13 @@ void flash_attention_forward(const ConstTensorView& q, const ConstTensorView& k,
       --p.num_splits;
     }
 
-    StreamBuffer workspace{nullptr, stream};
+    std::optional<Workspace> workspace;
     if (p.num_splits > 1) {
       p.blocks_per_split = static_cast<int>((key_blocks + p.num_splits - 1) / p.num_splits);
       const std::int64_t rows = static_cast<std::int64_t>(p.batch) * p.heads_q * p.seqlen_q;
-      const std::int64_t floats = p.num_splits * rows * (p.head_dim + 1);
-      const cudaError_t allocated = cudaMallocAsync(
-          &workspace.data, static_cast<std::size_t>(floats) * sizeof(float), stream);
-      if (allocated == cudaErrorMemoryAllocation) {
-        cudaGetLastError();
-        fail(kForward, "out of memory: could not allocate the split-KV workspace (",
-             floats * static_cast<std::int64_t>(sizeof(float)), " bytes of device memory)");
-      }
-      check_cuda(kForward, allocated, "cudaMallocAsync");
-      p.split_out = static_cast<float*>(workspace.data);
+      workspace.emplace(kForward, "the split-KV workspace", p.num_splits * rows * (p.head_dim + 1),
+                        stream);
+      p.split_out = workspace->floats();
       p.split_lse = p.split_out + p.num_splits * rows * p.head_dim;
     }
     check_cuda(kForward, detail::launch_flash_forward(p, stream), "kernel launch");
@@ -318,18 +328,10 @@ void flash_attention_backward(const ConstTensorView& dout, const ConstTensorView
 
     // dq's fp32 sums [batch, seqlen_q, heads_q, head_dim] and D [batch, heads_q, seqlen_q].
     const std::int64_t rows = f.batch * f.heads_q * f.seqlen_q;
-    const std::int64_t floats = rows * (f.head_dim + 1);
-    StreamBuffer workspace{nullptr, stream};
-    if (floats > 0) {
-      const cudaError_t allocated = cudaMallocAsync(
-          &workspace.data, static_cast<std::size_t>(floats) * sizeof(float), stream);
-      if (allocated == cudaErrorMemoryAllocation) {
-        cudaGetLastError();
-        fail(kBackward, "out of memory: could not allocate the backward's workspace (",
-             floats * static_cast<std::int64_t>(sizeof(float)), " bytes of device memory)");
-      }
-      check_cuda(kBackward, allocated, "cudaMallocAsync");
-      b.dq_sum = static_cast<float*>(workspace.data);
+    std::optional<Workspace> workspace;
+    if (rows > 0) {
+      workspace.emplace(kBackward, "the backward's workspace", rows * (f.head_dim + 1), stream);
+      b.dq_sum = workspace->floats();
       b.row_dot = b.dq_sum + rows * f.head_dim;
       check_cuda(
           kBackward,

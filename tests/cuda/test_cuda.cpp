@@ -303,6 +303,14 @@ std::string describe(const GpuCase& c, DType dtype) {
          (c.head_major ? " head-major" : "") + " seed " + std::to_string(test_seed());
 }
 
+AttentionOptions options_of(const GpuCase& c) {
+  AttentionOptions options;
+  options.causal = c.causal;
+  options.window_left = c.window_left;
+  options.window_right = c.window_right;
+  return options;
+}
+
 Tensor make_operand(DType dtype, std::int64_t batch, std::int64_t seq, std::int64_t heads,
                     std::int64_t dim, bool head_major) {
   if (!head_major) return Tensor(dtype, {batch, seq, heads, dim});
@@ -318,11 +326,7 @@ void expect_matches_reference(const GpuCase& c, DType dtype, std::mt19937_64& rn
   q.fill_normal(rng);
   k.fill_normal(rng);
   v.fill_normal(rng);
-
-  AttentionOptions options;
-  options.causal = c.causal;
-  options.window_left = c.window_left;
-  options.window_right = c.window_right;
+  const AttentionOptions options = options_of(c);
 
   // The oracle on the same (16-bit, so exactly f32) inputs, fp64 inside.
   Tensor q32(DType::f32, q.view.shape), k32(DType::f32, k.view.shape),
@@ -471,10 +475,7 @@ void expect_backward_matches_reference(const GpuCase& c, DType dtype, std::mt199
   k.fill_normal(rng);
   v.fill_normal(rng);
   dout.fill_normal(rng);
-  AttentionOptions options;
-  options.causal = c.causal;
-  options.window_left = c.window_left;
-  options.window_right = c.window_right;
+  const AttentionOptions options = options_of(c);
   const std::size_t lse_count = static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q);
   std::vector<float> lse(lse_count);
   // The forward's out (16-bit) and lse as the GPU backward reads them: the reference's.
