@@ -20,6 +20,7 @@
 
 #include "cli_test_support.hpp"
 #include "flashattn/attention.hpp"
+#include "flashattn/backward.hpp"
 #include "flashattn/dtype.hpp"
 #include "flashattn/introspect.hpp"
 #include "npy.hpp"
@@ -282,22 +283,28 @@ TEST_F(CliTest, RunFloat16InputsRunAsF16AndWriteFloat32) {
                             compute(AttentionImpl::standard, q, k, v, options), v, "flash, f16");
 }
 
-// --device cuda: on a GPU, the f16 forward within the f16 bound of tests/cuda (P rounded to f16
-// as the operand of P·V: u·max|v|; out rounded: u·|out|; u = 2^-11); without a GPU, or in a
-// build without the CUDA backend, one error line naming --device cuda and no file.
+// --device cuda, forward and backward: on a GPU, out within the f16 bound of tests/cuda (P
+// rounded to f16 as the operand of P·V: u·max|v|; out rounded: u·|out|; u = 2^-11) and each
+// gradient within 8 u of the reference norm-wise (tests/cuda holds them element by element);
+// without a GPU, or in a build without the CUDA backend, one error line naming --device cuda and
+// no file.
 TEST_F(CliTest, RunOnCudaComputesThereOrFailsCleanly) {
   std::mt19937_64 rng(6);
   const Operand q = random_operand(DType::f16, {1, 70, 2, 64}, rng);
   const Operand k = random_operand(DType::f16, {1, 70, 2, 64}, rng);
   const Operand v = random_operand(DType::f16, {1, 70, 2, 64}, rng);
+  const Operand dout = random_operand(DType::f16, {1, 70, 2, 64}, rng);
   save_inputs(q, k, v);
+  dout.save(path("dout.npy"));
   std::vector<std::string> args = run_args();
-  args.insert(args.end(), {"--lse", path("lse.npy"), "--causal", "--device", "cuda"});
+  args.insert(args.end(),
+              {"--lse", path("lse.npy"), "--causal", "--device", "cuda", "--dout", path("dout.npy"),
+               "--dq", path("dq.npy"), "--dk", path("dk.npy"), "--dv", path("dv.npy")});
   const Completed completed = run(args);
   if (completed.exit_code != 0) {
     EXPECT_TRUE(completed.exit_code == 1 || completed.exit_code == 2) << completed.exit_code;
     EXPECT_NE(completed.err.find("--device cuda"), std::string::npos) << completed.err;
-    EXPECT_EQ(entries(), (std::vector<std::string>{"k.npy", "q.npy", "v.npy"}));
+    EXPECT_EQ(entries(), (std::vector<std::string>{"dout.npy", "k.npy", "q.npy", "v.npy"}));
     return;
   }
   EXPECT_EQ(parse_json_line(completed.out.substr(0, completed.out.find('\n'))).at("device"),
@@ -313,6 +320,31 @@ TEST_F(CliTest, RunOnCudaComputesThereOrFailsCleanly) {
   for (std::size_t i = 0; i < out.size(); ++i) {
     ASSERT_NEAR(out[i], reference.out[i], u * (max_v + std::fabs(reference.out[i])) + 1e-5)
         << "element " << i;
+  }
+
+  Operand ref_out{DType::f16, q.shape, {}, std::vector<std::uint16_t>(out.size())};
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    ref_out.f16[i] = flashattn::f16_from_f32(reference.out[i]);
+  }
+  std::vector<std::uint16_t> ref_grads[3];
+  for (auto& g : ref_grads) g.resize(static_cast<std::size_t>(q.numel()));
+  auto f16_view = [&](std::vector<std::uint16_t>& data) {
+    return flashattn::TensorView{data.data(), DType::f16, q.shape,
+                                 flashattn::contiguous_strides(q.shape)};
+  };
+  flashattn::reference_attention_backward(dout.view(), q.view(), k.view(), v.view(), ref_out.view(),
+                                          reference.lse.data(), f16_view(ref_grads[0]),
+                                          f16_view(ref_grads[1]), f16_view(ref_grads[2]), options);
+  const char* names[3] = {"dq.npy", "dk.npy", "dv.npy"};
+  for (int g = 0; g < 3; ++g) {
+    const std::vector<float> got = flashattn::npy::read_npy(path(names[g])).f32;
+    double error = 0, norm = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const double expected = flashattn::f32_from_f16(ref_grads[g][i]);
+      error += (got[i] - expected) * (got[i] - expected);
+      norm += expected * expected;
+    }
+    EXPECT_LE(std::sqrt(error / norm), 8 * u) << names[g];
   }
 }
 

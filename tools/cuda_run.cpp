@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <optional>
 #include <string>
 
 #include "flashattn/cuda.hpp"
@@ -20,53 +21,57 @@ std::size_t bytes_of(const ConstTensorView& view) {
   return static_cast<std::size_t>(view.numel()) * dtype_size(view.dtype);
 }
 
-// One device allocation holding a copy of a host view (or room for one).
+// One device allocation the size of a host view, seen through the view's shape and strides
+// (contiguous), optionally holding a copy of it.
 struct DeviceTensor {
   void* data = nullptr;
   std::size_t bytes = 0;
-  DeviceTensor() = default;
-  explicit DeviceTensor(std::size_t size) : bytes(size) {
+  TensorView view;
+
+  explicit DeviceTensor(const ConstTensorView& like, bool copy = false) : bytes(bytes_of(like)) {
     check(cudaMalloc(&data, bytes > 0 ? bytes : 1), "cudaMalloc");
+    view = {data, like.dtype, like.shape, like.strides};
+    if (copy) check(cudaMemcpy(data, like.data, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
   }
   DeviceTensor(const DeviceTensor&) = delete;
   DeviceTensor& operator=(const DeviceTensor&) = delete;
   ~DeviceTensor() { cudaFree(data); }
+
+  void copy_to(const TensorView& host) const {
+    check(cudaMemcpy(host.data, data, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  }
 };
 
 }  // namespace
 
-struct CudaForwardRun::Device {
+struct CudaRun::Device {
   const AttentionOptions& options;
-  ConstTensorView q, k, v;
-  TensorView out;
-  DeviceTensor q_data, k_data, v_data, out_data, lse_data;
+  DeviceTensor q, k, v, out;
+  float* lse = nullptr;
+  std::size_t lse_bytes = 0;
+  std::optional<DeviceTensor> dout, dq, dk, dv;
   cudaStream_t stream = nullptr;
 
   Device(const ConstTensorView& q_host, const ConstTensorView& k_host,
          const ConstTensorView& v_host, const AttentionOptions& attention)
       : options(attention),
-        q(q_host),
-        k(k_host),
-        v(v_host),
-        q_data(bytes_of(q_host)),
-        k_data(bytes_of(k_host)),
-        v_data(bytes_of(v_host)),
-        out_data(bytes_of(q_host)),
-        lse_data(static_cast<std::size_t>(q_host.shape[0] * q_host.shape[1] * q_host.shape[2]) *
-                 sizeof(float)) {
+        q(q_host, true),
+        k(k_host, true),
+        v(v_host, true),
+        out(q_host),
+        lse_bytes(static_cast<std::size_t>(q_host.shape[0] * q_host.shape[1] * q_host.shape[2]) *
+                  sizeof(float)) {
+    check(cudaMalloc(reinterpret_cast<void**>(&lse), lse_bytes > 0 ? lse_bytes : 1), "cudaMalloc");
     check(cudaStreamCreate(&stream), "cudaStreamCreate");
-    for (auto [view, tensor] : {std::pair{&q, &q_data}, {&k, &k_data}, {&v, &v_data}}) {
-      check(cudaMemcpy(tensor->data, view->data, tensor->bytes, cudaMemcpyHostToDevice),
-            "cudaMemcpy");
-      view->data = tensor->data;
-    }
-    out = {out_data.data, q.dtype, q.shape, q.strides};
   }
-  ~Device() { cudaStreamDestroy(stream); }
+  ~Device() {
+    cudaStreamDestroy(stream);
+    cudaFree(lse);
+  }
 };
 
-CudaForwardRun::CudaForwardRun(const ConstTensorView& q, const ConstTensorView& k,
-                               const ConstTensorView& v, const AttentionOptions& options) {
+CudaRun::CudaRun(const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
+                 const AttentionOptions& options) {
   if (!cuda::device_available()) {
     throw Error("--device cuda: expected a CUDA device of compute capability 8.0 or later, got " +
                 cuda::device_description());
@@ -74,21 +79,41 @@ CudaForwardRun::CudaForwardRun(const ConstTensorView& q, const ConstTensorView& 
   device_ = std::make_unique<Device>(q, k, v, options);
 }
 
-CudaForwardRun::~CudaForwardRun() = default;
+CudaRun::~CudaRun() = default;
 
-void CudaForwardRun::operator()() {
-  cuda::flash_attention_forward(device_->q, device_->k, device_->v, device_->out,
-                                static_cast<float*>(device_->lse_data.data), device_->options,
-                                device_->stream);
-  check(cudaStreamSynchronize(device_->stream), "the forward");
+void CudaRun::forward() {
+  Device& d = *device_;
+  cuda::flash_attention_forward(d.q.view, d.k.view, d.v.view, d.out.view, d.lse, d.options,
+                                d.stream);
+  check(cudaStreamSynchronize(d.stream), "the forward");
 }
 
-void CudaForwardRun::copy_out(const TensorView& out, float* lse) const {
-  check(
-      cudaMemcpy(out.data, device_->out_data.data, device_->out_data.bytes, cudaMemcpyDeviceToHost),
-      "cudaMemcpy");
-  check(cudaMemcpy(lse, device_->lse_data.data, device_->lse_data.bytes, cudaMemcpyDeviceToHost),
-        "cudaMemcpy");
+void CudaRun::copy_forward_out(const TensorView& out, float* lse) const {
+  device_->out.copy_to(out);
+  check(cudaMemcpy(lse, device_->lse, device_->lse_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+}
+
+void CudaRun::set_dout(const ConstTensorView& dout) {
+  Device& d = *device_;
+  d.dout.emplace(dout, true);
+  d.dq.emplace(d.q.view);
+  d.dk.emplace(d.k.view);
+  d.dv.emplace(d.v.view);
+}
+
+void CudaRun::backward() {
+  Device& d = *device_;
+  if (!d.dout) throw Error("--device cuda: the backward needs dout (set_dout) first");
+  cuda::flash_attention_backward(d.dout->view, d.q.view, d.k.view, d.v.view, d.out.view, d.lse,
+                                 d.dq->view, d.dk->view, d.dv->view, d.options, d.stream);
+  check(cudaStreamSynchronize(d.stream), "the backward");
+}
+
+void CudaRun::copy_gradients(const TensorView& dq, const TensorView& dk,
+                             const TensorView& dv) const {
+  device_->dq->copy_to(dq);
+  device_->dk->copy_to(dk);
+  device_->dv->copy_to(dv);
 }
 
 }  // namespace flashattn::cli

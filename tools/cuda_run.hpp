@@ -1,7 +1,7 @@
 #pragma once
 
-// The forward of `flashattn run --device cuda` (built with FLASHATTN_CUDA): the inputs copied to
-// the current GPU once, each call run there and waited for, the results copied back at the end.
+// `flashattn run --device cuda` (built with FLASHATTN_CUDA): the inputs copied to the current GPU
+// once, each forward or backward run there and waited for, the results copied back at the end.
 
 #include <memory>
 
@@ -9,19 +9,26 @@
 
 namespace flashattn::cli {
 
-class CudaForwardRun {
+class CudaRun {
  public:
   // q, k, v: contiguous host views; `options` is kept by reference and must outlive the object.
-  CudaForwardRun(const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
-                 const AttentionOptions& options);
-  ~CudaForwardRun();
-  CudaForwardRun(const CudaForwardRun&) = delete;
-  CudaForwardRun& operator=(const CudaForwardRun&) = delete;
+  CudaRun(const ConstTensorView& q, const ConstTensorView& k, const ConstTensorView& v,
+          const AttentionOptions& options);
+  ~CudaRun();
+  CudaRun(const CudaRun&) = delete;
+  CudaRun& operator=(const CudaRun&) = delete;
 
   // Runs the forward on the GPU and waits for it; argument errors raise flashattn::Error.
-  void operator()();
-  // The last run's output (contiguous host view of q's shape and dtype) and lse (host floats).
-  void copy_out(const TensorView& out, float* lse) const;
+  void forward();
+  // The last forward's output (a contiguous host view of q's shape and dtype) and lse.
+  void copy_forward_out(const TensorView& out, float* lse) const;
+
+  // Copies dO (a contiguous host view shaped as q) to the GPU, for backward().
+  void set_dout(const ConstTensorView& dout);
+  // Runs the backward of the last forward on the GPU and waits for it.
+  void backward();
+  // The last backward's gradients, into contiguous host views shaped as q, k and v.
+  void copy_gradients(const TensorView& dq, const TensorView& dk, const TensorView& dv) const;
 
  private:
   struct Device;
