@@ -311,6 +311,13 @@ AttentionOptions options_of(const GpuCase& c) {
   return options;
 }
 
+// A 16-bit tensor's values as f32 (exact), contiguous.
+Tensor widened(const Tensor& t) {
+  Tensor wide(DType::f32, t.view.shape);
+  t.for_each_index([&](auto a, auto b, auto h, auto d) { wide.set(a, b, h, d, t.at(a, b, h, d)); });
+  return wide;
+}
+
 Tensor make_operand(DType dtype, std::int64_t batch, std::int64_t seq, std::int64_t heads,
                     std::int64_t dim, bool head_major) {
   if (!head_major) return Tensor(dtype, {batch, seq, heads, dim});
@@ -329,11 +336,7 @@ void expect_matches_reference(const GpuCase& c, DType dtype, std::mt19937_64& rn
   const AttentionOptions options = options_of(c);
 
   // The oracle on the same (16-bit, so exactly f32) inputs, fp64 inside.
-  Tensor q32(DType::f32, q.view.shape), k32(DType::f32, k.view.shape),
-      v32(DType::f32, v.view.shape), ref(DType::f32, out.view.shape);
-  q.for_each_index([&](auto a, auto b, auto h, auto d) { q32.set(a, b, h, d, q.at(a, b, h, d)); });
-  k.for_each_index([&](auto a, auto b, auto h, auto d) { k32.set(a, b, h, d, k.at(a, b, h, d)); });
-  v.for_each_index([&](auto a, auto b, auto h, auto d) { v32.set(a, b, h, d, v.at(a, b, h, d)); });
+  Tensor q32 = widened(q), k32 = widened(k), v32 = widened(v), ref(DType::f32, out.view.shape);
   const std::size_t lse_count = static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q);
   std::vector<float> ref_lse(lse_count);
   reference_attention_forward(q32.view, k32.view, v32.view, ref.view, ref_lse.data(), options);
@@ -481,12 +484,6 @@ void expect_backward_matches_reference(const GpuCase& c, DType dtype, std::mt199
   // The forward's out (16-bit) and lse as the GPU backward reads them: the reference's.
   reference_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
 
-  auto widened = [](const Tensor& t) {
-    Tensor wide(DType::f32, t.view.shape);
-    t.for_each_index(
-        [&](auto a, auto b, auto h, auto d) { wide.set(a, b, h, d, t.at(a, b, h, d)); });
-    return wide;
-  };
   Tensor q32 = widened(q), k32 = widened(k), v32 = widened(v), dout32 = widened(dout),
          out32 = widened(out);
   Tensor dq_ref(DType::f32, q.view.shape), dk_ref(DType::f32, k.view.shape),
