@@ -29,8 +29,8 @@
 //
 // Memory: per thread the batch entry's query rows (Hkv·rows x Dp), the score tiles of every head
 // (Hkv·rows x Bk, no larger than the tiled forward's Br x Bc tile) and kKeyGroup padded K/V
-// rows; shared, m, l and acc of every chunk of every row: at most 16 / B chunks per batch entry
-// (one beyond 16 entries), max(B, 16)·Hkv·rows·(Dp + 2) floats, whatever the sequence length.
+// rows; shared, m, l and acc of every chunk of every row: at most kCallChunks chunks and one
+// more per batch entry, (B + 16)·Hkv·rows·(Dp + 2) floats, whatever the sequence lengths.
 
 #include "cpu/flash_decode.hpp"
 
@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "cpu/kernels/score_modifiers.hpp"
@@ -57,11 +58,13 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // are one per (batch entry, KV head) here, up to 32 rows (docs/tuning.md).
 constexpr std::int64_t kMaxDecodeRows = 32;
 // A chunk holds at least this many keys, so that merging it costs a row 1/256 of the chunk's
-// products or less, and a batch entry at most kMaxChunks chunks (fewer with more entries, which
-// are tasks already). Short caches split too: 128 keys rather than 512 let a 256-key cache run
-// on 2 threads (docs/tuning.md).
+// products or less, and at most 1/kCallChunks of the keys of the whole call: one sequence splits
+// into up to 16 chunks, and in a serving batch of ragged lengths the long sequences split while
+// the short ones stay whole (one chunk per entry left a 32-request batch's longest sequence on
+// one thread at the end: docs/tuning.md). Short caches split too: 128 keys rather than 512 let a
+// 256-key cache run on 2 threads.
 constexpr std::int64_t kMinChunkKeys = 128;
-constexpr std::int64_t kMaxChunks = 16;
+constexpr std::int64_t kCallChunks = 16;
 // Keys whose K (V) rows one dot_rows (axpy_rows) call takes: each query row's accumulator is
 // loaded and stored once per group instead of once per key.
 constexpr std::int64_t kKeyGroup = 8;
@@ -88,6 +91,8 @@ struct DecodePlan {
   std::int64_t block_keys = 0;  // Bk, keys per score tile
   std::vector<EntryChunks> entries;
   std::int64_t total_chunks = 0;
+  // The chunks, all entries' in a row, longest first: the order in which threads take them.
+  std::vector<std::int64_t> order;
   // bf16 rows read as they are (head_dim a whole number of vectors) whose products take them
   // in bf16 pairs (cpu::dot_rows_bf16_pairs): the query rows and accumulators are then kept in
   // bf16 pair order. Faster up to kMaxBf16PairRows rows per KV head, slower beyond them
@@ -106,23 +111,38 @@ DecodePlan decode_plan(const AttentionParams& p) {
   plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
                                    cpu::kTileLanes * cpu::kTileLanes,
                                cpu::kTileLanes, std::int64_t{256});
-  const std::int64_t max_chunks = std::max<std::int64_t>(1, kMaxChunks / p.batch);
   plan.entries.resize(static_cast<std::size_t>(p.batch));
+  std::int64_t call_keys = 0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     EntryChunks& entry = plan.entries[b];
-    entry.first = plan.total_chunks;
     if (p.seqlen_q > 0) {
       entry.keys = {p.entry_key_range(b, 0).begin, p.entry_key_range(b, p.seqlen_q - 1).end};
     }
+    call_keys += entry.keys.empty() ? 0 : entry.keys.end - entry.keys.begin;
+  }
+  const std::int64_t max_chunk_keys = std::max(kMinChunkKeys, ceil_div(call_keys, kCallChunks));
+  std::vector<std::int64_t> chunk_sizes;
+  for (EntryChunks& entry : plan.entries) {
+    entry.first = plan.total_chunks;
     const std::int64_t visible = entry.keys.empty() ? 0 : entry.keys.end - entry.keys.begin;
     if (visible > 0) {
-      const std::int64_t chunks =
-          std::clamp(ceil_div(visible, kMinChunkKeys), std::int64_t{1}, max_chunks);
+      const std::int64_t chunks = ceil_div(visible, max_chunk_keys);
       entry.chunk_keys = ceil_div(ceil_div(visible, chunks), cpu::kTileLanes) * cpu::kTileLanes;
       entry.chunks = ceil_div(visible, entry.chunk_keys);
     }
+    for (std::int64_t c = 0; c < entry.chunks; ++c) {
+      const KeyRange keys = entry.chunk(c);
+      chunk_sizes.push_back(keys.empty() ? 0 : keys.end - keys.begin);
+    }
     plan.total_chunks += entry.chunks;
   }
+  plan.order.resize(static_cast<std::size_t>(plan.total_chunks));
+  std::iota(plan.order.begin(), plan.order.end(), std::int64_t{0});
+  // std::sort rather than std::stable_sort, which falls back to another algorithm when its buffer
+  // cannot be allocated (an allocation failure the fault-injection tests would see pass).
+  std::sort(plan.order.begin(), plan.order.end(), [&](std::int64_t a, std::int64_t b) {
+    return chunk_sizes[a] != chunk_sizes[b] ? chunk_sizes[a] > chunk_sizes[b] : a < b;
+  });
   return plan;
 }
 
@@ -161,13 +181,16 @@ struct InputRows {
   DType dtype;
   std::int64_t ld;
 };
+// `key_row` is the element offset of key j's row of KV head 0, `contiguous` p.contiguous_keys(j)
+// (looked up once per key group for all KV heads).
 InputRows input_rows(const AttentionParams& p, const void* base, const Strides& strides,
                      std::int64_t b, std::int64_t j, std::int64_t count, std::int64_t h,
-                     std::int64_t Dp, float* buffer) {
+                     std::int64_t Dp, float* buffer, std::int64_t key_row,
+                     std::int64_t contiguous) {
   const auto element_bytes = static_cast<std::int64_t>(dtype_size(p.dtype));
   const auto* bytes = static_cast<const char*>(base);
-  if (p.head_dim == Dp && count <= p.contiguous_keys(j)) {
-    return {bytes + p.kv_offset(strides, b, j, h) * element_bytes, p.dtype, strides.seq};
+  if (p.head_dim == Dp && count <= contiguous) {
+    return {bytes + (key_row + h * strides.head) * element_bytes, p.dtype, strides.seq};
   }
   if (p.head_dim == Dp) {
     for (std::int64_t i = 0; i < count; ++i) {
@@ -205,6 +228,7 @@ class KeyWalk {
   void walk_inputs(const void* base, const Strides& strides, std::int64_t block, std::int64_t keys,
                    Fn&& fn) {
     inputs_head_ = -1;
+    inputs_key_ = -1;
     for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
       visit(j, std::min(kKeyGroup, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
@@ -249,17 +273,30 @@ class KeyWalk {
       const std::int64_t ahead = key + kKeyGroup;
       const std::int64_t first = ahead + h * kKeyGroup / p_.heads_kv;
       const std::int64_t last = std::min(ahead + (h + 1) * kKeyGroup / p_.heads_kv, chunk_end_);
-      for (std::int64_t j = first; j < last; ++j) {
+      for_each_key(strides, first, last, [&](std::int64_t row) {
         for (std::int64_t head = 0; head < p_.heads_kv; ++head) {
-          prefetch_row(base, p_.dtype, p_.kv_offset(strides, b_, j, head), p_.head_dim);
+          prefetch_row(base, p_.dtype, row + head * strides.head, p_.head_dim);
         }
-      }
+      });
       return;
     }
     const bool last_head = h + 1 == p_.heads_kv;
     const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
-    for (std::int64_t i = 0; i < count && next_key + i < chunk_end_; ++i) {
-      prefetch_row(base, p_.dtype, p_.kv_offset(strides, b_, next_key + i, next_head), p_.head_dim);
+    for_each_key(strides, next_key, std::min(next_key + count, chunk_end_), [&](std::int64_t row) {
+      prefetch_row(base, p_.dtype, row + next_head * strides.head, p_.head_dim);
+    });
+  }
+
+  // fn(offset) with the element offset of KV head 0's row of each key in [first, last): one
+  // block-table lookup per page rather than per row and head, whose division by the page size
+  // cost a paged 16-bit cache ~10% of its rate against a dense one (docs/tuning.md).
+  template <class Fn>
+  void for_each_key(const Strides& strides, std::int64_t first, std::int64_t last, Fn&& fn) const {
+    for (std::int64_t j = first; j < last;) {
+      const std::int64_t run = std::min(last - j, p_.contiguous_keys(j));
+      std::int64_t row = p_.kv_offset(strides, b_, j, 0);
+      for (std::int64_t i = 0; i < run; ++i, row += strides.seq) fn(row);
+      j += run;
     }
   }
 
@@ -269,8 +306,12 @@ class KeyWalk {
                     std::int64_t count) {
     if (h != inputs_head_ || key != inputs_key_) {
       prefetch_next(base, strides, h, key, count);
+      if (key != inputs_key_) {
+        key_row_ = p_.kv_offset(strides, b_, key, 0);
+        key_contiguous_ = p_.contiguous_keys(key);
+      }
       inputs_ = input_rows(p_, base, strides, b_, key, count, h, cpu::pad_to_lanes(p_.head_dim),
-                           t_.inputs.data());
+                           t_.inputs.data(), key_row_, key_contiguous_);
       inputs_head_ = h;
       inputs_key_ = key;
     }
@@ -284,6 +325,7 @@ class KeyWalk {
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{nullptr, DType::f32, 0};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1;
+  std::int64_t key_row_ = 0, key_contiguous_ = 0;  // of inputs_key_ (input_rows)
 };
 
 // The running statistics and accumulator of one chunk, for every row of its batch entry.
@@ -490,13 +532,14 @@ void flash_decode(const AttentionParams& p) {
                        AlignedVector<float>(kKeyGroup * Dp)};
       },
       [&](Scratch& t, std::int64_t task) {
-        // The entry whose chunks hold this task: the last whose first chunk is <= task.
-        const auto entry = std::upper_bound(plan.entries.begin(), plan.entries.end(), task,
+        const std::int64_t chunk = plan.order[task];
+        // The entry whose chunks hold this chunk: the last whose first chunk is <= chunk.
+        const auto entry = std::upper_bound(plan.entries.begin(), plan.entries.end(), chunk,
                                             [](std::int64_t value, const EntryChunks& e) {
                                               return value < e.first;
                                             }) -
                            1;
-        decode_chunk(p, plan, t, results, entry - plan.entries.begin(), task - entry->first);
+        decode_chunk(p, plan, t, results, entry - plan.entries.begin(), chunk - entry->first);
       });
   parallel_tasks(
       p.num_threads, p.batch * p.heads_kv, [&] { return AlignedVector<float>(2 * Dp); },
