@@ -66,8 +66,9 @@ constexpr std::int64_t kMaxDecodeRows = 32;
 constexpr std::int64_t kMinChunkKeys = 128;
 constexpr std::int64_t kCallChunks = 16;
 // Keys whose K (V) rows one dot_rows (axpy_rows) call takes: each query row's accumulator is
-// loaded and stored once per group instead of once per key.
-constexpr std::int64_t kKeyGroup = 16;
+// loaded and stored once per group instead of once per key. 16 ran faster from L2 and L3 but
+// 14-16% slower from memory (docs/tuning.md).
+constexpr std::int64_t kKeyGroup = 8;
 // Query rows per KV head up to which bf16 products take the rows in pairs (DecodePlan).
 constexpr std::int64_t kMaxBf16PairRows = 8;
 
