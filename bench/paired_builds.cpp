@@ -1,7 +1,11 @@
 // Paired A/B of two builds of the library, for developers (not run by the tests): a change's
 // effect on speed, measured where the host's load drifts faster than a benchmark runs.
 //
-//   flashattn_paired_builds BASE.so NEW.so [--pass forward|backward] [shape options]
+//   flashattn_paired_builds BASE.so NEW.so [--pass forward|backward|kvcache] [shape options]
+//
+// kvcache: kvcache_attention_forward with f32 queries against a cache of --dtype, dense or in
+// pages of --page-size rows handed out in shuffled order (a serving cache), every sequence
+// --seqlen-kv keys long, --seqlen query rows each (1: decoding).
 //
 // Both builds are loaded into one process (dlopen, RTLD_LOCAL) and their calls alternate on the
 // same inputs, base-new then new-base round by round, so that both see the same stretch of the
@@ -33,6 +37,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/dtype.hpp"
+#include "flashattn/kvcache.hpp"
 
 extern char** environ;
 
@@ -41,6 +46,8 @@ namespace {
 using flashattn::AttentionOptions;
 using flashattn::ConstTensorView;
 using flashattn::DType;
+using flashattn::KVCacheView;
+using flashattn::NewKeysValues;
 using flashattn::TensorView;
 
 using Forward = void (*)(const ConstTensorView&, const ConstTensorView&, const ConstTensorView&,
@@ -48,7 +55,10 @@ using Forward = void (*)(const ConstTensorView&, const ConstTensorView&, const C
 using Backward = void (*)(const ConstTensorView&, const ConstTensorView&, const ConstTensorView&,
                           const ConstTensorView&, const ConstTensorView&, const float*,
                           const TensorView&, const TensorView&, const TensorView&,
-                          const AttentionOptions&);
+                          const AttentionOptions&, const flashattn::ModifierGradients&);
+using KVCacheForward = void (*)(const ConstTensorView&, const KVCacheView&, const std::int32_t*,
+                                const NewKeysValues&, const TensorView&, float*,
+                                const AttentionOptions&, flashattn::AttentionImpl);
 // Itanium-mangled names of flashattn::flash_attention_forward and flash_attention_backward
 // (include/flashattn/attention.hpp, backward.hpp). When a signature changes, dlsym says so;
 // `nm -D --defined-only libflashattn.so | grep flash_attention_` gives the new names.
@@ -57,11 +67,15 @@ constexpr const char* kForwardSymbol =
     "16AttentionOptionsE";
 constexpr const char* kBackwardSymbol =
     "_ZN9flashattn24flash_attention_backwardERKNS_15BasicTensorViewIPKvEES5_S5_S5_S5_PKfRKNS0_"
-    "IPvEESB_SB_RKNS_16AttentionOptionsE";
+    "IPvEESB_SB_RKNS_16AttentionOptionsERKNS_17ModifierGradientsE";
+constexpr const char* kKVCacheSymbol =
+    "_ZN9flashattn25kvcache_attention_forwardERKNS_15BasicTensorViewIPKvEERKNS_11KVCacheViewEPKiRK"
+    "NS_13NewKeysValuesERKNS0_IPvEEPfRKNS_16AttentionOptionsENS_13AttentionImplE";
 
 struct Options {
   std::string base, candidate, pass = "forward", dtype = "f32", window;
   std::int64_t batch = 2, heads = 32, kv_heads = 0, seqlen = 1024, seqlen_kv = 0, head_dim = 128;
+  std::int64_t page_size = 0;  // kvcache: 0 = dense
   bool causal = false;
   int pairs = 15, threads = 0;
   std::string new_first;  // internal: set in the child that loads the new build first
@@ -70,6 +84,7 @@ struct Options {
 struct Build {
   Forward forward;
   Backward backward;
+  KVCacheForward kvcache;
 };
 
 Build load(const std::string& path) {
@@ -83,7 +98,8 @@ Build load(const std::string& path) {
     return address;
   };
   return {reinterpret_cast<Forward>(symbol(kForwardSymbol)),
-          reinterpret_cast<Backward>(symbol(kBackwardSymbol))};
+          reinterpret_cast<Backward>(symbol(kBackwardSymbol)),
+          reinterpret_cast<KVCacheForward>(symbol(kKVCacheSymbol))};
 }
 
 // A [B, S, H, D] tensor of normal(0, 1) values rounded to `dtype`, kept as raw bytes.
@@ -124,7 +140,24 @@ int run_pairs(const Options& options) {
                                             options.head_dim};
   const std::array<std::int64_t, 4> kv_shape{options.batch, seqlen_kv, kv_heads, options.head_dim};
   std::mt19937_64 rng(42);
-  const Tensor q(dtype, q_shape, rng), k(dtype, kv_shape, rng), v(dtype, kv_shape, rng);
+  const bool kvcache = options.pass == "kvcache";
+  // The cache: [B, Skv, Hkv, D], or its rows in pages [pages, page_size, Hkv, D] whose block
+  // table hands them out in shuffled order.
+  const std::int64_t page_size = options.page_size, pages_per_sequence =
+      page_size > 0 ? (seqlen_kv + page_size - 1) / page_size : 0;
+  const std::array<std::int64_t, 4> cache_shape =
+      page_size > 0 ? std::array<std::int64_t, 4>{options.batch * pages_per_sequence, page_size,
+                                                  kv_heads, options.head_dim}
+                    : kv_shape;
+  std::vector<std::int32_t> block_table(
+      static_cast<std::size_t>(options.batch * pages_per_sequence));
+  for (std::size_t i = 0; i < block_table.size(); ++i) block_table[i] = static_cast<std::int32_t>(i);
+  std::shuffle(block_table.begin(), block_table.end(), rng);
+  const std::vector<std::int32_t> cache_seqlens(static_cast<std::size_t>(options.batch),
+                                                static_cast<std::int32_t>(seqlen_kv));
+  const DType q_dtype = kvcache ? DType::f32 : dtype;
+  const Tensor q(q_dtype, q_shape, rng), k(dtype, kvcache ? cache_shape : kv_shape, rng),
+      v(dtype, kvcache ? cache_shape : kv_shape, rng);
   const Tensor dout(dtype, q_shape, rng);
   AttentionOptions attention;
   attention.causal = options.causal;
@@ -136,7 +169,7 @@ int run_pairs(const Options& options) {
   const std::size_t lse_count = static_cast<std::size_t>(q_shape[0] * q_shape[1] * q_shape[2]);
 
   // Each build's outputs, compared once: a change that moves the results should say by how much.
-  std::vector<Tensor> out(2, Tensor(dtype, q_shape, rng)), grads;
+  std::vector<Tensor> out(2, Tensor(q_dtype, q_shape, rng)), grads;
   std::vector<std::vector<float>> lse(2, std::vector<float>(lse_count));
   for (int i = 0; i < 2; ++i) {
     grads.emplace_back(dtype, q_shape, rng);
@@ -144,6 +177,19 @@ int run_pairs(const Options& options) {
     grads.emplace_back(dtype, kv_shape, rng);
   }
   auto call = [&](int build) {
+    if (kvcache) {
+      KVCacheView cache{flashattn::contiguous_view(const_cast<std::uint8_t*>(k.bytes.data()), dtype,
+                                                   cache_shape),
+                        flashattn::contiguous_view(const_cast<std::uint8_t*>(v.bytes.data()), dtype,
+                                                   cache_shape)};
+      if (page_size > 0) {
+        cache.block_table = block_table.data();
+        cache.pages_per_sequence = pages_per_sequence;
+      }
+      builds[build].kvcache(q.view(), cache, cache_seqlens.data(), {}, out[build].view(),
+                            lse[build].data(), attention, flashattn::AttentionImpl::flash);
+      return;
+    }
     if (!backward) {
       builds[build].forward(q.view(), k.view(), v.view(), out[build].view(), lse[build].data(),
                             attention);
@@ -151,7 +197,7 @@ int run_pairs(const Options& options) {
     }
     builds[build].backward(dout.view(), q.view(), k.view(), v.view(), out[0].view(), lse[0].data(),
                            grads[3 * build].view(), grads[3 * build + 1].view(),
-                           grads[3 * build + 2].view(), attention);
+                           grads[3 * build + 2].view(), attention, {});
   };
   // The backward of both builds reads the base build's forward.
   if (backward)
@@ -226,8 +272,9 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   app.add_option("new", options.candidate, "New build")->required()->check(CLI::ExistingFile);
-  app.add_option("--pass", options.pass, "forward or backward (flash path)")
-      ->check(CLI::IsMember({"forward", "backward"}))
+  app.add_option("--pass", options.pass,
+                 "forward, backward (flash path) or kvcache (f32 q, cache of --dtype)")
+      ->check(CLI::IsMember({"forward", "backward", "kvcache"}))
       ->capture_default_str();
   app.add_option("--dtype", options.dtype)->check(CLI::IsMember({"f32", "f16", "bf16"}));
   app.add_option("--batch", options.batch)->check(CLI::PositiveNumber)->capture_default_str();
@@ -237,6 +284,9 @@ int main(int argc, char** argv) {
   app.add_option("--seqlen-kv", options.seqlen_kv, "0 = as --seqlen")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--head-dim", options.head_dim)->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--page-size", options.page_size,
+                 "kvcache: rows per page, pages in shuffled order (0 = a dense cache)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--causal", options.causal);
   app.add_option("--window", options.window, "L,R (-1 = unbounded)")
       ->check([](const std::string& text) -> std::string {
@@ -253,8 +303,13 @@ int main(int argc, char** argv) {
 
   try {
     if (!options.new_first.empty()) return run_pairs(options);
-    std::printf("%s, %s, B %ld, H %ld/%ld, S %ld/%ld, D %ld%s%s, %d pairs per load order\n",
-                options.pass.c_str(), options.dtype.c_str(), options.batch, options.heads,
+    std::printf("%s, %s%s, B %ld, H %ld/%ld, S %ld/%ld, D %ld%s%s, %d pairs per load order\n",
+                options.pass.c_str(), options.dtype.c_str(),
+                options.pass != "kvcache" ? ""
+                : options.page_size > 0
+                    ? (" cache in pages of " + std::to_string(options.page_size)).c_str()
+                    : " dense cache",
+                options.batch, options.heads,
                 options.kv_heads > 0 ? options.kv_heads : options.heads, options.seqlen,
                 options.seqlen_kv > 0 ? options.seqlen_kv : options.seqlen, options.head_dim,
                 options.causal ? ", causal" : "",
