@@ -143,15 +143,17 @@ int run_pairs(const Options& options) {
   const bool kvcache = options.pass == "kvcache";
   // The cache: [B, Skv, Hkv, D], or its rows in pages [pages, page_size, Hkv, D] whose block
   // table hands them out in shuffled order.
-  const std::int64_t page_size = options.page_size, pages_per_sequence =
-      page_size > 0 ? (seqlen_kv + page_size - 1) / page_size : 0;
+  const std::int64_t page_size = options.page_size,
+                     pages_per_sequence =
+                         page_size > 0 ? (seqlen_kv + page_size - 1) / page_size : 0;
   const std::array<std::int64_t, 4> cache_shape =
       page_size > 0 ? std::array<std::int64_t, 4>{options.batch * pages_per_sequence, page_size,
                                                   kv_heads, options.head_dim}
                     : kv_shape;
   std::vector<std::int32_t> block_table(
       static_cast<std::size_t>(options.batch * pages_per_sequence));
-  for (std::size_t i = 0; i < block_table.size(); ++i) block_table[i] = static_cast<std::int32_t>(i);
+  for (std::size_t i = 0; i < block_table.size(); ++i)
+    block_table[i] = static_cast<std::int32_t>(i);
   std::shuffle(block_table.begin(), block_table.end(), rng);
   const std::vector<std::int32_t> cache_seqlens(static_cast<std::size_t>(options.batch),
                                                 static_cast<std::int32_t>(seqlen_kv));
@@ -178,10 +180,10 @@ int run_pairs(const Options& options) {
   }
   auto call = [&](int build) {
     if (kvcache) {
-      KVCacheView cache{flashattn::contiguous_view(const_cast<std::uint8_t*>(k.bytes.data()), dtype,
-                                                   cache_shape),
-                        flashattn::contiguous_view(const_cast<std::uint8_t*>(v.bytes.data()), dtype,
-                                                   cache_shape)};
+      KVCacheView cache{
+          flashattn::contiguous_view(const_cast<std::uint8_t*>(k.bytes.data()), dtype, cache_shape),
+          flashattn::contiguous_view(const_cast<std::uint8_t*>(v.bytes.data()), dtype,
+                                     cache_shape)};
       if (page_size > 0) {
         cache.block_table = block_table.data();
         cache.pages_per_sequence = pages_per_sequence;
@@ -303,18 +305,17 @@ int main(int argc, char** argv) {
 
   try {
     if (!options.new_first.empty()) return run_pairs(options);
-    std::printf("%s, %s%s, B %ld, H %ld/%ld, S %ld/%ld, D %ld%s%s, %d pairs per load order\n",
-                options.pass.c_str(), options.dtype.c_str(),
-                options.pass != "kvcache" ? ""
-                : options.page_size > 0
-                    ? (" cache in pages of " + std::to_string(options.page_size)).c_str()
-                    : " dense cache",
-                options.batch, options.heads,
-                options.kv_heads > 0 ? options.kv_heads : options.heads, options.seqlen,
-                options.seqlen_kv > 0 ? options.seqlen_kv : options.seqlen, options.head_dim,
-                options.causal ? ", causal" : "",
-                options.window.empty() ? "" : (", window " + options.window).c_str(),
-                options.pairs);
+    std::printf(
+        "%s, %s%s, B %ld, H %ld/%ld, S %ld/%ld, D %ld%s%s, %d pairs per load order\n",
+        options.pass.c_str(), options.dtype.c_str(),
+        options.pass != "kvcache" ? ""
+        : options.page_size > 0
+            ? (" cache in pages of " + std::to_string(options.page_size)).c_str()
+            : " dense cache",
+        options.batch, options.heads, options.kv_heads > 0 ? options.kv_heads : options.heads,
+        options.seqlen, options.seqlen_kv > 0 ? options.seqlen_kv : options.seqlen,
+        options.head_dim, options.causal ? ", causal" : "",
+        options.window.empty() ? "" : (", window " + options.window).c_str(), options.pairs);
     std::printf("%-12s %16s %16s %18s %14s\n", "loaded first", "base median (ms)",
                 "new median (ms)", "new / base pairs", "max |new-base|");
     double log_ratio = 0.0;

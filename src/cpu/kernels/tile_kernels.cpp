@@ -678,9 +678,9 @@ HWY_INLINE Vec SumsOfSixteen(Tag tag, const Vec (&v)[16]) {
   }
   // Adjacent blocks added: [a0 + a1, b0 + b1, a2 + a3, b2 + b3] for a, b = halves[0], halves[1],
   // which puts block_sums[0], [1], [2], [3] in blocks 0 to 3.
-  return hn::Add(hn::OddEvenBlocks(halves[1], halves[0]),
-                 hn::OddEvenBlocks(hn::SwapAdjacentBlocks(halves[1]),
-                                   hn::SwapAdjacentBlocks(halves[0])));
+  return hn::Add(
+      hn::OddEvenBlocks(halves[1], halves[0]),
+      hn::OddEvenBlocks(hn::SwapAdjacentBlocks(halves[1]), hn::SwapAdjacentBlocks(halves[0])));
 }
 
 // Four rows against four x vectors: the 16 products of DotRowsBlock<4, 4>, summed by
