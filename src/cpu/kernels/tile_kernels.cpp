@@ -565,16 +565,14 @@ HWY_INLINE float SumOfLanesToScalar(D d, hn::VFromD<D> v) {
   return hn::GetLane(hn::SumOfLanes(d, v));
 }
 
-// Decode: the dot products of R rows with K vectors, R·K chains of FMAs (8 in the blocks
-// DotRows picks, enough to cover the FMA latency), then one horizontal sum per product.
+// Decode: the dot products of R rows with K vectors as R·K vectors of partial sums, R·K chains
+// of FMAs (8 or 16 in the blocks DotRows picks, enough to cover the FMA latency).
 template <int R, int K, class Reader>
-HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
-                             const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                             const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                             std::int64_t n) {
+HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT rows,
+                        std::int64_t ld_rows, const typename Reader::Element* HWY_RESTRICT x,
+                        std::int64_t ld_x, std::int64_t n) {
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  Vec sums[R][K];
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += V * N) {
@@ -587,6 +585,16 @@ HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_
       }
     }
   }
+}
+
+// The same products, one horizontal sum each.
+template <int R, int K, class Reader>
+HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
+                             const float* HWY_RESTRICT rows, std::int64_t ld_rows,
+                             const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
+                             std::int64_t n) {
+  Vec sums[R][K];
+  DotSums<R, K, Reader>(tag, sums, rows, ld_rows, x, ld_x, n);
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) {
       out[r * out_stride + k] = SumOfLanesToScalar(tag, sums[r][k]);
@@ -608,26 +616,27 @@ HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t ou
   }
 }
 
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX2 || HWY_TARGET <= HWY_AVX3)
+// Four vectors to one whose lane j of each 128-bit block is that block's sum of the lanes of
+// v[j]: lanes summed two by two (32-bit interleaves), then the pairs (64-bit interleaves).
+HWY_INLINE Vec BlockSumsOfFour(Tag tag, const Vec* HWY_RESTRICT v) {
+  const hn::Repartition<double, Tag> pairs;
+  const auto low = hn::BitCast(
+      pairs, hn::Add(hn::InterleaveLower(tag, v[0], v[1]), hn::InterleaveUpper(tag, v[0], v[1])));
+  const auto high = hn::BitCast(
+      pairs, hn::Add(hn::InterleaveLower(tag, v[2], v[3]), hn::InterleaveUpper(tag, v[2], v[3])));
+  return hn::Add(hn::BitCast(tag, hn::InterleaveLower(pairs, low, high)),
+                 hn::BitCast(tag, hn::InterleaveUpper(pairs, low, high)));
+}
+#endif
+
 // Eight vectors of eight lanes to one whose lane i is the sum of the lanes of v[i], in three
 // rounds of pairwise sums (within 128-bit blocks by 32 and 64 bits, then across the halves):
 // 14 shuffles and 7 additions, against 8 horizontal sums of 6 operations and a store each.
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
 HWY_INLINE Vec SumsOfEight(Tag tag, const Vec (&v)[8]) {
-  const hn::Repartition<double, Tag> pairs;
-  Vec sums_of_two[4];
-  for (int i = 0; i < 4; ++i) {
-    sums_of_two[i] = hn::Add(hn::InterleaveLower(tag, v[2 * i], v[2 * i + 1]),
-                             hn::InterleaveUpper(tag, v[2 * i], v[2 * i + 1]));
-  }
-  Vec sums_of_four[2];
-  for (int i = 0; i < 2; ++i) {
-    const auto low = hn::BitCast(pairs, sums_of_two[2 * i]);
-    const auto high = hn::BitCast(pairs, sums_of_two[2 * i + 1]);
-    sums_of_four[i] = hn::Add(hn::BitCast(tag, hn::InterleaveLower(pairs, low, high)),
-                              hn::BitCast(tag, hn::InterleaveUpper(pairs, low, high)));
-  }
-  return hn::Add(hn::ConcatLowerLower(tag, sums_of_four[1], sums_of_four[0]),
-                 hn::ConcatUpperUpper(tag, sums_of_four[1], sums_of_four[0]));
+  const Vec low = BlockSumsOfFour(tag, v), high = BlockSumsOfFour(tag, v + 4);
+  return hn::Add(hn::ConcatLowerLower(tag, high, low), hn::ConcatUpperUpper(tag, high, low));
 }
 
 // One row against 8 fp32 x vectors: each x vector loaded once and used once, the row kept in a
@@ -650,26 +659,14 @@ HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float
 #endif
 
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-// Sixteen vectors of 16 lanes to one whose lane i is the sum of the lanes of v[i], in four rounds
-// of pairwise sums: within 128-bit blocks by 32 and by 64 bits, then across the 256-bit halves,
-// then across adjacent blocks. 45 operations for 16 sums, against 9 and a scalar store for each
-// sum on its own (docs/tuning.md).
-HWY_INLINE Vec SumsOfSixteen(Tag tag, const Vec (&v)[16]) {
-  const hn::Repartition<double, Tag> pairs;
-  // Per 128-bit block: the lanes of v[2i] and v[2i + 1] summed two by two.
-  Vec sums_of_two[8];
-  for (int i = 0; i < 8; ++i) {
-    sums_of_two[i] = hn::Add(hn::InterleaveLower(tag, v[2 * i], v[2 * i + 1]),
-                             hn::InterleaveUpper(tag, v[2 * i], v[2 * i + 1]));
-  }
-  // Lane j of each 128-bit block: that block's sum of v[4i + j].
+// Sixteen vectors of 16 lanes to one whose lane 4i + j is the sum of the lanes of v[i][j], in
+// four rounds of pairwise sums: within 128-bit blocks by 32 and by 64 bits, then across the
+// 256-bit halves, then across adjacent blocks. 45 operations for 16 sums, against 9 and a scalar
+// store for each sum on its own (docs/tuning.md).
+HWY_INLINE Vec SumsOfSixteen(Tag tag, const Vec (&v)[4][4]) {
+  // Lane j of each 128-bit block of block_sums[i]: that block's sum of v[i][j].
   Vec block_sums[4];
-  for (int i = 0; i < 4; ++i) {
-    const auto low = hn::BitCast(pairs, sums_of_two[2 * i]);
-    const auto high = hn::BitCast(pairs, sums_of_two[2 * i + 1]);
-    block_sums[i] = hn::Add(hn::BitCast(tag, hn::InterleaveLower(pairs, low, high)),
-                            hn::BitCast(tag, hn::InterleaveUpper(pairs, low, high)));
-  }
+  for (int i = 0; i < 4; ++i) block_sums[i] = BlockSumsOfFour(tag, v[i]);
   // Blocks [x0 + x2, x1 + x3] of block_sums[i] in the low half, of block_sums[i + 2] in the high.
   Vec halves[2];
   for (int i = 0; i < 2; ++i) {
@@ -683,27 +680,15 @@ HWY_INLINE Vec SumsOfSixteen(Tag tag, const Vec (&v)[16]) {
       hn::OddEvenBlocks(hn::SwapAdjacentBlocks(halves[1]), hn::SwapAdjacentBlocks(halves[0])));
 }
 
-// Four rows against four x vectors: the 16 products of DotRowsBlock<4, 4>, summed by
-// SumsOfSixteen, row r's four in block r.
+// Four rows against four x vectors: the 16 products of DotSums<4, 4>, summed by SumsOfSixteen,
+// row r's four in block r.
 template <class Reader>
 HWY_INLINE void DotFourByFour(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                               const float* HWY_RESTRICT rows, std::int64_t ld_rows,
                               const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
                               std::int64_t n) {
-  constexpr int V = Reader::kVectors;
-  const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  Vec sums[16];
-  for (Vec& sum : sums) sum = hn::Zero(tag);
-  for (std::int64_t d = 0; d < n; d += V * N) {
-    Vec xs[4][V];
-    for (int k = 0; k < 4; ++k) Reader::Load(tag, x + k * ld_x + d, xs[k]);
-    for (int r = 0; r < 4; ++r) {
-      for (int v = 0; v < V; ++v) {
-        const Vec row = hn::LoadU(tag, rows + r * ld_rows + d + v * N);
-        for (int k = 0; k < 4; ++k) sums[4 * r + k] = hn::MulAdd(row, xs[k][v], sums[4 * r + k]);
-      }
-    }
-  }
+  Vec sums[4][4];
+  DotSums<4, 4, Reader>(tag, sums, rows, ld_rows, x, ld_x, n);
   HWY_ALIGN float all[16];
   hn::Store(SumsOfSixteen(tag, sums), tag, all);
   const hn::Full128<float> block;
