@@ -207,13 +207,35 @@ InputRows input_rows(const AttentionParams& p, const void* base, const Strides& 
   return {buffer, DType::f32, Dp};
 }
 
+// Whether 16-bit rows are prefetched a key group ahead, every KV head's row of a key at once
+// (KeyWalk::prefetch_next), rather than the next call's rows: further ahead, so more lines in
+// flight. Faster on Zen 5, where it was chosen (bf16 35-38 GB/s against 26-32), slower on Ice
+// Lake, whose prefetches stall sooner on full fill buffers (1.07-1.23x the time; docs/tuning.md).
+// Hence on AMD's cores only.
+bool prefetches_whole_rows_ahead() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
 // The keys of one (batch entry, key chunk) task as memory lays them out, kKeyGroup keys at a time
 // and within them KV head by KV head, handing each group of K or V rows to the rows that see it.
 class KeyWalk {
  public:
   KeyWalk(const AttentionParams& p, const DecodePlan& plan, Scratch& t, std::int64_t b,
           std::int64_t chunk_end)
-      : p_(p), plan_(plan), t_(t), b_(b), chunk_end_(chunk_end) {
+      : p_(p),
+        plan_(plan),
+        t_(t),
+        b_(b),
+        chunk_end_(chunk_end),
+        whole_rows_ahead_(p.dtype != DType::f32 && prefetches_whole_rows_ahead()) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
       ranges_[position] = p.entry_key_range(b, position);
     }
@@ -265,12 +287,12 @@ class KeyWalk {
   }
 
   // Asks for rows ahead of the ones this call reads, in pages the hardware prefetchers have not
-  // seen yet (docs/tuning.md). fp32 rows: the next call's (the next KV head's, or the next
-  // group's first); 16-bit rows: the whole rows (every KV head) of the group kKeyGroup keys on,
-  // a share of them per KV head, in address order.
+  // seen yet (docs/tuning.md): the next call's (the next KV head's, or the next group's first);
+  // on AMD's cores, 16-bit rows: the whole rows (every KV head) of the group kKeyGroup keys on,
+  // a share of them per KV head, in address order (whole_rows_ahead_).
   void prefetch_next(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                      std::int64_t count) const {
-    if (p_.dtype != DType::f32) {
+    if (whole_rows_ahead_) {
       const std::int64_t ahead = key + kKeyGroup;
       const std::int64_t first = ahead + h * kKeyGroup / p_.heads_kv;
       const std::int64_t last = std::min(ahead + (h + 1) * kKeyGroup / p_.heads_kv, chunk_end_);
@@ -323,6 +345,7 @@ class KeyWalk {
   const DecodePlan& plan_;
   Scratch& t_;
   std::int64_t b_, chunk_end_;
+  bool whole_rows_ahead_;  // prefetch_next's two ways
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{nullptr, DType::f32, 0};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1;
