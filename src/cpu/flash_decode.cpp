@@ -71,6 +71,11 @@ constexpr std::int64_t kCallChunks = 16;
 constexpr std::int64_t kKeyGroup = 8;
 // Query rows per KV head up to which bf16 products take the rows in pairs (DecodePlan).
 constexpr std::int64_t kMaxBf16PairRows = 8;
+// Calls (a KV head's rows of a key group each) ahead of the one that reads them at which bf16
+// pairs ask for rows line by line as they read their own (KeyWalk::rows_ahead): 4 took 0.91-0.93
+// of the time of asking for the next call's rows all at once on Ice Lake; 2 0.93, 8 0.98
+// (docs/tuning.md).
+constexpr std::int64_t kCallsAhead = 4;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -181,6 +186,9 @@ struct InputRows {
   const void* data;
   DType dtype;
   std::int64_t ld;
+  // Rows like these, ld apart, that a later call takes, for the products to ask for as they read
+  // these (cpu::dot_rows_bf16_pairs); null when they were asked for before the call.
+  const void* ahead = nullptr;
 };
 // `key_row` is the element offset of key j's row of KV head 0, `contiguous` p.contiguous_keys(j)
 // (looked up once per key group for all KV heads).
@@ -286,6 +294,52 @@ class KeyWalk {
     }
   }
 
+  // The call `calls` on from the one of KV head h and the group at `key` of `count` keys: the
+  // next KV head's, after the last the next group's.
+  struct Call {
+    std::int64_t head, key;
+  };
+  Call call_ahead(std::int64_t h, std::int64_t key, std::int64_t count, std::int64_t calls) const {
+    const std::int64_t head = h + calls;
+    return {head % p_.heads_kv, key + head / p_.heads_kv * count};
+  }
+
+  // Asks for the rows of KV head h of the keys [key, key + count) within the chunk.
+  void prefetch_call(const void* base, const Strides& strides, Call call,
+                     std::int64_t count) const {
+    for_each_key(strides, call.key, std::min(call.key + count, chunk_end_), [&](std::int64_t row) {
+      prefetch_row(base, p_.dtype, row + call.head * strides.head, p_.head_dim);
+    });
+  }
+
+  // For bf16 pairs read from the cache as it is (rows the products widen in registers), where the
+  // prefetches of the whole rows are not taken: the rows kCallsAhead calls on, for the products
+  // to ask for line by line as they read their own (InputRows::ahead), if those rows lie as
+  // these do (a whole group within the chunk, in one page); the first call of a walk also asks
+  // for the calls between. Asking for the next call's rows all at once before the call waited
+  // on the fill buffers (docs/tuning.md). Otherwise null, having asked by prefetch_next.
+  const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h,
+                         std::int64_t key, std::int64_t count, const InputRows& inputs,
+                         bool first_call) const {
+    if (plan_.bf16_pairs && !whole_rows_ahead_ && count == kKeyGroup &&
+        inputs.data != t_.inputs.data()) {
+      const Call target = call_ahead(h, key, count, kCallsAhead);
+      if (target.key + count <= chunk_end_ && p_.contiguous_keys(target.key) >= count) {
+        if (first_call) {
+          for (std::int64_t calls = 1; calls < kCallsAhead; ++calls) {
+            prefetch_call(base, strides, call_ahead(h, key, count, calls), count);
+          }
+        }
+        const auto element_bytes = static_cast<std::int64_t>(dtype_size(p_.dtype));
+        return static_cast<const char*>(base) +
+               (p_.kv_offset(strides, b_, target.key, 0) + target.head * strides.head) *
+                   element_bytes;
+      }
+    }
+    prefetch_next(base, strides, h, key, count);
+    return nullptr;
+  }
+
   // Asks for rows ahead of the ones this call reads, in pages the hardware prefetchers have not
   // seen yet (docs/tuning.md): the next call's (the next KV head's, or the next group's first);
   // on AMD's cores, 16-bit rows: the whole rows (every KV head) of the group kKeyGroup keys on,
@@ -303,11 +357,7 @@ class KeyWalk {
       });
       return;
     }
-    const bool last_head = h + 1 == p_.heads_kv;
-    const std::int64_t next_head = last_head ? 0 : h + 1, next_key = last_head ? key + count : key;
-    for_each_key(strides, next_key, std::min(next_key + count, chunk_end_), [&](std::int64_t row) {
-      prefetch_row(base, p_.dtype, row + next_head * strides.head, p_.head_dim);
-    });
+    prefetch_call(base, strides, call_ahead(h, key, count, 1), count);
   }
 
   // fn(offset) with the element offset of KV head 0's row of each key in [first, last): one
@@ -324,17 +374,18 @@ class KeyWalk {
   }
 
   // The input rows of the last call, kept while the query heads of a group take them in turn;
-  // the next rows are asked for when these are first taken.
+  // the rows ahead are asked for when these are first taken (rows_ahead).
   InputRows rows_of(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                     std::int64_t count) {
     if (h != inputs_head_ || key != inputs_key_) {
-      prefetch_next(base, strides, h, key, count);
+      const bool first_call = inputs_key_ < 0;
       if (key != inputs_key_) {
         key_row_ = p_.kv_offset(strides, b_, key, 0);
         key_contiguous_ = p_.contiguous_keys(key);
       }
       inputs_ = input_rows(p_, base, strides, b_, key, count, h, cpu::pad_to_lanes(p_.head_dim),
                            t_.inputs.data(), key_row_, key_contiguous_);
+      inputs_.ahead = rows_ahead(base, strides, h, key, count, inputs_, first_call);
       inputs_head_ = h;
       inputs_key_ = key;
     }
@@ -409,7 +460,8 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
         const float* q_rows = t.q.data() + first * Dp;
         if (plan.bf16_pairs) {
           cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count,
-                                   static_cast<const std::uint16_t*>(k.data), k.ld, key_count, Dp);
+                                   static_cast<const std::uint16_t*>(k.data), k.ld, key_count, Dp,
+                                   static_cast<const std::uint16_t*>(k.ahead));
         } else {
           cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
         }
@@ -442,7 +494,8 @@ void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& 
         const float* weights = scores + first * Bk + (key - block);
         if (plan.bf16_pairs) {
           cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
-                                    static_cast<const std::uint16_t*>(v.data), v.ld, key_count, Dp);
+                                    static_cast<const std::uint16_t*>(v.data), v.ld, key_count, Dp,
+                                    static_cast<const std::uint16_t*>(v.ahead));
         } else {
           cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld, key_count, Dp);
         }

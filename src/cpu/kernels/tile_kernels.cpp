@@ -26,6 +26,7 @@
 
 #include "cpu/kernels/score_modifiers.hpp"
 #include "flashattn/dtype.hpp"
+#include "util/memory_hints.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashattn::detail::cpu {
@@ -329,21 +330,41 @@ struct Bf16Pairs {
   }
 };
 
+// Asks for the lines of `count` rows, `ld` elements apart, that start at byte offsets of each row
+// in [begin, end) elements: a decode product, reading elements [begin, end) of its own rows,
+// asks for the same part of the rows a later call takes (InputRows::ahead in flash_decode.cpp).
+template <class T>
+HWY_INLINE void PrefetchAhead(const T* HWY_RESTRICT rows, std::int64_t ld, int count,
+                              std::int64_t begin, std::int64_t end) {
+  constexpr std::int64_t kLineBytes = 64;
+  constexpr auto kBytes = static_cast<std::int64_t>(sizeof(T));
+  const std::int64_t first = (begin * kBytes + kLineBytes - 1) / kLineBytes * kLineBytes;
+  for (int k = 0; k < count; ++k) {
+    const char* row = reinterpret_cast<const char*>(rows + k * ld);
+    for (std::int64_t byte = first; byte < end * kBytes; byte += kLineBytes) {
+      prefetch_line(row + byte);
+    }
+  }
+}
+
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]; v of fp32 (the tiles) or of an input dtype (the
-// decode path's rows), read by Reader (C a multiple of its kVectors).
+// decode path's rows), read by Reader (C a multiple of its kVectors). `ahead`, if not null:
+// rows ld_v apart whose same C·N elements are asked for, one row per key (PrefetchAhead).
 // The block's products are summed from zero and the sum then added to acc (tile_kernels.hpp:
 // partial sums).
 template <int R, int C, class Reader = Widened<float>, bool kUnrollKeys = true>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                         const float* HWY_RESTRICT p, WeightStrides ps,
                         const typename Reader::Element* HWY_RESTRICT v, std::int64_t ld_v,
-                        std::int64_t keys) {
+                        std::int64_t keys,
+                        const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
   static_assert(C % Reader::kVectors == 0);
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = hn::Zero(tag);
   auto key = [&](std::int64_t j) HWY_ATTR {
+    if (ahead != nullptr) PrefetchAhead(ahead + j * ld_v, ld_v, 1, 0, C * N);
     Vec values[C];
     for (int c = 0; c < C; c += Reader::kVectors)
       Reader::Load(tag, v + j * ld_v + c * N, values + c);
@@ -376,15 +397,18 @@ template <int C, class Reader = Widened<float>, bool kUnrollKeys = true>
 HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                           const float* HWY_RESTRICT p, WeightStrides ps,
                           const typename Reader::Element* HWY_RESTRICT panel, std::int64_t width,
-                          std::int64_t rows, std::int64_t keys) {
+                          std::int64_t rows, std::int64_t keys,
+                          const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
+  // The rows ahead are asked for by the first row block only.
   std::int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
     PvBlock<kBlockRows, C, Reader, kUnrollKeys>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps,
-                                                panel, width, keys);
+                                                panel, width, keys, i == 0 ? ahead : nullptr);
   }
   RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
     PvBlock<decltype(block_rows)::value, C, Reader, kUnrollKeys>(
-        tag, acc + row * ld_acc, ld_acc, p + row * ps.row, ps, panel, width, keys);
+        tag, acc + row * ld_acc, ld_acc, p + row * ps.row, ps, panel, width, keys,
+        row == 0 ? ahead : nullptr);
   });
 }
 
@@ -566,16 +590,19 @@ HWY_INLINE float SumOfLanesToScalar(D d, hn::VFromD<D> v) {
 }
 
 // Decode: the dot products of R rows with K vectors as R·K vectors of partial sums, R·K chains
-// of FMAs (8 or 16 in the blocks DotRows picks, enough to cover the FMA latency).
+// of FMAs (8 or 16 in the blocks DotRows picks, enough to cover the FMA latency). `ahead`, if
+// not null: K rows ld_x apart whose lines are asked for as the same ones of x are read.
 template <int R, int K, class Reader>
 HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT rows,
                         std::int64_t ld_rows, const typename Reader::Element* HWY_RESTRICT x,
-                        std::int64_t ld_x, std::int64_t n) {
+                        std::int64_t ld_x, std::int64_t n,
+                        const typename Reader::Element* HWY_RESTRICT ahead) {
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += V * N) {
+    if (ahead != nullptr) PrefetchAhead(ahead, ld_x, K, d, d + V * N);
     Vec xs[K][V];
     for (int k = 0; k < K; ++k) Reader::Load(tag, x + k * ld_x + d, xs[k]);
     for (int r = 0; r < R; ++r) {
@@ -592,9 +619,9 @@ template <int R, int K, class Reader>
 HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                              const float* HWY_RESTRICT rows, std::int64_t ld_rows,
                              const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                             std::int64_t n) {
+                             std::int64_t n, const typename Reader::Element* HWY_RESTRICT ahead) {
   Vec sums[R][K];
-  DotSums<R, K, Reader>(tag, sums, rows, ld_rows, x, ld_x, n);
+  DotSums<R, K, Reader>(tag, sums, rows, ld_rows, x, ld_x, n, ahead);
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) {
       out[r * out_stride + k] = SumOfLanesToScalar(tag, sums[r][k]);
@@ -606,13 +633,17 @@ template <int R, int K, class Reader>
 HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                                const float* HWY_RESTRICT rows, std::int64_t ld_rows,
                                const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                               std::int64_t x_count, std::int64_t n) {
+                               std::int64_t x_count, std::int64_t n,
+                               const typename Reader::Element* HWY_RESTRICT ahead) {
+  auto ahead_of = [&](std::int64_t k) { return ahead != nullptr ? ahead + k * ld_x : nullptr; };
   std::int64_t k = 0;
   for (; k + K <= x_count; k += K) {
-    DotRowsBlock<R, K, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
+    DotRowsBlock<R, K, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n,
+                               ahead_of(k));
   }
   for (; k < x_count; ++k) {
-    DotRowsBlock<R, 1, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n);
+    DotRowsBlock<R, 1, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n,
+                               ahead_of(k));
   }
 }
 
@@ -686,9 +717,9 @@ template <class Reader>
 HWY_INLINE void DotFourByFour(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                               const float* HWY_RESTRICT rows, std::int64_t ld_rows,
                               const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                              std::int64_t n) {
+                              std::int64_t n, const typename Reader::Element* HWY_RESTRICT ahead) {
   Vec sums[4][4];
-  DotSums<4, 4, Reader>(tag, sums, rows, ld_rows, x, ld_x, n);
+  DotSums<4, 4, Reader>(tag, sums, rows, ld_rows, x, ld_x, n, ahead);
   HWY_ALIGN float all[16];
   hn::Store(SumsOfSixteen(tag, sums), tag, all);
   const hn::Full128<float> block;
@@ -696,12 +727,17 @@ HWY_INLINE void DotFourByFour(Tag tag, float* HWY_RESTRICT out, std::int64_t out
 }
 #endif
 
+// `ahead`: as for DotSums, x_count rows; asked for by the first block of rows only.
 template <class Reader>
 void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
                std::int64_t ld_rows, std::int64_t count,
                const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-               std::int64_t x_count, std::int64_t n) {
+               std::int64_t x_count, std::int64_t n,
+               const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
   const Tag tag;
+  auto ahead_of = [&](std::int64_t r, std::int64_t k) {
+    return ahead != nullptr && r == 0 ? ahead + k * ld_x : nullptr;
+  };
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
   if constexpr (std::is_same_v<Reader, Widened<float>>) {
     // Groups of 8 x vectors row by row, the group staying in L1 while the rows pass over it.
@@ -723,20 +759,20 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
     for (; k + 4 <= x_count; k += 4) {
       DotFourByFour<Reader>(tag, out + r * out_stride + k, out_stride, rows + r * ld_rows, ld_rows,
-                            x + k * ld_x, ld_x, n);
+                            x + k * ld_x, ld_x, n, ahead_of(r, k));
     }
 #endif
     DotRowsAgainst<4, 2, Reader>(tag, out + r * out_stride + k, out_stride, rows + r * ld_rows,
-                                 ld_rows, x + k * ld_x, ld_x, x_count - k, n);
+                                 ld_rows, x + k * ld_x, ld_x, x_count - k, n, ahead_of(r, k));
   }
   if (count - r >= 2) {
     DotRowsAgainst<2, 4, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
-                                 x, ld_x, x_count, n);
+                                 x, ld_x, x_count, n, ahead_of(r, 0));
     r += 2;
   }
   if (count - r >= 1) {
     DotRowsAgainst<1, 8, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
-                                 x, ld_x, x_count, n);
+                                 x, ld_x, x_count, n, ahead_of(r, 0));
   }
 }
 
@@ -752,43 +788,48 @@ template <int R, int C, class Reader>
 HWY_INLINE void AxpyFewRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                             const float* HWY_RESTRICT weights, WeightStrides ps,
                             const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                            std::int64_t x_count, std::int64_t n) {
+                            std::int64_t x_count, std::int64_t n,
+                            const typename Reader::Element* HWY_RESTRICT ahead) {
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  auto ahead_of = [&](std::int64_t d) { return ahead != nullptr ? ahead + d : nullptr; };
   std::int64_t d = 0;
   for (; d + C * N <= n; d += C * N) {
     PvBlock<R, C, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
-                                                 x_count);
+                                                 x_count, ahead_of(d));
   }
   for (; d < n; d += V * N) {
     PvBlock<R, V, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
-                                                 x_count);
+                                                 x_count, ahead_of(d));
   }
 }
 
+// `ahead`: as for PvBlock, x_count rows.
 template <class Reader>
 void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
                 std::int64_t weight_stride, std::int64_t count,
                 const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                std::int64_t x_count, std::int64_t n) {
+                std::int64_t x_count, std::int64_t n,
+                const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
   const Tag tag;
   const WeightStrides ps{weight_stride, 1};
   if (count == 1) {
-    return AxpyFewRows<1, 8, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n);
+    return AxpyFewRows<1, 8, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n, ahead);
   }
   if (count == 2) {
-    return AxpyFewRows<2, 4, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n);
+    return AxpyFewRows<2, 4, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n, ahead);
   }
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  auto ahead_of = [&](std::int64_t d) { return ahead != nullptr ? ahead + d : nullptr; };
   std::int64_t d = 0;
   for (; d + kBlockVectors * N <= n; d += kBlockVectors * N) {
-    PvColumns<kBlockVectors, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps,
-                                                            x + d, ld_x, count, x_count);
+    PvColumns<kBlockVectors, Reader, kDecodeUnroll<Reader>>(
+        tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count, ahead_of(d));
   }
   for (; d < n; d += V * N) {
     PvColumns<V, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
-                                                count, x_count);
+                                                count, x_count, ahead_of(d));
   }
 }
 
@@ -834,9 +875,10 @@ void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_
 void DotRowsBf16Pairs(float* HWY_RESTRICT out, std::int64_t out_stride,
                       const float* HWY_RESTRICT rows, std::int64_t ld_rows, std::int64_t count,
                       const std::uint16_t* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
-                      std::int64_t n) {
+                      std::int64_t n, const std::uint16_t* HWY_RESTRICT ahead) {
   DotRowsOf<Bf16Pairs>(out, out_stride, rows, ld_rows, count,
-                       reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n);
+                       reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n,
+                       reinterpret_cast<const hwy::bfloat16_t*>(ahead));
 }
 
 void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
@@ -854,9 +896,11 @@ void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RES
 void AxpyRowsBf16Pairs(float* HWY_RESTRICT acc, std::int64_t ld_acc,
                        const float* HWY_RESTRICT weights, std::int64_t weight_stride,
                        std::int64_t count, const std::uint16_t* HWY_RESTRICT x, std::int64_t ld_x,
-                       std::int64_t x_count, std::int64_t n) {
+                       std::int64_t x_count, std::int64_t n,
+                       const std::uint16_t* HWY_RESTRICT ahead) {
   AxpyRowsOf<Bf16Pairs>(acc, ld_acc, weights, weight_stride, count,
-                        reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n);
+                        reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n,
+                        reinterpret_cast<const hwy::bfloat16_t*>(ahead));
 }
 
 std::int64_t Bf16PairChunk() { return 2 * static_cast<std::int64_t>(hn::Lanes(Tag())); }
@@ -1058,16 +1102,18 @@ void from_bf16_pair_order(float* dst, const float* src, std::int64_t n) {
 
 void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
                          std::int64_t ld_rows, std::int64_t count, const std::uint16_t* x,
-                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
+                         const std::uint16_t* ahead) {
   HWY_DYNAMIC_DISPATCH(DotRowsBf16Pairs)
-  (out, out_stride, rows, ld_rows, count, x, ld_x, x_count, n);
+  (out, out_stride, rows, ld_rows, count, x, ld_x, x_count, n, ahead);
 }
 
 void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
                           std::int64_t weight_stride, std::int64_t count, const std::uint16_t* x,
-                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
+                          const std::uint16_t* ahead) {
   HWY_DYNAMIC_DISPATCH(AxpyRowsBf16Pairs)
-  (acc, ld_acc, weights, weight_stride, count, x, ld_x, x_count, n);
+  (acc, ld_acc, weights, weight_stride, count, x, ld_x, x_count, n, ahead);
 }
 
 bool all_finite(const float* values, std::int64_t n) {

@@ -135,15 +135,20 @@ void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64
 // even-indexed elements, then its odd-indexed ones, the order in which a shift and a mask widen
 // a vector of bf16 pairs without a shuffle (tile_kernels.cpp: Bf16Pairs). n is a multiple of
 // the chunk. The sums are those of dot_rows and axpy_rows, added in another order.
+// ahead, if not null: x_count rows ld_x apart that a later call will take, whose lines are asked
+// for (prefetcht0) as the same lines of x are read: the decode path's prefetching spread over
+// the products rather than issued all at once before them (flash_decode.cpp: KeyWalk).
 std::int64_t bf16_pair_chunk();
 void to_bf16_pair_order(float* dst, const float* src, std::int64_t n);
 void from_bf16_pair_order(float* dst, const float* src, std::int64_t n);
 void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
                          std::int64_t ld_rows, std::int64_t count, const std::uint16_t* x,
-                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n);
+                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
+                         const std::uint16_t* ahead = nullptr);
 void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
                           std::int64_t weight_stride, std::int64_t count, const std::uint16_t* x,
-                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n);
+                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
+                          const std::uint16_t* ahead = nullptr);
 
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
 // patterns): the backward asks it of each packed block (cpu/kernels/visible_gradients.hpp).
