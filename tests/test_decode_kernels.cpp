@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <utility>
 #include <vector>
@@ -231,6 +232,37 @@ TEST(DecodeKernels, Bf16PairKernelsMatchDoubleSumsOnEveryTarget) {
     check_dots(out, out_stride, rows, ld_rows, shape, x);
     if (::testing::Test::HasFatalFailure()) return;
     check_axpys(result, initial, ld_rows, weights, out_stride, shape, x);
+  });
+}
+
+// The rows ahead that the decode path hands the pair kernels are only asked for: the same
+// results bit for bit, with the rows ahead being x itself (in cache) or other rows.
+TEST(DecodeKernels, Bf16PairKernelsGiveTheSameResultsWithRowsAhead) {
+  std::mt19937_64 rng(test_seed() + 3);
+  for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
+    if (dtype != DType::bf16 || shape.n % cpu::bf16_pair_chunk() != 0) return;
+    const auto* x_bits = reinterpret_cast<const std::uint16_t*>(x.bytes.data());
+    const std::vector<std::uint16_t> other(x.bytes.size() / sizeof(std::uint16_t), 0x3f80);
+    const std::int64_t ld_rows = shape.n + kRowPadding;
+    const std::int64_t out_stride = shape.x_count + kOutPadding;
+    const std::vector<float> rows =
+        in_pair_order(random_values(rng, shape.rows * ld_rows), shape.rows, ld_rows, shape.n);
+    const std::vector<float> weights = random_values(rng, shape.rows * out_stride);
+    const std::vector<float> initial = random_values(rng, shape.rows * ld_rows);
+    std::vector<float> out(shape.rows * out_stride, kSentinel), acc = initial;
+    cpu::dot_rows_bf16_pairs(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x_bits, x.ld,
+                             shape.x_count, shape.n);
+    cpu::axpy_rows_bf16_pairs(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_bits,
+                              x.ld, shape.x_count, shape.n);
+    for (const std::uint16_t* ahead : {x_bits, other.data()}) {
+      std::vector<float> out_ahead(shape.rows * out_stride, kSentinel), acc_ahead = initial;
+      cpu::dot_rows_bf16_pairs(out_ahead.data(), out_stride, rows.data(), ld_rows, shape.rows,
+                               x_bits, x.ld, shape.x_count, shape.n, ahead);
+      cpu::axpy_rows_bf16_pairs(acc_ahead.data(), ld_rows, weights.data(), out_stride, shape.rows,
+                                x_bits, x.ld, shape.x_count, shape.n, ahead);
+      ASSERT_EQ(0, std::memcmp(out.data(), out_ahead.data(), out.size() * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(acc.data(), acc_ahead.data(), acc.size() * sizeof(float)));
+    }
   });
 }
 

@@ -318,9 +318,8 @@ class KeyWalk {
   // these do (a whole group within the chunk, in one page); the first call of a walk also asks
   // for the calls between. Asking for the next call's rows all at once before the call waited
   // on the fill buffers (docs/tuning.md). Otherwise null, having asked by prefetch_next.
-  const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h,
-                         std::int64_t key, std::int64_t count, const InputRows& inputs,
-                         bool first_call) const {
+  const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
+                         std::int64_t count, const InputRows& inputs, bool first_call) const {
     if (plan_.bf16_pairs && !whole_rows_ahead_ && count == kKeyGroup &&
         inputs.data != t_.inputs.data()) {
       const Call target = call_ahead(h, key, count, kCallsAhead);

@@ -406,9 +406,9 @@ HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
                                                 panel, width, keys, i == 0 ? ahead : nullptr);
   }
   RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
-    PvBlock<decltype(block_rows)::value, C, Reader, kUnrollKeys>(
-        tag, acc + row * ld_acc, ld_acc, p + row * ps.row, ps, panel, width, keys,
-        row == 0 ? ahead : nullptr);
+    PvBlock<decltype(block_rows)::value, C, Reader, kUnrollKeys>(tag, acc + row * ld_acc, ld_acc,
+                                                                 p + row * ps.row, ps, panel, width,
+                                                                 keys, row == 0 ? ahead : nullptr);
   });
 }
 
