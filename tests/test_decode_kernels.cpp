@@ -266,5 +266,33 @@ TEST(DecodeKernels, Bf16PairKernelsGiveTheSameResultsWithRowsAhead) {
   });
 }
 
+// The same for dot_rows and axpy_rows, on every dtype (f16 rows take rows ahead too).
+TEST(DecodeKernels, KernelsGiveTheSameResultsWithRowsAhead) {
+  std::mt19937_64 rng(test_seed() + 4);
+  for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
+    const std::vector<std::uint8_t> other(x.bytes.size(), 0x3c);
+    const std::int64_t ld_rows = shape.n + kRowPadding;
+    const std::int64_t out_stride = shape.x_count + kOutPadding;
+    const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
+    const std::vector<float> weights = random_values(rng, shape.rows * out_stride);
+    const std::vector<float> initial = random_values(rng, shape.rows * ld_rows);
+    std::vector<float> out(shape.rows * out_stride, kSentinel), acc = initial;
+    cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(), dtype,
+                  x.ld, shape.x_count, shape.n);
+    cpu::axpy_rows(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x.bytes.data(),
+                   dtype, x.ld, shape.x_count, shape.n);
+    for (const void* ahead :
+         {static_cast<const void*>(x.bytes.data()), static_cast<const void*>(other.data())}) {
+      std::vector<float> out_ahead(shape.rows * out_stride, kSentinel), acc_ahead = initial;
+      cpu::dot_rows(out_ahead.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(),
+                    dtype, x.ld, shape.x_count, shape.n, ahead);
+      cpu::axpy_rows(acc_ahead.data(), ld_rows, weights.data(), out_stride, shape.rows,
+                     x.bytes.data(), dtype, x.ld, shape.x_count, shape.n, ahead);
+      ASSERT_EQ(0, std::memcmp(out.data(), out_ahead.data(), out.size() * sizeof(float)));
+      ASSERT_EQ(0, std::memcmp(acc.data(), acc_ahead.data(), acc.size() * sizeof(float)));
+    }
+  });
+}
+
 }  // namespace
 }  // namespace flashattn::testing

@@ -320,7 +320,7 @@ class KeyWalk {
   // on the fill buffers (docs/tuning.md). Otherwise null, having asked by prefetch_next.
   const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                          std::int64_t count, const InputRows& inputs, bool first_call) const {
-    if (plan_.bf16_pairs && !whole_rows_ahead_ && count == kKeyGroup &&
+    if ((plan_.bf16_pairs || p_.dtype == DType::f16) && !whole_rows_ahead_ && count == kKeyGroup &&
         inputs.data != t_.inputs.data()) {
       const Call target = call_ahead(h, key, count, kCallsAhead);
       if (target.key + count <= chunk_end_ && p_.contiguous_keys(target.key) >= count) {
@@ -462,7 +462,7 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
                                    static_cast<const std::uint16_t*>(k.data), k.ld, key_count, Dp,
                                    static_cast<const std::uint16_t*>(k.ahead));
         } else {
-          cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp);
+          cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp, k.ahead);
         }
       });
   if (!p.modifiers.change_logits()) return;
@@ -485,20 +485,21 @@ void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& 
                      float* acc, std::int64_t block, std::int64_t keys) {
   const std::int64_t Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
   const float* scores = t.scores.data();
-  walk.walk_inputs(
-      p.v, p.v_strides, block, keys,
-      [&](std::int64_t first, std::int64_t count, std::int64_t key, std::int64_t key_count,
-          const InputRows& v) {
-        float* acc_rows = acc + first * Dp;
-        const float* weights = scores + first * Bk + (key - block);
-        if (plan.bf16_pairs) {
-          cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
-                                    static_cast<const std::uint16_t*>(v.data), v.ld, key_count, Dp,
-                                    static_cast<const std::uint16_t*>(v.ahead));
-        } else {
-          cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld, key_count, Dp);
-        }
-      });
+  walk.walk_inputs(p.v, p.v_strides, block, keys,
+                   [&](std::int64_t first, std::int64_t count, std::int64_t key,
+                       std::int64_t key_count, const InputRows& v) {
+                     float* acc_rows = acc + first * Dp;
+                     const float* weights = scores + first * Bk + (key - block);
+                     if (plan.bf16_pairs) {
+                       cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
+                                                 static_cast<const std::uint16_t*>(v.data), v.ld,
+                                                 key_count, Dp,
+                                                 static_cast<const std::uint16_t*>(v.ahead));
+                     } else {
+                       cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld,
+                                      key_count, Dp, v.ahead);
+                     }
+                   });
 }
 
 // One (batch entry, key chunk) task: every KV head's rows against the chunk's keys, a block of

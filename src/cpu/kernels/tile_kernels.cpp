@@ -860,15 +860,24 @@ HWY_INLINE void WithInputRows(const void* x, DType x_dtype, std::int64_t ld_x, s
   }
 }
 
+// The rows ahead as the kernel's elements: none where f16 rows are widened one by one before
+// the kernel (targets without F16C), whose fp32 rows have no rows ahead.
+template <class Element>
+HWY_INLINE const Element* TypedAhead(const void* ahead, DType x_dtype) {
+  if (std::is_same_v<Element, float> && x_dtype != DType::f32) return nullptr;
+  return static_cast<const Element*>(ahead);
+}
+
 void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
              std::int64_t ld_rows, std::int64_t count, const void* HWY_RESTRICT x, DType x_dtype,
-             std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+             std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
+             const void* HWY_RESTRICT ahead) {
   WithInputRows(
       x, x_dtype, ld_x, x_count, n,
       [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
         using Element = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
         DotRowsOf<Widened<Element>>(out + first, out_stride, rows, ld_rows, count, typed, ld,
-                                    typed_count, n);
+                                    typed_count, n, TypedAhead<Element>(ahead, x_dtype));
       });
 }
 
@@ -883,13 +892,14 @@ void DotRowsBf16Pairs(float* HWY_RESTRICT out, std::int64_t out_stride,
 
 void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
               std::int64_t weight_stride, std::int64_t count, const void* HWY_RESTRICT x,
-              DType x_dtype, std::int64_t ld_x, std::int64_t x_count, std::int64_t n) {
+              DType x_dtype, std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
+              const void* HWY_RESTRICT ahead) {
   WithInputRows(
       x, x_dtype, ld_x, x_count, n,
       [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
         using Element = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
         AxpyRowsOf<Widened<Element>>(acc, ld_acc, weights + first, weight_stride, count, typed, ld,
-                                     typed_count, n);
+                                     typed_count, n, TypedAhead<Element>(ahead, x_dtype));
       });
 }
 
@@ -1066,16 +1076,16 @@ void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, s
 
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
               std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-              std::int64_t x_count, std::int64_t n) {
+              std::int64_t x_count, std::int64_t n, const void* ahead) {
   HWY_DYNAMIC_DISPATCH(DotRows)
-  (out, out_stride, rows, ld_rows, count, x, x_dtype, ld_x, x_count, n);
+  (out, out_stride, rows, ld_rows, count, x, x_dtype, ld_x, x_count, n, ahead);
 }
 
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
                std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-               std::int64_t x_count, std::int64_t n) {
+               std::int64_t x_count, std::int64_t n, const void* ahead) {
   HWY_DYNAMIC_DISPATCH(AxpyRows)
-  (acc, ld_acc, weights, weight_stride, count, x, x_dtype, ld_x, x_count, n);
+  (acc, ld_acc, weights, weight_stride, count, x, x_dtype, ld_x, x_count, n, ahead);
 }
 
 std::int64_t bf16_pair_chunk() { return HWY_DYNAMIC_DISPATCH(Bf16PairChunk)(); }

@@ -124,11 +124,11 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
 // out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k · ld_x .. + n)   r < count, k < x_count
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
               std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-              std::int64_t x_count, std::int64_t n);
+              std::int64_t x_count, std::int64_t n, const void* ahead = nullptr);
 // acc[r · ld_acc + d] += Σ_k weights[r · weight_stride + k] · x[k · ld_x + d]   r < count, d < n
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
                std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-               std::int64_t x_count, std::int64_t n);
+               std::int64_t x_count, std::int64_t n, const void* ahead = nullptr);
 
 // The same two products on bf16 x rows with the fp32 operand (rows, acc) in bf16 pair order:
 // each chunk of bf16_pair_chunk() elements (2 vectors of the SIMD target that runs) holds its
