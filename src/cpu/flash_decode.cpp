@@ -312,12 +312,12 @@ class KeyWalk {
     });
   }
 
-  // For bf16 pairs read from the cache as it is (rows the products widen in registers), where the
-  // prefetches of the whole rows are not taken: the rows kCallsAhead calls on, for the products
-  // to ask for line by line as they read their own (InputRows::ahead), if those rows lie as
-  // these do (a whole group within the chunk, in one page); the first call of a walk also asks
-  // for the calls between. Asking for the next call's rows all at once before the call waited
-  // on the fill buffers (docs/tuning.md). Otherwise null, having asked by prefetch_next.
+  // For 16-bit rows read from the cache as they are (widened in registers), where the whole rows
+  // are not prefetched (not on AMD's cores): the rows kCallsAhead calls on, for the products to
+  // ask for line by line as they read their own (InputRows::ahead), if those rows lie as these
+  // do (a whole group within the chunk, in one page); the first call of a walk also asks for the
+  // calls between. Asking for the next call's rows all at once before the call waited on the
+  // fill buffers (docs/tuning.md). Otherwise null, having asked by prefetch_next.
   const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                          std::int64_t count, const InputRows& inputs, bool first_call) const {
     if ((plan_.bf16_pairs || p_.dtype == DType::f16) && !whole_rows_ahead_ && count == kKeyGroup &&
