@@ -71,11 +71,11 @@ constexpr std::int64_t kCallChunks = 16;
 constexpr std::int64_t kKeyGroup = 8;
 // Query rows per KV head up to which bf16 products take the rows in pairs (DecodePlan).
 constexpr std::int64_t kMaxBf16PairRows = 8;
-// Calls (a KV head's rows of a key group each) ahead of the one that reads them at which bf16
-// pairs ask for rows line by line as they read their own (KeyWalk::rows_ahead): 4 took 0.91-0.93
-// of the time of asking for the next call's rows all at once on Ice Lake; 2 0.93, 8 0.98
-// (docs/tuning.md).
-constexpr std::int64_t kCallsAhead = 4;
+// How far ahead of the rows they read the products ask for rows (Prefetching::kSpread): 8 KiB,
+// 4 calls of 16-bit rows of 128 dims (a KV head's rows of a key group each), 2 of f32 ones.
+// On Ice Lake 0.87-0.93 of the time of asking for the next call's rows all at once; bf16 2 calls
+// ahead 0.93-0.94, 6 1.02; f32 1 call 0.89-0.90, 3 0.90-0.98 (docs/tuning.md).
+constexpr std::int64_t kBytesAhead = 8192;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -215,21 +215,33 @@ InputRows input_rows(const AttentionParams& p, const void* base, const Strides& 
   return {buffer, DType::f32, Dp};
 }
 
-// Whether 16-bit rows are prefetched a key group ahead, every KV head's row of a key at once
-// (KeyWalk::prefetch_next), rather than the next call's rows: further ahead, so more lines in
-// flight. Faster on Zen 5, where it was chosen (bf16 35-38 GB/s against 26-32), slower on Ice
-// Lake, whose prefetches stall sooner on full fill buffers (1.07-1.23x the time; docs/tuning.md).
-// Hence on AMD's cores only.
-bool prefetches_whole_rows_ahead() {
+// How KeyWalk asks for the rows ahead of those a call reads, in pages the hardware prefetchers
+// have not seen yet (docs/tuning.md has the variants and their rates):
+enum class Prefetching {
+  // The next call's rows (the next KV head's, or the next group's first), all at once before
+  // the call: f32 on AMD's cores, and every call whose rows are not read where they lie.
+  kNextCall,
+  // The whole rows (every KV head) of the group kKeyGroup keys on, a share of them per KV head,
+  // in address order: 16-bit rows on AMD's cores (Zen 5: bf16 35-38 GB/s against 26-32 for
+  // kNextCall); on Ice Lake 1.07-1.23x the time of kNextCall, its prefetches waiting for fill
+  // buffers.
+  kWholeRows,
+  // Elsewhere: the rows kBytesAhead on, which the products ask for line by line as they read
+  // their own (InputRows::ahead), so that no burst of prefetches waits for fill buffers while
+  // the products wait behind it. Chosen on Ice Lake; not measured on AMD's cores.
+  kSpread,
+};
+
+Prefetching prefetching_for(DType dtype) {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool amd = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd") != 0;
   }();
-  return amd;
-#else
-  return false;
+  if (amd) return dtype == DType::f32 ? Prefetching::kNextCall : Prefetching::kWholeRows;
 #endif
+  static_cast<void>(dtype);
+  return Prefetching::kSpread;
 }
 
 // The keys of one (batch entry, key chunk) task as memory lays them out, kKeyGroup keys at a time
@@ -243,7 +255,10 @@ class KeyWalk {
         t_(t),
         b_(b),
         chunk_end_(chunk_end),
-        whole_rows_ahead_(p.dtype != DType::f32 && prefetches_whole_rows_ahead()) {
+        prefetching_(prefetching_for(p.dtype)),
+        calls_ahead_(std::max<std::int64_t>(
+            1, kBytesAhead /
+                   (kKeyGroup * p.head_dim * static_cast<std::int64_t>(dtype_size(p.dtype))))) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
       ranges_[position] = p.entry_key_range(b, position);
     }
@@ -312,20 +327,19 @@ class KeyWalk {
     });
   }
 
-  // For 16-bit rows read from the cache as they are (widened in registers), where the whole rows
-  // are not prefetched (not on AMD's cores): the rows kCallsAhead calls on, for the products to
-  // ask for line by line as they read their own (InputRows::ahead), if those rows lie as these
-  // do (a whole group within the chunk, in one page); the first call of a walk also asks for the
-  // calls between. Asking for the next call's rows all at once before the call waited on the
-  // fill buffers (docs/tuning.md). Otherwise null, having asked by prefetch_next.
+  // Prefetching::kSpread, for rows read from the cache where they lie: the rows calls_ahead_
+  // calls on, for the products to ask for (InputRows::ahead), if those rows lie as these do (a
+  // whole group within the chunk, in one page); the first call of a walk asks for the calls
+  // between itself. Otherwise null, having asked by prefetch_next. (f16 rows on targets without
+  // F16C are widened before the products, which then ask for none: tile_kernels.cpp.)
   const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                          std::int64_t count, const InputRows& inputs, bool first_call) const {
-    if ((plan_.bf16_pairs || p_.dtype == DType::f16) && !whole_rows_ahead_ && count == kKeyGroup &&
+    if (prefetching_ == Prefetching::kSpread && count == kKeyGroup &&
         inputs.data != t_.inputs.data()) {
-      const Call target = call_ahead(h, key, count, kCallsAhead);
+      const Call target = call_ahead(h, key, count, calls_ahead_);
       if (target.key + count <= chunk_end_ && p_.contiguous_keys(target.key) >= count) {
         if (first_call) {
-          for (std::int64_t calls = 1; calls < kCallsAhead; ++calls) {
+          for (std::int64_t calls = 1; calls < calls_ahead_; ++calls) {
             prefetch_call(base, strides, call_ahead(h, key, count, calls), count);
           }
         }
@@ -339,13 +353,11 @@ class KeyWalk {
     return nullptr;
   }
 
-  // Asks for rows ahead of the ones this call reads, in pages the hardware prefetchers have not
-  // seen yet (docs/tuning.md): the next call's (the next KV head's, or the next group's first);
-  // on AMD's cores, 16-bit rows: the whole rows (every KV head) of the group kKeyGroup keys on,
-  // a share of them per KV head, in address order (whole_rows_ahead_).
+  // Asks for rows ahead of the ones this call reads before the call: the whole rows of the group
+  // ahead (Prefetching::kWholeRows), else the next call's.
   void prefetch_next(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                      std::int64_t count) const {
-    if (whole_rows_ahead_) {
+    if (prefetching_ == Prefetching::kWholeRows) {
       const std::int64_t ahead = key + kKeyGroup;
       const std::int64_t first = ahead + h * kKeyGroup / p_.heads_kv;
       const std::int64_t last = std::min(ahead + (h + 1) * kKeyGroup / p_.heads_kv, chunk_end_);
@@ -395,7 +407,8 @@ class KeyWalk {
   const DecodePlan& plan_;
   Scratch& t_;
   std::int64_t b_, chunk_end_;
-  bool whole_rows_ahead_;  // prefetch_next's two ways
+  Prefetching prefetching_;
+  std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{nullptr, DType::f32, 0};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1;

@@ -676,11 +676,13 @@ HWY_INLINE Vec SumsOfEight(Tag tag, const Vec (&v)[8]) {
 // instead of one SumsOfEight (docs/tuning.md). Not for bf16 and f16: the 4 x 2 blocks widen each
 // x vector once, these once per row, which made the decode path slower on bf16.
 HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float* HWY_RESTRICT row,
-                                   const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n) {
+                                   const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n,
+                                   const float* HWY_RESTRICT ahead) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[8];
   for (int k = 0; k < 8; ++k) sums[k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += N) {
+    if (ahead != nullptr) PrefetchAhead(ahead, ld_x, 8, d, d + N);
     const Vec row_d = hn::LoadU(tag, row + d);
     for (int k = 0; k < 8; ++k)
       sums[k] = hn::MulAdd(row_d, hn::LoadU(tag, x + k * ld_x + d), sums[k]);
@@ -745,11 +747,12 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
     for (; first + 8 <= x_count; first += 8) {
       for (std::int64_t r = 0; r < count; ++r) {
         DotRowEightVectors(tag, out + r * out_stride + first, rows + r * ld_rows, x + first * ld_x,
-                           ld_x, n);
+                           ld_x, n, ahead_of(r, first));
       }
     }
     out += first;
     x += first * ld_x;
+    if (ahead != nullptr) ahead += first * ld_x;
     x_count -= first;
   }
 #endif
