@@ -187,7 +187,8 @@ struct InputRows {
   DType dtype;
   std::int64_t ld;
   // Rows like these, ld apart, that a later call takes, for the products to ask for as they read
-  // these (cpu::dot_rows_bf16_pairs); null when they were asked for before the call.
+  // these (cpu::dot_rows, cpu::axpy_rows and their bf16-pair forms); null when they were asked
+  // for before the call.
   const void* ahead = nullptr;
 };
 // `key_row` is the element offset of key j's row of KV head 0, `contiguous` p.contiguous_keys(j)
