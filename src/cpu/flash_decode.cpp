@@ -276,6 +276,7 @@ class KeyWalk {
                    Fn&& fn) {
     inputs_head_ = -1;
     inputs_key_ = -1;
+    ahead_key_ = -1;
     for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
       visit(j, std::min(kKeyGroup, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
@@ -334,11 +335,16 @@ class KeyWalk {
   // between itself. Otherwise null, having asked by prefetch_next. (f16 rows on targets without
   // F16C are widened before the products, which then ask for none: tile_kernels.cpp.)
   const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
-                         std::int64_t count, const InputRows& inputs, bool first_call) const {
+                         std::int64_t count, const InputRows& inputs, bool first_call) {
     if (prefetching_ == Prefetching::kSpread && count == kKeyGroup &&
         inputs.data != t_.inputs.data()) {
       const Call target = call_ahead(h, key, count, calls_ahead_);
-      if (target.key + count <= chunk_end_ && p_.contiguous_keys(target.key) >= count) {
+      if (target.key != ahead_key_ && target.key < chunk_end_) {
+        ahead_key_ = target.key;
+        ahead_row_ = p_.kv_offset(strides, b_, target.key, 0);
+        ahead_contiguous_ = p_.contiguous_keys(target.key);
+      }
+      if (target.key + count <= chunk_end_ && ahead_contiguous_ >= count) {
         if (first_call) {
           for (std::int64_t calls = 1; calls < calls_ahead_; ++calls) {
             prefetch_call(base, strides, call_ahead(h, key, count, calls), count);
@@ -346,8 +352,7 @@ class KeyWalk {
         }
         const auto element_bytes = static_cast<std::int64_t>(dtype_size(p_.dtype));
         return static_cast<const char*>(base) +
-               (p_.kv_offset(strides, b_, target.key, 0) + target.head * strides.head) *
-                   element_bytes;
+               (ahead_row_ + target.head * strides.head) * element_bytes;
       }
     }
     prefetch_next(base, strides, h, key, count);
@@ -414,6 +419,8 @@ class KeyWalk {
   InputRows inputs_{nullptr, DType::f32, 0};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1;
   std::int64_t key_row_ = 0, key_contiguous_ = 0;  // of inputs_key_ (input_rows)
+  // The same of the rows ahead's key (rows_ahead): looked up once for all KV heads' calls.
+  std::int64_t ahead_key_ = -1, ahead_row_ = 0, ahead_contiguous_ = 0;
 };
 
 // The running statistics and accumulator of one chunk, for every row of its batch entry.
