@@ -2,7 +2,8 @@
 // pair variants) on every SIMD target compiled in that this CPU runs, against sums in double:
 // every row count up to 9 and every x count up to 19, so that each block shape the kernels pick
 // (rows by 4, 2 and 1; x rows by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and
-// f16 rows that lie apart in memory, with nothing written outside the outputs. The attention
+// f16 rows that lie apart in memory and out of order (the kernels take a pointer per x row, as
+// a paged cache scatters them), with nothing written outside the outputs. The attention
 // tests reach these kernels only through the shapes they happen to run.
 //
 // Inputs are representable in every dtype (multiples of 1/16 below 16 in magnitude: 8
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <utility>
 #include <vector>
@@ -69,11 +71,18 @@ std::vector<Shape> shapes() {
 // Row and x strides beyond n, an output stride beyond x_count: the kernels must honour them.
 constexpr std::int64_t kRowPadding = 16, kXPadding = 24, kOutPadding = 5;
 
-// x rows of random values, kXPadding past n apart, as floats and as the bytes of `dtype`.
+// x rows of random values as floats (row k at k·ld) and as the bytes of `dtype`, kXPadding past
+// n apart: in order, given by their stride, or shuffled, given by their offsets.
 struct XRows {
   std::vector<float> values;
   std::vector<std::uint8_t> bytes;
   std::int64_t ld;
+  std::vector<std::int64_t> byte_offsets;  // of each row where shuffled, else empty
+
+  // The rows as they lie in `storage` (bytes, or other rows laid out alike).
+  cpu::ScatteredRows rows_in(const std::vector<std::uint8_t>& storage) const {
+    return {storage.data(), ld, byte_offsets.empty() ? nullptr : byte_offsets.data()};
+  }
 };
 
 // check(dtype, shape, x) on every SIMD target, dtype and shape, until an assertion fails.
@@ -83,12 +92,25 @@ void for_every_case(std::mt19937_64& rng, const Check& check) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
       SCOPED_TRACE(dtype_name(dtype));
       for (const Shape& shape : shapes()) {
-        SCOPED_TRACE(::testing::Message() << "rows " << shape.rows << ", x rows " << shape.x_count
-                                          << ", n " << shape.n << ", seed " << test_seed());
+        const bool shuffled = rng() % 2 == 0;
+        SCOPED_TRACE(::testing::Message()
+                     << "rows " << shape.rows << ", x rows " << shape.x_count << ", n " << shape.n
+                     << (shuffled ? ", shuffled" : "") << ", seed " << test_seed());
         const std::int64_t ld_x = shape.n + kXPadding;
         std::vector<float> x = random_values(rng, std::max<std::int64_t>(1, shape.x_count) * ld_x);
-        std::vector<std::uint8_t> bytes = rows_in(dtype, x);
-        check(dtype, shape, XRows{std::move(x), std::move(bytes), ld_x});
+        std::vector<std::int64_t> slot(static_cast<std::size_t>(shape.x_count));
+        std::iota(slot.begin(), slot.end(), std::int64_t{0});
+        if (shuffled) std::shuffle(slot.begin(), slot.end(), rng);
+        std::vector<float> stored(x.size());
+        for (std::int64_t k = 0; k < shape.x_count; ++k) {
+          std::copy_n(x.begin() + k * ld_x, ld_x, stored.begin() + slot[k] * ld_x);
+        }
+        std::vector<std::int64_t> byte_offsets;
+        for (std::int64_t s : shuffled ? slot : std::vector<std::int64_t>{}) {
+          byte_offsets.push_back(s * ld_x * static_cast<std::int64_t>(dtype_size(dtype)));
+        }
+        check(dtype, shape,
+              XRows{std::move(x), rows_in(dtype, stored), ld_x, std::move(byte_offsets)});
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
@@ -151,8 +173,8 @@ TEST(DecodeKernels, DotRowsMatchesDoubleSumsOnEveryTarget) {
     const std::int64_t out_stride = shape.x_count + kOutPadding;
     const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
     std::vector<float> out(shape.rows * out_stride, kSentinel);
-    cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(), dtype,
-                  x.ld, shape.x_count, shape.n);
+    cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x.rows_in(x.bytes),
+                  dtype, shape.x_count, shape.n);
     check_dots(out, out_stride, rows, ld_rows, shape, x);
   });
 }
@@ -165,8 +187,8 @@ TEST(DecodeKernels, AxpyRowsMatchesDoubleSumsOnEveryTarget) {
     std::vector<float> acc = random_values(rng, shape.rows * ld_acc);
     const std::vector<float> initial = acc;
     const std::vector<float> weights = random_values(rng, shape.rows * weight_stride);
-    cpu::axpy_rows(acc.data(), ld_acc, weights.data(), weight_stride, shape.rows, x.bytes.data(),
-                   dtype, x.ld, shape.x_count, shape.n);
+    cpu::axpy_rows(acc.data(), ld_acc, weights.data(), weight_stride, shape.rows,
+                   x.rows_in(x.bytes), dtype, shape.x_count, shape.n);
     check_axpys(acc, initial, ld_acc, weights, weight_stride, shape, x);
   });
 }
@@ -210,20 +232,20 @@ TEST(DecodeKernels, Bf16PairKernelsMatchDoubleSumsOnEveryTarget) {
   std::mt19937_64 rng(test_seed() + 2);
   for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
     if (dtype != DType::bf16 || shape.n % cpu::bf16_pair_chunk() != 0) return;
-    const auto* x_bits = reinterpret_cast<const std::uint16_t*>(x.bytes.data());
+    const cpu::ScatteredRows x_rows = x.rows_in(x.bytes);
     const std::int64_t ld_rows = shape.n + kRowPadding;
     const std::int64_t out_stride = shape.x_count + kOutPadding;
     const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
     const std::vector<float> paired_rows = in_pair_order(rows, shape.rows, ld_rows, shape.n);
     std::vector<float> out(shape.rows * out_stride, kSentinel);
     cpu::dot_rows_bf16_pairs(out.data(), out_stride, paired_rows.data(), ld_rows, shape.rows,
-                             x_bits, x.ld, shape.x_count, shape.n);
+                             x_rows, shape.x_count, shape.n);
 
     const std::vector<float> weights = random_values(rng, shape.rows * out_stride);
     const std::vector<float> initial = random_values(rng, shape.rows * ld_rows);
     std::vector<float> acc = in_pair_order(initial, shape.rows, ld_rows, shape.n);
-    cpu::axpy_rows_bf16_pairs(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_bits,
-                              x.ld, shape.x_count, shape.n);
+    cpu::axpy_rows_bf16_pairs(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_rows,
+                              shape.x_count, shape.n);
     std::vector<float> result = acc;
     for (std::int64_t r = 0; r < shape.rows; ++r) {
       cpu::from_bf16_pair_order(result.data() + r * ld_rows, acc.data() + r * ld_rows, shape.n);
@@ -241,8 +263,8 @@ TEST(DecodeKernels, Bf16PairKernelsGiveTheSameResultsWithRowsAhead) {
   std::mt19937_64 rng(test_seed() + 3);
   for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
     if (dtype != DType::bf16 || shape.n % cpu::bf16_pair_chunk() != 0) return;
-    const auto* x_bits = reinterpret_cast<const std::uint16_t*>(x.bytes.data());
-    const std::vector<std::uint16_t> other(x.bytes.size() / sizeof(std::uint16_t), 0x3f80);
+    const cpu::ScatteredRows x_rows = x.rows_in(x.bytes);
+    const std::vector<std::uint8_t> other(x.bytes.size(), 0x3f);
     const std::int64_t ld_rows = shape.n + kRowPadding;
     const std::int64_t out_stride = shape.x_count + kOutPadding;
     const std::vector<float> rows =
@@ -250,16 +272,16 @@ TEST(DecodeKernels, Bf16PairKernelsGiveTheSameResultsWithRowsAhead) {
     const std::vector<float> weights = random_values(rng, shape.rows * out_stride);
     const std::vector<float> initial = random_values(rng, shape.rows * ld_rows);
     std::vector<float> out(shape.rows * out_stride, kSentinel), acc = initial;
-    cpu::dot_rows_bf16_pairs(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x_bits, x.ld,
+    cpu::dot_rows_bf16_pairs(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x_rows,
                              shape.x_count, shape.n);
-    cpu::axpy_rows_bf16_pairs(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_bits,
-                              x.ld, shape.x_count, shape.n);
-    for (const std::uint16_t* ahead : {x_bits, other.data()}) {
+    cpu::axpy_rows_bf16_pairs(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_rows,
+                              shape.x_count, shape.n);
+    for (const cpu::ScatteredRows& ahead : {x_rows, x.rows_in(other)}) {
       std::vector<float> out_ahead(shape.rows * out_stride, kSentinel), acc_ahead = initial;
       cpu::dot_rows_bf16_pairs(out_ahead.data(), out_stride, rows.data(), ld_rows, shape.rows,
-                               x_bits, x.ld, shape.x_count, shape.n, ahead);
+                               x_rows, shape.x_count, shape.n, ahead);
       cpu::axpy_rows_bf16_pairs(acc_ahead.data(), ld_rows, weights.data(), out_stride, shape.rows,
-                                x_bits, x.ld, shape.x_count, shape.n, ahead);
+                                x_rows, shape.x_count, shape.n, ahead);
       ASSERT_EQ(0, std::memcmp(out.data(), out_ahead.data(), out.size() * sizeof(float)));
       ASSERT_EQ(0, std::memcmp(acc.data(), acc_ahead.data(), acc.size() * sizeof(float)));
     }
@@ -271,23 +293,23 @@ TEST(DecodeKernels, KernelsGiveTheSameResultsWithRowsAhead) {
   std::mt19937_64 rng(test_seed() + 4);
   for_every_case(rng, [&](DType dtype, const Shape& shape, const XRows& x) {
     const std::vector<std::uint8_t> other(x.bytes.size(), 0x3c);
+    const cpu::ScatteredRows x_rows = x.rows_in(x.bytes);
     const std::int64_t ld_rows = shape.n + kRowPadding;
     const std::int64_t out_stride = shape.x_count + kOutPadding;
     const std::vector<float> rows = random_values(rng, shape.rows * ld_rows);
     const std::vector<float> weights = random_values(rng, shape.rows * out_stride);
     const std::vector<float> initial = random_values(rng, shape.rows * ld_rows);
     std::vector<float> out(shape.rows * out_stride, kSentinel), acc = initial;
-    cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(), dtype,
-                  x.ld, shape.x_count, shape.n);
-    cpu::axpy_rows(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x.bytes.data(),
-                   dtype, x.ld, shape.x_count, shape.n);
-    for (const void* ahead :
-         {static_cast<const void*>(x.bytes.data()), static_cast<const void*>(other.data())}) {
+    cpu::dot_rows(out.data(), out_stride, rows.data(), ld_rows, shape.rows, x_rows, dtype,
+                  shape.x_count, shape.n);
+    cpu::axpy_rows(acc.data(), ld_rows, weights.data(), out_stride, shape.rows, x_rows, dtype,
+                   shape.x_count, shape.n);
+    for (const cpu::ScatteredRows& ahead : {x_rows, x.rows_in(other)}) {
       std::vector<float> out_ahead(shape.rows * out_stride, kSentinel), acc_ahead = initial;
-      cpu::dot_rows(out_ahead.data(), out_stride, rows.data(), ld_rows, shape.rows, x.bytes.data(),
-                    dtype, x.ld, shape.x_count, shape.n, ahead);
-      cpu::axpy_rows(acc_ahead.data(), ld_rows, weights.data(), out_stride, shape.rows,
-                     x.bytes.data(), dtype, x.ld, shape.x_count, shape.n, ahead);
+      cpu::dot_rows(out_ahead.data(), out_stride, rows.data(), ld_rows, shape.rows, x_rows, dtype,
+                    shape.x_count, shape.n, ahead);
+      cpu::axpy_rows(acc_ahead.data(), ld_rows, weights.data(), out_stride, shape.rows, x_rows,
+                     dtype, shape.x_count, shape.n, ahead);
       ASSERT_EQ(0, std::memcmp(out.data(), out_ahead.data(), out.size() * sizeof(float)));
       ASSERT_EQ(0, std::memcmp(acc.data(), acc_ahead.data(), acc.size() * sizeof(float)));
     }

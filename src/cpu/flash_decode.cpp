@@ -4,11 +4,11 @@
 // The tiled forward (flash_forward.cpp) packs every K/V block, a transpose of K and a copy of V,
 // and walks one head's rows, Hkv·D floats apart: a page each in [B, S, H, D]. For a handful of
 // query rows the packing is most of the work and the strided walk starves the hardware
-// prefetchers (docs/tuning.md). Here K and V are read once, in memory order: kKeyGroup keys at a
-// time and within them head by head, the rows straight from the input (bf16 and f16 widened in
-// registers; bf16 in pairs, against query rows and accumulators in bf16 pair order, see
-// DecodePlan) or, where head_dim is not a whole number of vectors, widened into padded rows,
-// against all of their head's query rows. Per block of Bk
+// prefetchers (docs/tuning.md). Here K and V are read once, in memory order: a group of keys at
+// a time (key_group) and within them head by head, the rows straight from the input (bf16 and
+// f16 widened in registers; bf16 in pairs, against query rows and accumulators in bf16 pair
+// order, see DecodePlan) or, where head_dim is not a whole number of vectors, widened into
+// padded rows, against all of their head's query rows. Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   softcap, ALiBi of scale·s (when asked for)         modify_scores
@@ -19,8 +19,10 @@
 // forward: docs/tuning.md.)
 //
 // A serving batch (flashattn/kvcache.hpp) runs here too: each batch entry has its own key count
-// and chunks, and its K/V rows may lie in pages (AttentionParams::kv_offset); the key groups and
-// chunks are those of a dense cache holding the same rows, so the results are the same bit for bit.
+// and chunks, and its K/V rows may lie in pages (AttentionParams::kv_offset), which the products
+// read where they lie, at an offset per row where a key group crosses a page; the key groups and
+// chunks are those of a dense cache holding the same rows, so the results are the same bit for
+// bit, for any page size.
 //
 // Threads take (batch, key chunk) tasks; each chunk keeps its own m, l and acc for every row of
 // its batch entry, and a last pass merges each row's chunks in chunk order:
@@ -28,15 +30,14 @@
 // The chunks follow from the shape alone, so the result is the same for any thread count.
 //
 // Memory: per thread the batch entry's query rows (Hkv·rows x Dp), the score tiles of every head
-// (Hkv·rows x Bk, no larger than the tiled forward's Br x Bc tile) and kKeyGroup padded K/V
-// rows; shared, m, l and acc of every chunk of every row: at most kCallChunks chunks and one
+// (Hkv·rows x Bk, no larger than the tiled forward's Br x Bc tile) and a key group's padded
+// K/V rows; shared, m, l and acc of every chunk of every row: at most kCallChunks chunks and one
 // more per batch entry, (B + 16)·Hkv·rows·(Dp + 2) floats, whatever the sequence lengths.
 
 #include "cpu/flash_decode.hpp"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -66,9 +67,12 @@ constexpr std::int64_t kMaxDecodeRows = 32;
 constexpr std::int64_t kMinChunkKeys = 128;
 constexpr std::int64_t kCallChunks = 16;
 // Keys whose K (V) rows one dot_rows (axpy_rows) call takes: each query row's accumulator is
-// loaded and stored once per group instead of once per key. 16 ran faster from L2 and L3 but
-// 14-16% slower from memory (docs/tuning.md).
-constexpr std::int64_t kKeyGroup = 8;
+// loaded and stored once per group instead of once per key. 16 for 16-bit rows, 0.86-0.96 of the
+// time of 8 with the spread prefetching on Ice Lake; f32 rows ran 4% slower with 16
+// (docs/tuning.md). A function of the dtype only: a paged cache's keys are grouped as a dense
+// one's, so that both give the same sums.
+constexpr std::int64_t kMaxKeyGroup = 16;
+std::int64_t key_group(DType dtype) { return dtype == DType::f32 ? 8 : kMaxKeyGroup; }
 // Query rows per KV head up to which bf16 products take the rows in pairs (DecodePlan).
 constexpr std::int64_t kMaxBf16PairRows = 8;
 // How far ahead of the rows they read the products ask for rows (Prefetching::kSpread): 8 KiB,
@@ -95,6 +99,7 @@ struct EntryChunks {
 struct DecodePlan {
   std::int64_t rows = 0;        // query rows per KV head: row r = gi·seqlen_q + position
   std::int64_t block_keys = 0;  // Bk, keys per score tile
+  std::int64_t key_group = 0;   // keys per product call (key_group)
   std::vector<EntryChunks> entries;
   std::int64_t total_chunks = 0;
   // The chunks, all entries' in a row, longest first: the order in which threads take them.
@@ -109,6 +114,7 @@ struct DecodePlan {
 DecodePlan decode_plan(const AttentionParams& p) {
   DecodePlan plan;
   plan.rows = p.group_size() * p.seqlen_q;
+  plan.key_group = key_group(p.dtype);
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
   plan.bf16_pairs = p.dtype == DType::bf16 && p.head_dim == Dp &&
                     Dp % cpu::bf16_pair_chunk() == 0 && plan.rows <= kMaxBf16PairRows;
@@ -161,7 +167,8 @@ struct ChunkResults {
 struct Scratch {
   AlignedVector<float> q;       // [Hkv·rows x Dp] the batch entry's query rows
   AlignedVector<float> scores;  // [Hkv·rows x Bk]
-  // [kKeyGroup x Dp] K or V rows: widened, zeros past head_dim, or copied across a page end
+  // [key group x Dp] K or V rows widened, zeros past head_dim (head_dim not a whole number of
+  // vectors, or f16 without F16C)
   AlignedVector<float> inputs;
 };
 
@@ -177,44 +184,18 @@ Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int6
   return {first, last};
 }
 
-// Rows (b, j .. j + count, h) of K or V, Dp elements of `dtype` each, `ld` elements apart: the
-// input itself where head_dim is a whole number of vectors (the kernels widen bf16 and f16 in
-// registers), otherwise widened to fp32 into `buffer` (floats past head_dim stay 0). Rows that
-// cross a page of a paged cache are copied into `buffer` as they are, so that the products see
-// the same groups of keys, and give the same sums, as on a dense cache.
+// Rows (b, key .. key + count, h) of K or V, Dp elements of `dtype` each: the input itself where
+// head_dim is a whole number of vectors (the kernels widen bf16 and f16 in registers), otherwise
+// rows widened to fp32 (floats past head_dim 0). A paged cache's rows are read in their pages,
+// in the same groups of keys as a dense cache's, so that the products give the same sums.
 struct InputRows {
-  const void* data;
+  cpu::ScatteredRows rows;
   DType dtype;
-  std::int64_t ld;
-  // Rows like these, ld apart, that a later call takes, for the products to ask for as they read
-  // these (cpu::dot_rows, cpu::axpy_rows and their bf16-pair forms); null when they were asked
-  // for before the call.
-  const void* ahead = nullptr;
+  // Rows like these that a later call takes, for the products to ask for as they read these
+  // (cpu::dot_rows, cpu::axpy_rows and their bf16-pair forms); none when they were asked for
+  // before the call.
+  cpu::ScatteredRows ahead;
 };
-// `key_row` is the element offset of key j's row of KV head 0, `contiguous` p.contiguous_keys(j)
-// (looked up once per key group for all KV heads).
-InputRows input_rows(const AttentionParams& p, const void* base, const Strides& strides,
-                     std::int64_t b, std::int64_t j, std::int64_t count, std::int64_t h,
-                     std::int64_t Dp, float* buffer, std::int64_t key_row,
-                     std::int64_t contiguous) {
-  const auto element_bytes = static_cast<std::int64_t>(dtype_size(p.dtype));
-  const auto* bytes = static_cast<const char*>(base);
-  if (p.head_dim == Dp && count <= contiguous) {
-    return {bytes + (key_row + h * strides.head) * element_bytes, p.dtype, strides.seq};
-  }
-  if (p.head_dim == Dp) {
-    for (std::int64_t i = 0; i < count; ++i) {
-      std::memcpy(reinterpret_cast<char*>(buffer) + i * Dp * element_bytes,
-                  bytes + p.kv_offset(strides, b, j + i, h) * element_bytes,
-                  static_cast<std::size_t>(Dp * element_bytes));
-    }
-    return {buffer, p.dtype, Dp};
-  }
-  for (std::int64_t i = 0; i < count; ++i) {
-    load_row_f32(buffer + i * Dp, base, p.dtype, p.kv_offset(strides, b, j + i, h), p.head_dim);
-  }
-  return {buffer, DType::f32, Dp};
-}
 
 // How KeyWalk asks for the rows ahead of those a call reads, in pages the hardware prefetchers
 // have not seen yet (docs/tuning.md has the variants and their rates):
@@ -222,7 +203,7 @@ enum class Prefetching {
   // The next call's rows (the next KV head's, or the next group's first), all at once before
   // the call: f32 on AMD's cores, and every call whose rows are not read where they lie.
   kNextCall,
-  // The whole rows (every KV head) of the group kKeyGroup keys on, a share of them per KV head,
+  // The whole rows (every KV head) of the next key group, a share of them per KV head,
   // in address order: 16-bit rows on AMD's cores (Zen 5: bf16 35-38 GB/s against 26-32 for
   // kNextCall); on Ice Lake 1.07-1.23x the time of kNextCall, its prefetches waiting for fill
   // buffers.
@@ -245,7 +226,7 @@ Prefetching prefetching_for(DType dtype) {
   return Prefetching::kSpread;
 }
 
-// The keys of one (batch entry, key chunk) task as memory lays them out, kKeyGroup keys at a time
+// The keys of one (batch entry, key chunk) task as memory lays them out, a key group at a time
 // and within them KV head by KV head, handing each group of K or V rows to the rows that see it.
 class KeyWalk {
  public:
@@ -257,9 +238,9 @@ class KeyWalk {
         b_(b),
         chunk_end_(chunk_end),
         prefetching_(prefetching_for(p.dtype)),
+        element_bytes_(static_cast<std::int64_t>(dtype_size(p.dtype))),
         calls_ahead_(std::max<std::int64_t>(
-            1, kBytesAhead /
-                   (kKeyGroup * p.head_dim * static_cast<std::int64_t>(dtype_size(p.dtype))))) {
+            1, kBytesAhead / (plan.key_group * p.head_dim * element_bytes_))) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
       ranges_[position] = p.entry_key_range(b, position);
     }
@@ -270,15 +251,16 @@ class KeyWalk {
   std::int64_t batch_entry() const { return b_; }
 
   // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or V
-  // (base, strides), kKeyGroup at a time, with their input rows.
+  // (base, strides), a key group at a time, with their input rows.
   template <class Fn>
   void walk_inputs(const void* base, const Strides& strides, std::int64_t block, std::int64_t keys,
                    Fn&& fn) {
     inputs_head_ = -1;
     inputs_key_ = -1;
-    ahead_key_ = -1;
-    for (std::int64_t j = block; j < block + keys; j += kKeyGroup) {
-      visit(j, std::min(kKeyGroup, block + keys - j),
+    ahead_.key = -1;
+    const std::int64_t group = plan_.key_group;
+    for (std::int64_t j = block; j < block + keys; j += group) {
+      visit(j, std::min(group, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
                 std::int64_t key_count) {
               fn(first, count, key, key_count, rows_of(base, strides, h, key, key_count));
@@ -329,34 +311,28 @@ class KeyWalk {
     });
   }
 
-  // Prefetching::kSpread, for rows read from the cache where they lie: the rows calls_ahead_
-  // calls on, for the products to ask for (InputRows::ahead), if those rows lie as these do (a
-  // whole group within the chunk, in one page); the first call of a walk asks for the calls
-  // between itself. Otherwise null, having asked by prefetch_next. (f16 rows on targets without
+  // Prefetching::kSpread, for rows read from the cache where they lie: the KV head of the call
+  // calls_ahead_ calls on, whose rows (ahead_) the products are to ask for (InputRows::ahead), if
+  // they are a whole key group within the chunk; the first call of a walk asks for the calls
+  // between itself. Otherwise -1, having asked by prefetch_next. (f16 rows on targets without
   // F16C are widened before the products, which then ask for none: tile_kernels.cpp.)
-  const void* rows_ahead(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
-                         std::int64_t count, const InputRows& inputs, bool first_call) {
-    if (prefetching_ == Prefetching::kSpread && count == kKeyGroup &&
-        inputs.data != t_.inputs.data()) {
+  std::int64_t head_ahead(const void* base, const Strides& strides, std::int64_t h,
+                          std::int64_t key, std::int64_t count, bool first_call) {
+    if (prefetching_ == Prefetching::kSpread && count == plan_.key_group &&
+        p_.head_dim == cpu::pad_to_lanes(p_.head_dim)) {
       const Call target = call_ahead(h, key, count, calls_ahead_);
-      if (target.key != ahead_key_ && target.key < chunk_end_) {
-        ahead_key_ = target.key;
-        ahead_row_ = p_.kv_offset(strides, b_, target.key, 0);
-        ahead_contiguous_ = p_.contiguous_keys(target.key);
-      }
-      if (target.key + count <= chunk_end_ && ahead_contiguous_ >= count) {
+      if (target.key + count <= chunk_end_) {
+        if (target.key != ahead_.key) locate(target.key, count, strides, ahead_);
         if (first_call) {
           for (std::int64_t calls = 1; calls < calls_ahead_; ++calls) {
             prefetch_call(base, strides, call_ahead(h, key, count, calls), count);
           }
         }
-        const auto element_bytes = static_cast<std::int64_t>(dtype_size(p_.dtype));
-        return static_cast<const char*>(base) +
-               (ahead_row_ + target.head * strides.head) * element_bytes;
+        return target.head;
       }
     }
     prefetch_next(base, strides, h, key, count);
-    return nullptr;
+    return -1;
   }
 
   // Asks for rows ahead of the ones this call reads before the call: the whole rows of the group
@@ -364,9 +340,9 @@ class KeyWalk {
   void prefetch_next(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
                      std::int64_t count) const {
     if (prefetching_ == Prefetching::kWholeRows) {
-      const std::int64_t ahead = key + kKeyGroup;
-      const std::int64_t first = ahead + h * kKeyGroup / p_.heads_kv;
-      const std::int64_t last = std::min(ahead + (h + 1) * kKeyGroup / p_.heads_kv, chunk_end_);
+      const std::int64_t group = plan_.key_group, ahead = key + group;
+      const std::int64_t first = ahead + h * group / p_.heads_kv;
+      const std::int64_t last = std::min(ahead + (h + 1) * group / p_.heads_kv, chunk_end_);
       for_each_key(strides, first, last, [&](std::int64_t row) {
         for (std::int64_t head = 0; head < p_.heads_kv; ++head) {
           prefetch_row(base, p_.dtype, row + head * strides.head, p_.head_dim);
@@ -390,21 +366,67 @@ class KeyWalk {
     }
   }
 
+  // Where the K or V rows of a key group lie, for every KV head.
+  struct GroupRows {
+    std::int64_t key = -1, count = 0;  // the group's keys
+    std::int64_t first = 0;            // the element offset of KV head 0's row of the first
+    bool contiguous = false;           // whether the rows lie strides.seq apart (in one page)
+    // The byte offsets of KV head 0's row of each key, once looked up (offsets_of).
+    bool has_offsets = false;
+    std::int64_t byte_offsets[kMaxKeyGroup];
+  };
+  void locate(std::int64_t key, std::int64_t count, const Strides& strides,
+              GroupRows& group) const {
+    group.key = key;
+    group.count = count;
+    group.first = p_.kv_offset(strides, b_, key, 0);
+    group.contiguous = p_.contiguous_keys(key) >= count;
+    group.has_offsets = false;
+  }
+  const std::int64_t* offsets_of(const Strides& strides, GroupRows& group) const {
+    if (!group.has_offsets) {
+      std::int64_t* offset = group.byte_offsets;
+      for_each_key(strides, group.key, group.key + group.count,
+                   [&](std::int64_t row) { *offset++ = row * element_bytes_; });
+      group.has_offsets = true;
+    }
+    return group.byte_offsets;
+  }
+  // KV head h's rows of the group: strided, or at their offsets.
+  cpu::ScatteredRows rows_in(const void* base, const Strides& strides, std::int64_t h,
+                             GroupRows& group, bool strided) const {
+    const auto* bytes = static_cast<const char*>(base);
+    if (strided) return {bytes + (group.first + h * strides.head) * element_bytes_, strides.seq};
+    return {bytes + h * strides.head * element_bytes_, 0, offsets_of(strides, group)};
+  }
+
   // The input rows of the last call, kept while the query heads of a group take them in turn;
-  // the rows ahead are asked for when these are first taken (rows_ahead).
-  InputRows rows_of(const void* base, const Strides& strides, std::int64_t h, std::int64_t key,
-                    std::int64_t count) {
-    if (h != inputs_head_ || key != inputs_key_) {
+  // the rows ahead are asked for when these are first taken (head_ahead).
+  const InputRows& rows_of(const void* base, const Strides& strides, std::int64_t h,
+                           std::int64_t key, std::int64_t count) {
+    if (h != inputs_head_ || key != inputs_key_ || count != inputs_count_) {
       const bool first_call = inputs_key_ < 0;
-      if (key != inputs_key_) {
-        key_row_ = p_.kv_offset(strides, b_, key, 0);
-        key_contiguous_ = p_.contiguous_keys(key);
+      if (key != inputs_key_ || count != inputs_count_) locate(key, count, strides, group_);
+      const std::int64_t ahead = head_ahead(base, strides, h, key, count, first_call);
+      const std::int64_t Dp = cpu::pad_to_lanes(p_.head_dim);
+      if (p_.head_dim == Dp) {
+        // Strided where both groups lie in a page: the kernels take the rows ahead in the same
+        // form as the rows.
+        const bool strided = group_.contiguous && (ahead < 0 || ahead_.contiguous);
+        inputs_ = {
+            rows_in(base, strides, h, group_, strided), p_.dtype,
+            ahead < 0 ? cpu::ScatteredRows{} : rows_in(base, strides, ahead, ahead_, strided)};
+      } else {
+        const std::int64_t* offsets = offsets_of(strides, group_);
+        for (std::int64_t i = 0; i < count; ++i) {
+          load_row_f32(t_.inputs.data() + i * Dp, base, p_.dtype,
+                       offsets[i] / element_bytes_ + h * strides.head, p_.head_dim);
+        }
+        inputs_ = {{t_.inputs.data(), Dp}, DType::f32, {}};
       }
-      inputs_ = input_rows(p_, base, strides, b_, key, count, h, cpu::pad_to_lanes(p_.head_dim),
-                           t_.inputs.data(), key_row_, key_contiguous_);
-      inputs_.ahead = rows_ahead(base, strides, h, key, count, inputs_, first_call);
       inputs_head_ = h;
       inputs_key_ = key;
+      inputs_count_ = count;
     }
     return inputs_;
   }
@@ -414,13 +436,13 @@ class KeyWalk {
   Scratch& t_;
   std::int64_t b_, chunk_end_;
   Prefetching prefetching_;
+  std::int64_t element_bytes_;
   std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
-  InputRows inputs_{nullptr, DType::f32, 0};
-  std::int64_t inputs_head_ = -1, inputs_key_ = -1;
-  std::int64_t key_row_ = 0, key_contiguous_ = 0;  // of inputs_key_ (input_rows)
-  // The same of the rows ahead's key (rows_ahead): looked up once for all KV heads' calls.
-  std::int64_t ahead_key_ = -1, ahead_row_ = 0, ahead_contiguous_ = 0;
+  InputRows inputs_{{}, DType::f32, {}};
+  std::int64_t inputs_head_ = -1, inputs_key_ = -1, inputs_count_ = 0;
+  GroupRows group_;  // of inputs_key_
+  GroupRows ahead_;  // of the rows ahead (head_ahead), looked up once for every KV head's call
 };
 
 // The running statistics and accumulator of one chunk, for every row of its batch entry.
@@ -460,7 +482,7 @@ void load_query_rows(const AttentionParams& p, const DecodePlan& plan, Scratch& 
   }
 }
 
-// s = q · k over the keys [block, block + keys), kKeyGroup keys at a time and head by head: the
+// s = q · k over the keys [block, block + keys), a key group at a time and head by head: the
 // order of the rows in memory. Scores of masked pairs are -inf, set before.
 void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, KeyWalk& walk,
                  std::int64_t block, std::int64_t keys) {
@@ -479,11 +501,9 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
         float* out = scores + first * Bk + (key - block);
         const float* q_rows = t.q.data() + first * Dp;
         if (plan.bf16_pairs) {
-          cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count,
-                                   static_cast<const std::uint16_t*>(k.data), k.ld, key_count, Dp,
-                                   static_cast<const std::uint16_t*>(k.ahead));
+          cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count, k.rows, key_count, Dp, k.ahead);
         } else {
-          cpu::dot_rows(out, Bk, q_rows, Dp, count, k.data, k.dtype, k.ld, key_count, Dp, k.ahead);
+          cpu::dot_rows(out, Bk, q_rows, Dp, count, k.rows, k.dtype, key_count, Dp, k.ahead);
         }
       });
   if (!p.modifiers.change_logits()) return;
@@ -512,13 +532,11 @@ void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& 
                      float* acc_rows = acc + first * Dp;
                      const float* weights = scores + first * Bk + (key - block);
                      if (plan.bf16_pairs) {
-                       cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count,
-                                                 static_cast<const std::uint16_t*>(v.data), v.ld,
-                                                 key_count, Dp,
-                                                 static_cast<const std::uint16_t*>(v.ahead));
+                       cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count, v.rows,
+                                                 key_count, Dp, v.ahead);
                      } else {
-                       cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.data, v.dtype, v.ld,
-                                      key_count, Dp, v.ahead);
+                       cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.rows, v.dtype, key_count,
+                                      Dp, v.ahead);
                      }
                    });
 }
@@ -572,8 +590,8 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
       const float chunk_max = results.max[slot(chunk)];
       const float weight = chunk_max == max ? 1.0f : std::exp(p.tile_scale() * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weight;
-      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, results.acc.data() + slot(chunk) * Dp, DType::f32,
-                     Dp, 1, Dp);
+      cpu::axpy_rows(out_row, Dp, &weight, 0, 1, {results.acc.data() + slot(chunk) * Dp, Dp},
+                     DType::f32, 1, Dp);
     }
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
     // (the sink); a row whose scores are all -inf gets 0/0 without a sink. (A bias or mask,
@@ -608,7 +626,7 @@ bool use_flash_decode(const AttentionParams& p) {
 std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
   const DecodePlan plan = decode_plan(p);
   const __int128 Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
-  const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + kKeyGroup * Dp;
+  const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + plan.key_group * Dp;
   const __int128 shared = static_cast<__int128>(plan.total_chunks) * slots_per_entry * (Dp + 2);
   const __int128 bytes = (p.num_threads * per_thread + shared) * 4;
   return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
@@ -627,7 +645,7 @@ void flash_decode(const AttentionParams& p) {
       [&] {
         return Scratch{AlignedVector<float>(slots_per_entry * Dp),
                        AlignedVector<float>(slots_per_entry * plan.block_keys),
-                       AlignedVector<float>(kKeyGroup * Dp)};
+                       AlignedVector<float>(plan.key_group * Dp)};
       },
       [&](Scratch& t, std::int64_t task) {
         const std::int64_t chunk = plan.order[task];

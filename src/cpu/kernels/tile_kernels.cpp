@@ -330,17 +330,56 @@ struct Bf16Pairs {
   }
 };
 
-// Asks for the lines of `count` rows, `ld` elements apart, that start at byte offsets of each row
-// in [begin, end) elements: a decode product, reading elements [begin, end) of its own rows,
-// asks for the same part of the rows a later call takes (InputRows::ahead in flash_decode.cpp).
+// Where the rows of a product's second operand lie: StridedRows `ld` elements apart (the packed
+// tiles, the decode path's K and V rows within a page), OffsetRows, from element `column` of
+// each on, each at its own byte offset from a base (the decode path's rows of a key group that
+// crosses a page of a paged cache: ScatteredRows). Null rows are none (the rows ahead that a
+// decode product may be given).
 template <class T>
-HWY_INLINE void PrefetchAhead(const T* HWY_RESTRICT rows, std::int64_t ld, int count,
-                              std::int64_t begin, std::int64_t end) {
+struct StridedRows {
+  using Element = T;
+  const T* first = nullptr;
+  std::int64_t ld = 0;
+  HWY_INLINE bool present() const { return first != nullptr; }
+  HWY_INLINE const T* row(std::int64_t k) const { return first + k * ld; }
+  HWY_INLINE StridedRows from_row(std::int64_t k) const {
+    return {present() ? row(k) : nullptr, ld};
+  }
+  HWY_INLINE StridedRows from_column(std::int64_t d) const {
+    return {present() ? first + d : nullptr, ld};
+  }
+};
+template <class T>
+struct OffsetRows {
+  using Element = T;
+  const char* base = nullptr;
+  const std::int64_t* offsets = nullptr;  // bytes
+  std::int64_t column = 0;
+  OffsetRows() = default;
+  OffsetRows(const char* base_, const std::int64_t* offsets_, std::int64_t column_)
+      : base(base_), offsets(offsets_), column(column_) {}
+  explicit OffsetRows(ScatteredRows rows)
+      : base(static_cast<const char*>(rows.base)), offsets(rows.byte_offsets) {}
+  HWY_INLINE bool present() const { return base != nullptr; }
+  HWY_INLINE const T* row(std::int64_t k) const {
+    return reinterpret_cast<const T*>(base + offsets[k]) + column;
+  }
+  HWY_INLINE OffsetRows from_row(std::int64_t k) const {
+    return {base, present() ? offsets + k : nullptr, column};
+  }
+  HWY_INLINE OffsetRows from_column(std::int64_t d) const { return {base, offsets, column + d}; }
+};
+
+// Asks for the lines of `count` rows that start at byte offsets of each row in [begin, end)
+// elements: a decode product, reading elements [begin, end) of its own rows, asks for the same
+// part of the rows a later call takes (InputRows::ahead in flash_decode.cpp).
+template <class Rows>
+HWY_INLINE void PrefetchAhead(const Rows& rows, int count, std::int64_t begin, std::int64_t end) {
   constexpr std::int64_t kLineBytes = 64;
-  constexpr auto kBytes = static_cast<std::int64_t>(sizeof(T));
+  constexpr auto kBytes = static_cast<std::int64_t>(sizeof(typename Rows::Element));
   const std::int64_t first = (begin * kBytes + kLineBytes - 1) / kLineBytes * kLineBytes;
   for (int k = 0; k < count; ++k) {
-    const char* row = reinterpret_cast<const char*>(rows + k * ld);
+    const char* row = reinterpret_cast<const char*>(rows.row(k));
     for (std::int64_t byte = first; byte < end * kBytes; byte += kLineBytes) {
       prefetch_line(row + byte);
     }
@@ -348,26 +387,25 @@ HWY_INLINE void PrefetchAhead(const T* HWY_RESTRICT rows, std::int64_t ld, int c
 }
 
 // acc[R x C·N] += p[R x keys] · v[keys x C·N]; v of fp32 (the tiles) or of an input dtype (the
-// decode path's rows), read by Reader (C a multiple of its kVectors). `ahead`, if not null:
-// rows ld_v apart whose same C·N elements are asked for, one row per key (PrefetchAhead).
+// decode path's rows), read by Reader (C a multiple of its kVectors). `ahead`, if present:
+// rows whose same C·N elements are asked for, one row per key (PrefetchAhead).
 // The block's products are summed from zero and the sum then added to acc (tile_kernels.hpp:
 // partial sums).
-template <int R, int C, class Reader = Widened<float>, bool kUnrollKeys = true>
+template <int R, int C, class Reader = Widened<float>, bool kUnrollKeys = true,
+          class Rows = StridedRows<typename Reader::Element>>
 HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                        const float* HWY_RESTRICT p, WeightStrides ps,
-                        const typename Reader::Element* HWY_RESTRICT v, std::int64_t ld_v,
-                        std::int64_t keys,
-                        const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
+                        const float* HWY_RESTRICT p, WeightStrides ps, Rows v, std::int64_t keys,
+                        Rows ahead = {}) {
   static_assert(C % Reader::kVectors == 0);
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   Vec sums[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) sums[r][c] = hn::Zero(tag);
   auto key = [&](std::int64_t j) HWY_ATTR {
-    if (ahead != nullptr) PrefetchAhead(ahead + j * ld_v, ld_v, 1, 0, C * N);
+    if (ahead.present()) PrefetchAhead(ahead.from_row(j), 1, 0, C * N);
+    const typename Reader::Element* HWY_RESTRICT v_row = v.row(j);
     Vec values[C];
-    for (int c = 0; c < C; c += Reader::kVectors)
-      Reader::Load(tag, v + j * ld_v + c * N, values + c);
+    for (int c = 0; c < C; c += Reader::kVectors) Reader::Load(tag, v_row + c * N, values + c);
     const float* HWY_RESTRICT weights = p + j * ps.key;
     for (int r = 0; r < R; ++r) {
       const Vec weight = hn::Set(tag, weights[r * ps.row]);
@@ -393,22 +431,21 @@ HWY_INLINE void PvBlock(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
 
 // All rows against one packed panel of value dims (keys rows of `width` floats, contiguous:
 // 32 KiB for 128 keys), kept in L1 while every row block passes over it; as for the scores.
-template <int C, class Reader = Widened<float>, bool kUnrollKeys = true>
+template <int C, class Reader = Widened<float>, bool kUnrollKeys = true,
+          class Rows = StridedRows<typename Reader::Element>>
 HWY_INLINE void PvColumns(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                          const float* HWY_RESTRICT p, WeightStrides ps,
-                          const typename Reader::Element* HWY_RESTRICT panel, std::int64_t width,
-                          std::int64_t rows, std::int64_t keys,
-                          const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
+                          const float* HWY_RESTRICT p, WeightStrides ps, Rows panel,
+                          std::int64_t rows, std::int64_t keys, Rows ahead = {}) {
   // The rows ahead are asked for by the first row block only.
   std::int64_t i = 0;
   for (; i + kBlockRows <= rows; i += kBlockRows) {
     PvBlock<kBlockRows, C, Reader, kUnrollKeys>(tag, acc + i * ld_acc, ld_acc, p + i * ps.row, ps,
-                                                panel, width, keys, i == 0 ? ahead : nullptr);
+                                                panel, keys, i == 0 ? ahead : Rows{});
   }
   RemainderRows(i, rows, [&](auto block_rows, std::int64_t row) {
     PvBlock<decltype(block_rows)::value, C, Reader, kUnrollKeys>(tag, acc + row * ld_acc, ld_acc,
-                                                                 p + row * ps.row, ps, panel, width,
-                                                                 keys, row == 0 ? ahead : nullptr);
+                                                                 p + row * ps.row, ps, panel, keys,
+                                                                 row == 0 ? ahead : Rows{});
   });
 }
 
@@ -426,10 +463,12 @@ void PvTile(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTR
     const float* HWY_RESTRICT panel = v_packed + d0 * packed_keys + key_begin * width;
     std::int64_t d = 0;
     for (; d + kBlockVectors * N <= width; d += kBlockVectors * N) {
-      PvColumns<kBlockVectors>(tag, acc + d0 + d, ld_acc, p, ps, panel + d, width, rows, keys);
+      PvColumns<kBlockVectors>(tag, acc + d0 + d, ld_acc, p, ps,
+                               StridedRows<float>{panel + d, width}, rows, keys);
     }
     for (; d < width; d += N) {
-      PvColumns<1>(tag, acc + d0 + d, ld_acc, p, ps, panel + d, width, rows, keys);
+      PvColumns<1>(tag, acc + d0 + d, ld_acc, p, ps, StridedRows<float>{panel + d, width}, rows,
+                   keys);
     }
   }
 }
@@ -591,20 +630,20 @@ HWY_INLINE float SumOfLanesToScalar(D d, hn::VFromD<D> v) {
 
 // Decode: the dot products of R rows with K vectors as R·K vectors of partial sums, R·K chains
 // of FMAs (8 or 16 in the blocks DotRows picks, enough to cover the FMA latency). `ahead`, if
-// not null: K rows ld_x apart whose lines are asked for as the same ones of x are read.
-template <int R, int K, class Reader>
+// present: K rows whose lines are asked for as the same ones of x are read.
+template <int R, int K, class Reader, class Rows>
 HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT rows,
-                        std::int64_t ld_rows, const typename Reader::Element* HWY_RESTRICT x,
-                        std::int64_t ld_x, std::int64_t n,
-                        const typename Reader::Element* HWY_RESTRICT ahead) {
+                        std::int64_t ld_rows, Rows x, std::int64_t n, Rows ahead) {
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const typename Reader::Element* HWY_RESTRICT x_rows[K];
+  for (int k = 0; k < K; ++k) x_rows[k] = x.row(k);
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += V * N) {
-    if (ahead != nullptr) PrefetchAhead(ahead, ld_x, K, d, d + V * N);
+    if (ahead.present()) PrefetchAhead(ahead, K, d, d + V * N);
     Vec xs[K][V];
-    for (int k = 0; k < K; ++k) Reader::Load(tag, x + k * ld_x + d, xs[k]);
+    for (int k = 0; k < K; ++k) Reader::Load(tag, x_rows[k] + d, xs[k]);
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < V; ++v) {
         const Vec row = hn::LoadU(tag, rows + r * ld_rows + d + v * N);
@@ -615,13 +654,12 @@ HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT ro
 }
 
 // The same products, one horizontal sum each.
-template <int R, int K, class Reader>
+template <int R, int K, class Reader, class Rows>
 HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
-                             const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                             const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                             std::int64_t n, const typename Reader::Element* HWY_RESTRICT ahead) {
+                             const float* HWY_RESTRICT rows, std::int64_t ld_rows, Rows x,
+                             std::int64_t n, Rows ahead) {
   Vec sums[R][K];
-  DotSums<R, K, Reader>(tag, sums, rows, ld_rows, x, ld_x, n, ahead);
+  DotSums<R, K, Reader, Rows>(tag, sums, rows, ld_rows, x, n, ahead);
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) {
       out[r * out_stride + k] = SumOfLanesToScalar(tag, sums[r][k]);
@@ -629,21 +667,18 @@ HWY_INLINE void DotRowsBlock(Tag tag, float* HWY_RESTRICT out, std::int64_t out_
 }
 
 // R rows against the x vectors [0, x_count): K of them at a time, the last ones one by one.
-template <int R, int K, class Reader>
+template <int R, int K, class Reader, class Rows>
 HWY_INLINE void DotRowsAgainst(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
-                               const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                               const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                               std::int64_t x_count, std::int64_t n,
-                               const typename Reader::Element* HWY_RESTRICT ahead) {
-  auto ahead_of = [&](std::int64_t k) { return ahead != nullptr ? ahead + k * ld_x : nullptr; };
+                               const float* HWY_RESTRICT rows, std::int64_t ld_rows, Rows x,
+                               std::int64_t x_count, std::int64_t n, Rows ahead) {
   std::int64_t k = 0;
   for (; k + K <= x_count; k += K) {
-    DotRowsBlock<R, K, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n,
-                               ahead_of(k));
+    DotRowsBlock<R, K, Reader, Rows>(tag, out + k, out_stride, rows, ld_rows, x.from_row(k), n,
+                                     ahead.from_row(k));
   }
   for (; k < x_count; ++k) {
-    DotRowsBlock<R, 1, Reader>(tag, out + k, out_stride, rows, ld_rows, x + k * ld_x, ld_x, n,
-                               ahead_of(k));
+    DotRowsBlock<R, 1, Reader, Rows>(tag, out + k, out_stride, rows, ld_rows, x.from_row(k), n,
+                                     ahead.from_row(k));
   }
 }
 
@@ -675,17 +710,18 @@ HWY_INLINE Vec SumsOfEight(Tag tag, const Vec (&v)[8]) {
 // folds the loads into the FMAs (GCC 12 does), 10 loads per 8 FMAs, and end in 8 horizontal sums
 // instead of one SumsOfEight (docs/tuning.md). Not for bf16 and f16: the 4 x 2 blocks widen each
 // x vector once, these once per row, which made the decode path slower on bf16.
+template <class Rows>
 HWY_INLINE void DotRowEightVectors(Tag tag, float* HWY_RESTRICT out, const float* HWY_RESTRICT row,
-                                   const float* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t n,
-                                   const float* HWY_RESTRICT ahead) {
+                                   Rows x, std::int64_t n, Rows ahead) {
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
+  const float* HWY_RESTRICT x_rows[8];
+  for (int k = 0; k < 8; ++k) x_rows[k] = x.row(k);
   Vec sums[8];
   for (int k = 0; k < 8; ++k) sums[k] = hn::Zero(tag);
   for (std::int64_t d = 0; d < n; d += N) {
-    if (ahead != nullptr) PrefetchAhead(ahead, ld_x, 8, d, d + N);
+    if (ahead.present()) PrefetchAhead(ahead, 8, d, d + N);
     const Vec row_d = hn::LoadU(tag, row + d);
-    for (int k = 0; k < 8; ++k)
-      sums[k] = hn::MulAdd(row_d, hn::LoadU(tag, x + k * ld_x + d), sums[k]);
+    for (int k = 0; k < 8; ++k) sums[k] = hn::MulAdd(row_d, hn::LoadU(tag, x_rows[k] + d), sums[k]);
   }
   hn::StoreU(SumsOfEight(tag, sums), tag, out);
 }
@@ -715,13 +751,12 @@ HWY_INLINE Vec SumsOfSixteen(Tag tag, const Vec (&v)[4][4]) {
 
 // Four rows against four x vectors: the 16 products of DotSums<4, 4>, summed by SumsOfSixteen,
 // row r's four in block r.
-template <class Reader>
+template <class Reader, class Rows>
 HWY_INLINE void DotFourByFour(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
-                              const float* HWY_RESTRICT rows, std::int64_t ld_rows,
-                              const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                              std::int64_t n, const typename Reader::Element* HWY_RESTRICT ahead) {
+                              const float* HWY_RESTRICT rows, std::int64_t ld_rows, Rows x,
+                              std::int64_t n, Rows ahead) {
   Vec sums[4][4];
-  DotSums<4, 4, Reader>(tag, sums, rows, ld_rows, x, ld_x, n, ahead);
+  DotSums<4, 4, Reader, Rows>(tag, sums, rows, ld_rows, x, n, ahead);
   HWY_ALIGN float all[16];
   hn::Store(SumsOfSixteen(tag, sums), tag, all);
   const hn::Full128<float> block;
@@ -730,15 +765,13 @@ HWY_INLINE void DotFourByFour(Tag tag, float* HWY_RESTRICT out, std::int64_t out
 #endif
 
 // `ahead`: as for DotSums, x_count rows; asked for by the first block of rows only.
-template <class Reader>
+template <class Reader, class Rows>
 void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
-               std::int64_t ld_rows, std::int64_t count,
-               const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-               std::int64_t x_count, std::int64_t n,
-               const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
+               std::int64_t ld_rows, std::int64_t count, Rows x, std::int64_t x_count,
+               std::int64_t n, Rows ahead) {
   const Tag tag;
   auto ahead_of = [&](std::int64_t r, std::int64_t k) {
-    return ahead != nullptr && r == 0 ? ahead + k * ld_x : nullptr;
+    return r == 0 ? ahead.from_row(k) : Rows{};
   };
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
   if constexpr (std::is_same_v<Reader, Widened<float>>) {
@@ -746,13 +779,13 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
     std::int64_t first = 0;
     for (; first + 8 <= x_count; first += 8) {
       for (std::int64_t r = 0; r < count; ++r) {
-        DotRowEightVectors(tag, out + r * out_stride + first, rows + r * ld_rows, x + first * ld_x,
-                           ld_x, n, ahead_of(r, first));
+        DotRowEightVectors<Rows>(tag, out + r * out_stride + first, rows + r * ld_rows,
+                                 x.from_row(first), n, ahead_of(r, first));
       }
     }
     out += first;
-    x += first * ld_x;
-    if (ahead != nullptr) ahead += first * ld_x;
+    x = x.from_row(first);
+    ahead = ahead.from_row(first);
     x_count -= first;
   }
 #endif
@@ -761,21 +794,22 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
     std::int64_t k = 0;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
     for (; k + 4 <= x_count; k += 4) {
-      DotFourByFour<Reader>(tag, out + r * out_stride + k, out_stride, rows + r * ld_rows, ld_rows,
-                            x + k * ld_x, ld_x, n, ahead_of(r, k));
+      DotFourByFour<Reader, Rows>(tag, out + r * out_stride + k, out_stride, rows + r * ld_rows,
+                                  ld_rows, x.from_row(k), n, ahead_of(r, k));
     }
 #endif
-    DotRowsAgainst<4, 2, Reader>(tag, out + r * out_stride + k, out_stride, rows + r * ld_rows,
-                                 ld_rows, x + k * ld_x, ld_x, x_count - k, n, ahead_of(r, k));
+    DotRowsAgainst<4, 2, Reader, Rows>(tag, out + r * out_stride + k, out_stride,
+                                       rows + r * ld_rows, ld_rows, x.from_row(k), x_count - k, n,
+                                       ahead_of(r, k));
   }
   if (count - r >= 2) {
-    DotRowsAgainst<2, 4, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
-                                 x, ld_x, x_count, n, ahead_of(r, 0));
+    DotRowsAgainst<2, 4, Reader, Rows>(tag, out + r * out_stride, out_stride, rows + r * ld_rows,
+                                       ld_rows, x, x_count, n, ahead_of(r, 0));
     r += 2;
   }
   if (count - r >= 1) {
-    DotRowsAgainst<1, 8, Reader>(tag, out + r * out_stride, out_stride, rows + r * ld_rows, ld_rows,
-                                 x, ld_x, x_count, n, ahead_of(r, 0));
+    DotRowsAgainst<1, 8, Reader, Rows>(tag, out + r * out_stride, out_stride, rows + r * ld_rows,
+                                       ld_rows, x, x_count, n, ahead_of(r, 0));
   }
 }
 
@@ -783,137 +817,139 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
 template <class Reader>
 constexpr bool kDecodeUnroll = std::is_same_v<Reader, Bf16Pairs>;
 
-// Decode: acc += weights · x for unpacked x rows ld_x apart, the P·V blocks of PvTile on them.
+// Decode: acc += weights · x for unpacked x rows, the P·V blocks of PvTile on them.
 // One or two rows take wider blocks: a block's accumulators are its FMA chains, and the FMA
 // latency needs 8 of them in flight (4 cycles x 2 pipes on Zen 3 and on Sapphire Rapids),
 // which 1 x kBlockVectors or 2 x 2 accumulators are not (docs/tuning.md).
-template <int R, int C, class Reader>
+template <int R, int C, class Reader, class Rows>
 HWY_INLINE void AxpyFewRows(Tag tag, float* HWY_RESTRICT acc, std::int64_t ld_acc,
-                            const float* HWY_RESTRICT weights, WeightStrides ps,
-                            const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                            std::int64_t x_count, std::int64_t n,
-                            const typename Reader::Element* HWY_RESTRICT ahead) {
+                            const float* HWY_RESTRICT weights, WeightStrides ps, Rows x,
+                            std::int64_t x_count, std::int64_t n, Rows ahead) {
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  auto ahead_of = [&](std::int64_t d) { return ahead != nullptr ? ahead + d : nullptr; };
   std::int64_t d = 0;
   for (; d + C * N <= n; d += C * N) {
-    PvBlock<R, C, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
-                                                 x_count, ahead_of(d));
+    PvBlock<R, C, Reader, kDecodeUnroll<Reader>, Rows>(
+        tag, acc + d, ld_acc, weights, ps, x.from_column(d), x_count, ahead.from_column(d));
   }
   for (; d < n; d += V * N) {
-    PvBlock<R, V, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
-                                                 x_count, ahead_of(d));
+    PvBlock<R, V, Reader, kDecodeUnroll<Reader>, Rows>(
+        tag, acc + d, ld_acc, weights, ps, x.from_column(d), x_count, ahead.from_column(d));
   }
 }
 
 // `ahead`: as for PvBlock, x_count rows.
-template <class Reader>
+template <class Reader, class Rows>
 void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
-                std::int64_t weight_stride, std::int64_t count,
-                const typename Reader::Element* HWY_RESTRICT x, std::int64_t ld_x,
-                std::int64_t x_count, std::int64_t n,
-                const typename Reader::Element* HWY_RESTRICT ahead = nullptr) {
+                std::int64_t weight_stride, std::int64_t count, Rows x, std::int64_t x_count,
+                std::int64_t n, Rows ahead) {
   const Tag tag;
   const WeightStrides ps{weight_stride, 1};
   if (count == 1) {
-    return AxpyFewRows<1, 8, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n, ahead);
+    return AxpyFewRows<1, 8, Reader, Rows>(tag, acc, ld_acc, weights, ps, x, x_count, n, ahead);
   }
   if (count == 2) {
-    return AxpyFewRows<2, 4, Reader>(tag, acc, ld_acc, weights, ps, x, ld_x, x_count, n, ahead);
+    return AxpyFewRows<2, 4, Reader, Rows>(tag, acc, ld_acc, weights, ps, x, x_count, n, ahead);
   }
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
-  auto ahead_of = [&](std::int64_t d) { return ahead != nullptr ? ahead + d : nullptr; };
   std::int64_t d = 0;
   for (; d + kBlockVectors * N <= n; d += kBlockVectors * N) {
-    PvColumns<kBlockVectors, Reader, kDecodeUnroll<Reader>>(
-        tag, acc + d, ld_acc, weights, ps, x + d, ld_x, count, x_count, ahead_of(d));
+    PvColumns<kBlockVectors, Reader, kDecodeUnroll<Reader>, Rows>(
+        tag, acc + d, ld_acc, weights, ps, x.from_column(d), count, x_count, ahead.from_column(d));
   }
   for (; d < n; d += V * N) {
-    PvColumns<V, Reader, kDecodeUnroll<Reader>>(tag, acc + d, ld_acc, weights, ps, x + d, ld_x,
-                                                count, x_count, ahead_of(d));
+    PvColumns<V, Reader, kDecodeUnroll<Reader>, Rows>(
+        tag, acc + d, ld_acc, weights, ps, x.from_column(d), count, x_count, ahead.from_column(d));
   }
 }
 
-// Calls kernel(x) with x of the input dtype's element type, or, for f16 on targets without
-// F16C, once per x row widened by the scalar conversion (the portable targets).
+// Calls kernel(x_rows, ahead_rows) with the rows as StridedRows or, where their offsets are
+// given, OffsetRows of Element. Rows ahead given in the other form are not asked for.
+template <class Element, class Kernel>
+HWY_INLINE void WithRowsOf(ScatteredRows x, ScatteredRows ahead, const Kernel& kernel) {
+  const bool ahead_alike = (ahead.byte_offsets == nullptr) == (x.byte_offsets == nullptr);
+  if (x.byte_offsets == nullptr) {
+    using Rows = StridedRows<Element>;
+    kernel(Rows{static_cast<const Element*>(x.base), x.ld},
+           ahead_alike ? Rows{static_cast<const Element*>(ahead.base), ahead.ld} : Rows{});
+  } else {
+    using Rows = OffsetRows<Element>;
+    kernel(Rows(x), ahead_alike ? Rows(ahead) : Rows{});
+  }
+}
+
+// Calls kernel(x_rows, ahead_rows, count, first) with the x rows [first, first + count) of the
+// input dtype's element type: all of them, or, for f16 on targets without F16C, one at a time
+// widened by the scalar conversion (the portable targets), with no rows ahead.
 template <class Kernel>
-HWY_INLINE void WithInputRows(const void* x, DType x_dtype, std::int64_t ld_x, std::int64_t x_count,
-                              std::int64_t n, const Kernel& kernel) {
+HWY_INLINE void WithInputRows(ScatteredRows x, ScatteredRows ahead, DType x_dtype,
+                              std::int64_t x_count, std::int64_t n, const Kernel& kernel) {
+  auto all_rows = [&](auto rows, auto ahead_rows) { kernel(rows, ahead_rows, x_count, 0); };
   switch (x_dtype) {
     case DType::f32:
-      kernel(static_cast<const float*>(x), ld_x, x_count, std::int64_t{0});
+      WithRowsOf<float>(x, ahead, all_rows);
       return;
     case DType::bf16:
-      kernel(static_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, std::int64_t{0});
+      WithRowsOf<hwy::bfloat16_t>(x, ahead, all_rows);
       return;
     case DType::f16:
       if constexpr (kWidensF16) {
-        kernel(static_cast<const hwy::float16_t*>(x), ld_x, x_count, std::int64_t{0});
+        WithRowsOf<hwy::float16_t>(x, ahead, all_rows);
       } else {
         std::vector<float> row(static_cast<std::size_t>(n));
-        for (std::int64_t k = 0; k < x_count; ++k) {
-          const auto* bits = static_cast<const std::uint16_t*>(x) + k * ld_x;
-          for (std::int64_t d = 0; d < n; ++d) row[d] = f32_from_f16(bits[d]);
-          kernel(static_cast<const float*>(row.data()), n, std::int64_t{1}, k);
-        }
+        WithRowsOf<std::uint16_t>(x, {}, [&](auto bits, auto) {
+          for (std::int64_t k = 0; k < x_count; ++k) {
+            for (std::int64_t d = 0; d < n; ++d) row[d] = f32_from_f16(bits.row(k)[d]);
+            kernel(StridedRows<float>{row.data(), n}, StridedRows<float>{}, 1, k);
+          }
+        });
       }
       return;
   }
 }
 
-// The rows ahead as the kernel's elements: none where f16 rows are widened one by one before
-// the kernel (targets without F16C), whose fp32 rows have no rows ahead.
-template <class Element>
-HWY_INLINE const Element* TypedAhead(const void* ahead, DType x_dtype) {
-  if (std::is_same_v<Element, float> && x_dtype != DType::f32) return nullptr;
-  return static_cast<const Element*>(ahead);
-}
-
 void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
-             std::int64_t ld_rows, std::int64_t count, const void* HWY_RESTRICT x, DType x_dtype,
-             std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
-             const void* HWY_RESTRICT ahead) {
-  WithInputRows(
-      x, x_dtype, ld_x, x_count, n,
-      [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
-        using Element = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
-        DotRowsOf<Widened<Element>>(out + first, out_stride, rows, ld_rows, count, typed, ld,
-                                    typed_count, n, TypedAhead<Element>(ahead, x_dtype));
-      });
+             std::int64_t ld_rows, std::int64_t count, ScatteredRows x, DType x_dtype,
+             std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+  WithInputRows(x, ahead, x_dtype, x_count, n,
+                [&](auto typed, auto typed_ahead, std::int64_t typed_count, std::int64_t first) {
+                  using Rows = decltype(typed);
+                  DotRowsOf<Widened<typename Rows::Element>, Rows>(out + first, out_stride, rows,
+                                                                   ld_rows, count, typed,
+                                                                   typed_count, n, typed_ahead);
+                });
 }
 
 void DotRowsBf16Pairs(float* HWY_RESTRICT out, std::int64_t out_stride,
                       const float* HWY_RESTRICT rows, std::int64_t ld_rows, std::int64_t count,
-                      const std::uint16_t* HWY_RESTRICT x, std::int64_t ld_x, std::int64_t x_count,
-                      std::int64_t n, const std::uint16_t* HWY_RESTRICT ahead) {
-  DotRowsOf<Bf16Pairs>(out, out_stride, rows, ld_rows, count,
-                       reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n,
-                       reinterpret_cast<const hwy::bfloat16_t*>(ahead));
+                      ScatteredRows x, std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+  WithRowsOf<hwy::bfloat16_t>(x, ahead, [&](auto typed, auto typed_ahead) {
+    DotRowsOf<Bf16Pairs, decltype(typed)>(out, out_stride, rows, ld_rows, count, typed, x_count, n,
+                                          typed_ahead);
+  });
 }
 
 void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
-              std::int64_t weight_stride, std::int64_t count, const void* HWY_RESTRICT x,
-              DType x_dtype, std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
-              const void* HWY_RESTRICT ahead) {
-  WithInputRows(
-      x, x_dtype, ld_x, x_count, n,
-      [&](const auto* typed, std::int64_t ld, std::int64_t typed_count, std::int64_t first) {
-        using Element = std::remove_cv_t<std::remove_pointer_t<decltype(typed)>>;
-        AxpyRowsOf<Widened<Element>>(acc, ld_acc, weights + first, weight_stride, count, typed, ld,
-                                     typed_count, n, TypedAhead<Element>(ahead, x_dtype));
-      });
+              std::int64_t weight_stride, std::int64_t count, ScatteredRows x, DType x_dtype,
+              std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+  WithInputRows(x, ahead, x_dtype, x_count, n,
+                [&](auto typed, auto typed_ahead, std::int64_t typed_count, std::int64_t first) {
+                  using Rows = decltype(typed);
+                  AxpyRowsOf<Widened<typename Rows::Element>, Rows>(acc, ld_acc, weights + first,
+                                                                    weight_stride, count, typed,
+                                                                    typed_count, n, typed_ahead);
+                });
 }
 
 void AxpyRowsBf16Pairs(float* HWY_RESTRICT acc, std::int64_t ld_acc,
                        const float* HWY_RESTRICT weights, std::int64_t weight_stride,
-                       std::int64_t count, const std::uint16_t* HWY_RESTRICT x, std::int64_t ld_x,
-                       std::int64_t x_count, std::int64_t n,
-                       const std::uint16_t* HWY_RESTRICT ahead) {
-  AxpyRowsOf<Bf16Pairs>(acc, ld_acc, weights, weight_stride, count,
-                        reinterpret_cast<const hwy::bfloat16_t*>(x), ld_x, x_count, n,
-                        reinterpret_cast<const hwy::bfloat16_t*>(ahead));
+                       std::int64_t count, ScatteredRows x, std::int64_t x_count, std::int64_t n,
+                       ScatteredRows ahead) {
+  WithRowsOf<hwy::bfloat16_t>(x, ahead, [&](auto typed, auto typed_ahead) {
+    AxpyRowsOf<Bf16Pairs, decltype(typed)>(acc, ld_acc, weights, weight_stride, count, typed,
+                                           x_count, n, typed_ahead);
+  });
 }
 
 std::int64_t Bf16PairChunk() { return 2 * static_cast<std::int64_t>(hn::Lanes(Tag())); }
@@ -1078,17 +1114,17 @@ void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, s
 }
 
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-              std::int64_t x_count, std::int64_t n, const void* ahead) {
+              std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
+              std::int64_t n, ScatteredRows ahead) {
   HWY_DYNAMIC_DISPATCH(DotRows)
-  (out, out_stride, rows, ld_rows, count, x, x_dtype, ld_x, x_count, n, ahead);
+  (out, out_stride, rows, ld_rows, count, x, x_dtype, x_count, n, ahead);
 }
 
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-               std::int64_t x_count, std::int64_t n, const void* ahead) {
+               std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
+               std::int64_t n, ScatteredRows ahead) {
   HWY_DYNAMIC_DISPATCH(AxpyRows)
-  (acc, ld_acc, weights, weight_stride, count, x, x_dtype, ld_x, x_count, n, ahead);
+  (acc, ld_acc, weights, weight_stride, count, x, x_dtype, x_count, n, ahead);
 }
 
 std::int64_t bf16_pair_chunk() { return HWY_DYNAMIC_DISPATCH(Bf16PairChunk)(); }
@@ -1114,19 +1150,17 @@ void from_bf16_pair_order(float* dst, const float* src, std::int64_t n) {
 }
 
 void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
-                         std::int64_t ld_rows, std::int64_t count, const std::uint16_t* x,
-                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
-                         const std::uint16_t* ahead) {
+                         std::int64_t ld_rows, std::int64_t count, ScatteredRows x,
+                         std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
   HWY_DYNAMIC_DISPATCH(DotRowsBf16Pairs)
-  (out, out_stride, rows, ld_rows, count, x, ld_x, x_count, n, ahead);
+  (out, out_stride, rows, ld_rows, count, x, x_count, n, ahead);
 }
 
 void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
-                          std::int64_t weight_stride, std::int64_t count, const std::uint16_t* x,
-                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
-                          const std::uint16_t* ahead) {
+                          std::int64_t weight_stride, std::int64_t count, ScatteredRows x,
+                          std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
   HWY_DYNAMIC_DISPATCH(AxpyRowsBf16Pairs)
-  (acc, ld_acc, weights, weight_stride, count, x, ld_x, x_count, n, ahead);
+  (acc, ld_acc, weights, weight_stride, count, x, x_count, n, ahead);
 }
 
 bool all_finite(const float* values, std::int64_t n) {

@@ -118,37 +118,45 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
                            const float* row_delta, float scale, std::int64_t rows,
                            std::int64_t keys_padded);
 
+// Rows of the decode products' second operand: `ld` elements apart from base, or, where
+// byte_offsets is given, row k at byte_offsets[k] bytes from base (the rows of a paged cache
+// that cross a page; the offsets serve every KV head's rows). A null base is no rows.
+struct ScatteredRows {
+  const void* base = nullptr;
+  std::int64_t ld = 0;
+  const std::int64_t* byte_offsets = nullptr;
+};
+
 // Decode (few query rows against a long key sequence, flash_decode.cpp): fp32 rows padded with
-// zeros to n, a multiple of kTileLanes, against x_count rows x of n elements, ld_x elements
-// apart, of dtype x_dtype (widened exactly in registers):
-// out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k · ld_x .. + n)   r < count, k < x_count
+// zeros to n, a multiple of kTileLanes, against the x_count rows x[k] of n elements, of dtype
+// x_dtype (widened exactly in registers):
+// out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k][0 .. n)   r < count, k < x_count
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-              std::int64_t x_count, std::int64_t n, const void* ahead = nullptr);
-// acc[r · ld_acc + d] += Σ_k weights[r · weight_stride + k] · x[k · ld_x + d]   r < count, d < n
+              std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
+              std::int64_t n, ScatteredRows ahead = {});
+// acc[r · ld_acc + d] += Σ_k weights[r · weight_stride + k] · x[k][d]   r < count, d < n
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, const void* x, DType x_dtype, std::int64_t ld_x,
-               std::int64_t x_count, std::int64_t n, const void* ahead = nullptr);
+               std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
+               std::int64_t n, ScatteredRows ahead = {});
 
 // The same two products on bf16 x rows with the fp32 operand (rows, acc) in bf16 pair order:
 // each chunk of bf16_pair_chunk() elements (2 vectors of the SIMD target that runs) holds its
 // even-indexed elements, then its odd-indexed ones, the order in which a shift and a mask widen
 // a vector of bf16 pairs without a shuffle (tile_kernels.cpp: Bf16Pairs). n is a multiple of
 // the chunk. The sums are those of dot_rows and axpy_rows, added in another order.
-// ahead, if not null: x_count rows ld_x apart that a later call will take, whose lines are asked
-// for (prefetcht0) as the same lines of x are read: the decode path's prefetching spread over
-// the products rather than issued all at once before them (flash_decode.cpp: KeyWalk).
+// ahead, if given: x_count rows that a later call will take, whose lines are asked for
+// (prefetcht0) as the same lines of x are read: the decode path's prefetching spread over the
+// products rather than issued all at once before them (flash_decode.cpp: KeyWalk). Given in the
+// other form than x (strided, or with offsets) they are not asked for.
 std::int64_t bf16_pair_chunk();
 void to_bf16_pair_order(float* dst, const float* src, std::int64_t n);
 void from_bf16_pair_order(float* dst, const float* src, std::int64_t n);
 void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
-                         std::int64_t ld_rows, std::int64_t count, const std::uint16_t* x,
-                         std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
-                         const std::uint16_t* ahead = nullptr);
+                         std::int64_t ld_rows, std::int64_t count, ScatteredRows x,
+                         std::int64_t x_count, std::int64_t n, ScatteredRows ahead = {});
 void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
-                          std::int64_t weight_stride, std::int64_t count, const std::uint16_t* x,
-                          std::int64_t ld_x, std::int64_t x_count, std::int64_t n,
-                          const std::uint16_t* ahead = nullptr);
+                          std::int64_t weight_stride, std::int64_t count, ScatteredRows x,
+                          std::int64_t x_count, std::int64_t n, ScatteredRows ahead = {});
 
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
 // patterns): the backward asks it of each packed block (cpu/kernels/visible_gradients.hpp).
