@@ -246,6 +246,12 @@ std::vector<CacheCase> cache_cases() {
     bf16.cache_dtype = DType::bf16;  // f32 q and new rows, bf16 cache
     cases.push_back(bf16);
   }
+  // An f16 cache on pages of 8 rows: every 16-key group of the decode path crosses a page.
+  {
+    CacheCase c = {ragged, 1, 1, 8, 2, 64, 320, 8};
+    c.cache_dtype = DType::f16;
+    cases.push_back(c);
+  }
   // Nothing appended; an empty sequence stays empty (out 0, lse −inf).
   cases.push_back({{0, 129, 513}, 1, 0, 4, 4, 32, 520, 16});
   // f16 cache and f16 new rows under an f32 q; head_dim not a whole number of vectors.
