@@ -417,11 +417,11 @@ class KeyWalk {
             rows_in(base, strides, h, group_, strided), p_.dtype,
             ahead < 0 ? cpu::ScatteredRows{} : rows_in(base, strides, ahead, ahead_, strided)};
       } else {
-        const std::int64_t* offsets = offsets_of(strides, group_);
-        for (std::int64_t i = 0; i < count; ++i) {
-          load_row_f32(t_.inputs.data() + i * Dp, base, p_.dtype,
-                       offsets[i] / element_bytes_ + h * strides.head, p_.head_dim);
-        }
+        float* widened = t_.inputs.data();
+        for_each_key(strides, key, key + count, [&](std::int64_t row) {
+          load_row_f32(widened, base, p_.dtype, row + h * strides.head, p_.head_dim);
+          widened += Dp;
+        });
         inputs_ = {{t_.inputs.data(), Dp}, DType::f32, {}};
       }
       inputs_head_ = h;
