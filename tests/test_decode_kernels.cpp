@@ -2,9 +2,9 @@
 // pair variants) on every SIMD target compiled in that this CPU runs, against sums in double:
 // every row count up to 9 and every x count up to 19, so that each block shape the kernels pick
 // (rows by 4, 2 and 1; x rows by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and
-// f16 rows that lie apart in memory and out of order (the kernels take a pointer per x row, as
-// a paged cache scatters them), with nothing written outside the outputs. The attention
-// tests reach these kernels only through the shapes they happen to run.
+// f16 rows that lie apart in memory, in order (given by a stride) or out of order (given by an
+// offset per row, as a paged cache scatters them), with nothing written outside the outputs. The
+// attention tests reach these kernels only through the shapes they happen to run.
 //
 // Inputs are representable in every dtype (multiples of 1/16 below 16 in magnitude: 8
 // significant bits, all that bf16 holds, so every mantissa bit of a bf16 row is used), so the
@@ -106,8 +106,10 @@ void for_every_case(std::mt19937_64& rng, const Check& check) {
           std::copy_n(x.begin() + k * ld_x, ld_x, stored.begin() + slot[k] * ld_x);
         }
         std::vector<std::int64_t> byte_offsets;
-        for (std::int64_t s : shuffled ? slot : std::vector<std::int64_t>{}) {
-          byte_offsets.push_back(s * ld_x * static_cast<std::int64_t>(dtype_size(dtype)));
+        if (shuffled) {
+          for (std::int64_t s : slot) {
+            byte_offsets.push_back(s * ld_x * static_cast<std::int64_t>(dtype_size(dtype)));
+          }
         }
         check(dtype, shape,
               XRows{std::move(x), rows_in(dtype, stored), ld_x, std::move(byte_offsets)});
