@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_aligned.hpp"
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/dtype.hpp"
@@ -106,7 +107,7 @@ Build load(const std::string& path) {
 struct Tensor {
   DType dtype;
   std::array<std::int64_t, 4> shape;
-  std::vector<std::uint8_t> bytes;
+  flashattn::bench::CacheAlignedVector<std::uint8_t> bytes;  // as a framework's tensors
   Tensor(DType dtype_, std::array<std::int64_t, 4> shape_, std::mt19937_64& rng)
       : dtype(dtype_), shape(shape_) {
     const std::int64_t count = shape[0] * shape[1] * shape[2] * shape[3];
