@@ -64,6 +64,10 @@ FLASHATTN_AMX_TARGET void configure(int upper, int lower) {
   set(kLowerA, lower);
   set(kLeftB, kTileRows);
   set(kRightB, kTileRows);
+  // The stores into `config` have no other reader than LDTILECFG, which GCC 12 does not always
+  // count as one: in a standalone build at -O2 it kept the palette byte alone and the first tile
+  // instruction then faulted (SIGILL). The empty asm statement reads all of `config`.
+  asm volatile("" : : "m"(config) : "memory");
   _tile_loadconfig(&config);
 }
 
