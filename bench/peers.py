@@ -1,31 +1,41 @@
 #!/usr/bin/env python3
 """Decode against a KV cache, side by side with what users would pick instead.
 
-One query position (B = 1, Hq = 32 query heads on Hkv = 8 KV heads, D = 128, f32) against a KV
-cache of each --seqlens length, on the same inputs and the same number of threads:
+One query position (B = 1, Hq = 32 query heads on Hkv = 8 KV heads, D = 128, f32 q) against a
+KV cache of each --seqlens length and each --cache-dtypes dtype, on the same inputs and the same
+number of threads:
 
-  flashattn    `flashattn run` (the FlashAttention path; its JSON line gives the median seconds
-               of --repeat calls after a warm-up)
+  flashattn    f32 cache: `flashattn run` (the FlashAttention path; its JSON line gives the
+               median seconds of --repeat calls after a warm-up). bf16 and f16 caches: the
+               Python package's flash_attn_with_kvcache with the f32 q against the 16-bit
+               cache (the serving case; `pip install .` first), timed here
   torch        PyTorch's CPU scaled_dot_product_attention, enable_gqa=True, on contiguous
-               [B, H, S, D] tensors (its own layout)
+               [B, H, S, D] tensors (its own layout), all in the cache's dtype (q rounded to it:
+               it takes one dtype)
   onnxruntime  ONNX Runtime's GroupQueryAttention (com.microsoft) with the cache as past_key /
-               past_value ([B, Hkv, S - 1, D]) and the last key and value as the new token
+               past_value ([B, Hkv, S - 1, D]) and the last key and value as the new token, all
+               in the cache's dtype; a dtype its CPU provider refuses is reported as such
 
-Each output is first checked against a NumPy fp64 reference (max |out - reference| within
-2^-24 · max|v| · (4 · scale · D · max|q| · max|k| + 2 · Skv + 16), the bound of
-tests/test_attention_vs_reference.cpp); a peer that is not installed or fails the check is
-reported and not timed. Timed as the median of --repeat calls after a warm-up, reported as GB/s
-of K and V read (each byte of the cache once per token). Writes <out-dir>/<date>-<host>-peers.csv.
+Each output is checked against a NumPy fp64 reference from the f32 q and the cache as stored:
+max |out - reference| within u · max|v| · (4 · scale · D · max|q| · max|k| + 2 · Skv + 16) +
+u · max|reference|, the bound of tests/test_attention_vs_reference.cpp with u the unit roundoff
+of the precision the peer computes and returns in (2^-24 for flashattn and for f32 peers, 2^-8
+for bf16, 2^-11 for f16). Timed as the median of --repeat calls after a warm-up, reported as GB/s
+of K and V read (each byte of the cache once per token); a peer that fails the check is marked
+FAILED and the run exits with status 3. Writes <out-dir>/<date>-<host>-peers.csv.
 
   python3 bench/peers.py --flashattn build/release/tools/flashattn [--seqlens 4096,16384,65536]
-                         [--threads 2] [--repeat 15] [--out-dir bench/results]
+                         [--cache-dtypes f32,bf16,f16] [--threads 2] [--repeat 15]
+                         [--out-dir bench/results]
 
-Needs numpy; torch, onnxruntime and onnx are optional (pip install torch onnxruntime onnx).
+Needs numpy (and ml_dtypes for bf16); torch, onnxruntime, onnx and the flashattn package are
+optional (pip install torch onnxruntime onnx ml_dtypes, and pip install . for the package).
 """
 
 import argparse
 import csv
 import datetime
+import functools
 import json
 import math
 import os
@@ -41,6 +51,18 @@ import numpy as np
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 
 
+# Unit roundoff of each precision a peer computes and returns in.
+UNIT_ROUNDOFF = {"f32": 2.0**-24, "bf16": 2.0**-8, "f16": 2.0**-11}
+
+
+def numpy_dtype(name):
+    """The numpy dtype of a cache dtype name (bf16 from ml_dtypes)."""
+    if name == "bf16":
+        import ml_dtypes  # pylint: disable=import-outside-toplevel
+        return ml_dtypes.bfloat16
+    return {"f32": np.float32, "f16": np.float16}[name]
+
+
 def reference(q, k, v):
     """fp64 attention of q [1, 1, Hq, D] against k, v [1, S, Hkv, D]: out [1, 1, Hq, D]."""
     group = HEADS_Q // HEADS_KV
@@ -53,13 +75,13 @@ def reference(q, k, v):
     return out
 
 
-def tolerance(q, k, v, seqlen):
+def tolerance(q, k, v, want, seqlen, unit_roundoff):
     scale = 1.0 / math.sqrt(HEAD_DIM)
-    return 2.0**-24 * float(np.abs(v).max()) * (
+    return unit_roundoff * float(np.abs(v).max()) * (
         4.0 * scale * HEAD_DIM * float(np.abs(q).max()) * float(np.abs(k).max())
         + 2.0 * seqlen
         + 16.0
-    )
+    ) + unit_roundoff * float(np.abs(want).max())
 
 
 def median_seconds(call, repeat):
@@ -98,19 +120,33 @@ def run_flashattn(binary, q, k, v, threads, repeat, work):
         capture_output=True, text=True, check=False)
     if completed.returncode != 0:
         raise RuntimeError(completed.stderr.strip())
-    return np.load(paths["out"]), json.loads(completed.stdout)["seconds"]
+    return np.load(paths["out"]), json.loads(completed.stdout)["seconds"], "flashattn"
+
+
+def run_flashattn_kvcache(q, k, v, threads, repeat):
+    """The package's flash_attn_with_kvcache: f32 q against the 16-bit cache k, v as they are."""
+    import flashattn  # pylint: disable=import-outside-toplevel
+
+    def call():
+        return flashattn.flash_attn_with_kvcache(q, k, v, num_threads=threads)
+
+    return call(), median_seconds(call, repeat), f"flashattn {flashattn.__version__} (f32 q)"
 
 
 def run_torch(q, k, v, threads, repeat):
+    """SDPA with every tensor in the cache's dtype (q rounded to it); out as f32."""
     import torch  # pylint: disable=import-outside-toplevel
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
 
+    dtype = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}.get(
+        k.dtype, torch.bfloat16)
     torch.set_num_threads(threads)
-    tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))
+    tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(dtype).transpose(1, 2).contiguous()
+                  for x in (q, k, v))
     with torch.inference_mode():
         def call():
             return F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
-        out = call().transpose(1, 2).numpy()
+        out = call().transpose(1, 2).float().numpy()
         return out, median_seconds(call, repeat), f"torch {torch.__version__}"
 
 
@@ -120,7 +156,9 @@ def run_onnxruntime(q, k, v, threads, repeat):
     from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
 
     seqlen = k.shape[1]
-    f32 = TensorProto.FLOAT
+    element = {np.dtype(np.float32): TensorProto.FLOAT,
+               np.dtype(np.float16): TensorProto.FLOAT16}.get(k.dtype, TensorProto.BFLOAT16)
+    q = q.astype(k.dtype)
     node = helper.make_node(
         "GroupQueryAttention",
         ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
@@ -128,16 +166,16 @@ def run_onnxruntime(q, k, v, threads, repeat):
         domain="com.microsoft", num_heads=HEADS_Q, kv_num_heads=HEADS_KV)
     graph = helper.make_graph(
         [node], "decode",
-        [helper.make_tensor_value_info("query", f32, [1, 1, HEADS_Q * HEAD_DIM]),
-         helper.make_tensor_value_info("key", f32, [1, 1, HEADS_KV * HEAD_DIM]),
-         helper.make_tensor_value_info("value", f32, [1, 1, HEADS_KV * HEAD_DIM]),
-         helper.make_tensor_value_info("past_key", f32, [1, HEADS_KV, seqlen - 1, HEAD_DIM]),
-         helper.make_tensor_value_info("past_value", f32, [1, HEADS_KV, seqlen - 1, HEAD_DIM]),
+        [helper.make_tensor_value_info("query", element, [1, 1, HEADS_Q * HEAD_DIM]),
+         helper.make_tensor_value_info("key", element, [1, 1, HEADS_KV * HEAD_DIM]),
+         helper.make_tensor_value_info("value", element, [1, 1, HEADS_KV * HEAD_DIM]),
+         helper.make_tensor_value_info("past_key", element, [1, HEADS_KV, seqlen - 1, HEAD_DIM]),
+         helper.make_tensor_value_info("past_value", element, [1, HEADS_KV, seqlen - 1, HEAD_DIM]),
          helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
          helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])],
-        [helper.make_tensor_value_info("output", f32, [1, 1, HEADS_Q * HEAD_DIM]),
-         helper.make_tensor_value_info("present_key", f32, None),
-         helper.make_tensor_value_info("present_value", f32, None)])
+        [helper.make_tensor_value_info("output", element, [1, 1, HEADS_Q * HEAD_DIM]),
+         helper.make_tensor_value_info("present_key", element, None),
+         helper.make_tensor_value_info("present_value", element, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     options = ort.SessionOptions()
@@ -158,7 +196,7 @@ def run_onnxruntime(q, k, v, threads, repeat):
     def call():
         return session.run(["output"], feeds)[0]
 
-    out = call().reshape(1, 1, HEADS_Q, HEAD_DIM)
+    out = call().astype(np.float32).reshape(1, 1, HEADS_Q, HEAD_DIM)
     return out, median_seconds(call, repeat), f"onnxruntime {ort.__version__} (onnx {onnx.__version__})"
 
 
@@ -169,6 +207,8 @@ def main():
     parser.add_argument("--flashattn", default="build/release/tools/flashattn",
                         help="the flashattn binary")
     parser.add_argument("--seqlens", default="4096,16384,65536", help="KV cache lengths")
+    parser.add_argument("--cache-dtypes", default="f32,bf16,f16",
+                        help="dtypes of the KV cache (f32, bf16, f16), comma-separated")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads, each peer")
     parser.add_argument("--repeat", type=int, default=15, help="timed calls per peer (median)")
     parser.add_argument("--seed", type=int, default=42)
@@ -180,51 +220,80 @@ def main():
         parser.error(f"--seqlens: expected comma-separated integers, got '{args.seqlens}'")
     if any(s < 2 for s in seqlens):
         parser.error(f"--seqlens: expected lengths >= 2, got '{args.seqlens}'")
+    cache_dtypes = args.cache_dtypes.split(",")
+    if not cache_dtypes or any(d not in UNIT_ROUNDOFF for d in cache_dtypes):
+        parser.error(f"--cache-dtypes: expected a comma-separated list of f32, bf16, f16, got "
+                     f"'{args.cache_dtypes}'")
     if args.threads < 1 or args.repeat < 1:
         parser.error("--threads and --repeat: expected >= 1")
-    if not os.access(args.flashattn, os.X_OK):
+    if "f32" in cache_dtypes and not os.access(args.flashattn, os.X_OK):
         parser.error(f"--flashattn: no executable at {args.flashattn} (build it first)")
+    if "bf16" in cache_dtypes:
+        try:
+            numpy_dtype("bf16")
+        except ImportError:
+            parser.error("--cache-dtypes bf16: needs ml_dtypes (pip install ml_dtypes, or leave bf16 out)")
 
     rng = np.random.default_rng(args.seed)
     rows = []
-    print(f"decode, f32, B 1, Hq {HEADS_Q}, Hkv {HEADS_KV}, D {HEAD_DIM}, {args.threads} threads,"
+    print(f"decode, f32 q, B 1, Hq {HEADS_Q}, Hkv {HEADS_KV}, D {HEAD_DIM}, {args.threads} threads,"
           f" median of {args.repeat}")
-    print(f"{'Skv':>7} {'peer':<44} {'ms':>9} {'GB/s':>8} {'speed/flash':>12}  check")
+    print(f"{'cache':>5} {'Skv':>7} {'peer':<44} {'ms':>9} {'GB/s':>8} {'speed/flash':>12}  check")
     with tempfile.TemporaryDirectory() as work:
         for seqlen in seqlens:
             q = rng.standard_normal((1, 1, HEADS_Q, HEAD_DIM), dtype=np.float32)
-            k = rng.standard_normal((1, seqlen, HEADS_KV, HEAD_DIM), dtype=np.float32)
-            v = rng.standard_normal((1, seqlen, HEADS_KV, HEAD_DIM), dtype=np.float32)
-            want = reference(q, k, v)
-            bound = tolerance(q, k, v, seqlen)
-            kv_bytes = k.nbytes + v.nbytes
-            flash_seconds = None
-            peers = [
-                ("flashattn", lambda: run_flashattn(args.flashattn, q, k, v, args.threads,
-                                                    args.repeat, work) + ("flashattn",)),
-                ("torch", lambda: run_torch(q, k, v, args.threads, args.repeat)),
-                ("onnxruntime", lambda: run_onnxruntime(q, k, v, args.threads, args.repeat)),
-            ]
-            for name, run in peers:
-                print(f"peers.py: Skv {seqlen}, {name}", file=sys.stderr)
-                try:
-                    out, seconds, version = run()
-                except ImportError as error:
-                    print(f"{seqlen:>7} {name:<44} not installed ({error.name})")
-                    continue
-                error = float(np.abs(out.astype(np.float64) - want).max())
-                verified = bool(error <= bound)
-                if name == "flashattn":
-                    flash_seconds = seconds
-                gbps = kv_bytes / seconds * 1e-9
-                ratio = flash_seconds / seconds if flash_seconds else float("nan")
-                print(f"{seqlen:>7} {version:<44} {seconds * 1e3:>9.3f} {gbps:>8.2f} "
-                      f"{ratio:>12.3f}  {'verified' if verified else 'FAILED'} "
-                      f"(error {error:.2g}, tolerance {bound:.2g})")
-                rows.append({"seqlen_kv": seqlen, "peer": name, "version": version,
-                             "seconds": f"{seconds:.6g}", "kv_gbps": f"{gbps:.3f}",
-                             "speed_over_flashattn": f"{ratio:.3f}", "verified": verified,
-                             "max_error": f"{error:.3g}", "tolerance": f"{bound:.3g}"})
+            k32 = rng.standard_normal((1, seqlen, HEADS_KV, HEAD_DIM), dtype=np.float32)
+            v32 = rng.standard_normal((1, seqlen, HEADS_KV, HEAD_DIM), dtype=np.float32)
+            for cache_dtype in cache_dtypes:
+                k, v = (x.astype(numpy_dtype(cache_dtype)) for x in (k32, v32))
+                want = reference(q, k, v)
+                kv_bytes = k.nbytes + v.nbytes
+                flash_seconds = None
+                if cache_dtype == "f32":
+                    flash = functools.partial(run_flashattn, args.flashattn, q, k, v,
+                                              args.threads, args.repeat, work)
+                else:
+                    flash = functools.partial(run_flashattn_kvcache, q, k, v, args.threads,
+                                              args.repeat)
+                peers = [
+                    ("flashattn", flash, "f32"),
+                    ("torch", functools.partial(run_torch, q, k, v, args.threads, args.repeat),
+                     cache_dtype),
+                    ("onnxruntime",
+                     functools.partial(run_onnxruntime, q, k, v, args.threads, args.repeat),
+                     cache_dtype),
+                ]
+                for name, run, precision in peers:
+                    print(f"peers.py: {cache_dtype} cache, Skv {seqlen}, {name}", file=sys.stderr)
+                    try:
+                        out, seconds, version = run()
+                    except ImportError as error:
+                        print(f"{cache_dtype:>5} {seqlen:>7} {name:<44} not installed "
+                              f"({error.name})")
+                        continue
+                    except Exception as error:  # pylint: disable=broad-except
+                        # A peer that refuses the dtype (ONNX Runtime's CPU provider has no bf16
+                        # kernel for GroupQueryAttention) is reported, not timed.
+                        lines = str(error).strip().splitlines() or [type(error).__name__]
+                        print(f"{cache_dtype:>5} {seqlen:>7} {name:<44} unsupported: "
+                              f"{' '.join(lines[0].split())[-100:]}")
+                        continue
+                    bound = tolerance(q, k.astype(np.float32), v.astype(np.float32), want, seqlen,
+                                      UNIT_ROUNDOFF[precision])
+                    error = float(np.abs(np.asarray(out, dtype=np.float64) - want).max())
+                    verified = bool(error <= bound)
+                    if name == "flashattn":
+                        flash_seconds = seconds
+                    gbps = kv_bytes / seconds * 1e-9
+                    ratio = flash_seconds / seconds if flash_seconds else float("nan")
+                    print(f"{cache_dtype:>5} {seqlen:>7} {version:<44} {seconds * 1e3:>9.3f} "
+                          f"{gbps:>8.2f} {ratio:>12.3f}  {'verified' if verified else 'FAILED'} "
+                          f"(error {error:.2g}, tolerance {bound:.2g})")
+                    rows.append({"cache_dtype": cache_dtype, "seqlen_kv": seqlen, "peer": name,
+                                 "version": version, "seconds": f"{seconds:.6g}",
+                                 "kv_gbps": f"{gbps:.3f}",
+                                 "speed_over_flashattn": f"{ratio:.3f}", "verified": verified,
+                                 "max_error": f"{error:.3g}", "tolerance": f"{bound:.3g}"})
 
     path = write_csv(args.out_dir, "peers", {"threads": args.threads, "repeat": args.repeat},
                      rows)
