@@ -83,14 +83,17 @@ def reference(q, k, v, lengths):
     return out
 
 
-def tolerance(q, k, v, want, seqlen, unit_roundoff):
-    """The first-order bound for the longest sequence, seqlen keys."""
+def largest(x):
+    """max |x| as a Python float (any of the cache dtypes)."""
+    return float(np.abs(x.astype(np.float32)).max())
+
+
+def tolerance(max_q, max_k, max_v, max_want, seqlen, unit_roundoff):
+    """The first-order bound for the longest sequence, seqlen keys, from the operands' largest
+    magnitudes."""
     scale = 1.0 / math.sqrt(HEAD_DIM)
-    return unit_roundoff * float(np.abs(v).max()) * (
-        4.0 * scale * HEAD_DIM * float(np.abs(q).max()) * float(np.abs(k).max())
-        + 2.0 * seqlen
-        + 16.0
-    ) + unit_roundoff * float(np.abs(want).max())
+    return unit_roundoff * max_v * (4.0 * scale * HEAD_DIM * max_q * max_k + 2.0 * seqlen + 16.0) \
+        + unit_roundoff * max_want
 
 
 def median_seconds(call, repeat):
@@ -229,6 +232,7 @@ def compare(args, work, case, q, k32, v32, lengths, cache_dtype):
     sequence's length): prints a line per peer and returns the CSV rows."""
     k, v = (x.astype(numpy_dtype(cache_dtype)) for x in (k32, v32))
     want = reference(q, k, v, lengths)
+    magnitudes = (largest(q), largest(k), largest(v), float(np.abs(want).max()))
     # Bytes of K and V a decode step needs: each sequence's own rows once.
     kv_bytes = 2 * int(np.sum(lengths)) * HEADS_KV * HEAD_DIM * k.dtype.itemsize
     if cache_dtype == "f32" and len(lengths) == 1:
@@ -262,8 +266,7 @@ def compare(args, work, case, q, k32, v32, lengths, cache_dtype):
             print(f"{cache_dtype:>5} {case:>15} {name:<44} unsupported: "
                   f"{' '.join(lines[0].split())[-100:]}")
             continue
-        bound = tolerance(q, k.astype(np.float32), v.astype(np.float32), want, max(lengths),
-                          UNIT_ROUNDOFF[precision])
+        bound = tolerance(*magnitudes, max(lengths), UNIT_ROUNDOFF[precision])
         error = float(np.abs(np.asarray(out, dtype=np.float64) - want).max())
         verified = bool(error <= bound)
         if name == "flashattn":
