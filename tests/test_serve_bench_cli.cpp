@@ -21,7 +21,8 @@ using flashattn::testing::Completed;
 const char* const kHeader =
     "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
     "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,paged_over_dense,"
-    "copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,varlen_over_padded";
+    "copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,varlen_over_padded,"
+    "huge_page_share";
 
 class ServeBenchCliTest : public flashattn::testing::CliFixture {
  protected:
@@ -89,7 +90,12 @@ TEST_F(ServeBenchCliTest, QuickRunVerifiesEveryPartAndWritesTheCsv) {
   for (const auto& row : rows) {
     EXPECT_EQ(row.at("verified"), "yes");
     EXPECT_LE(std::stod(row.at("max_error")), std::stod(row.at("tolerance")));
-    if (row.at("part") == "prefill") continue;
+    EXPECT_EQ(row.at("huge_page_share"), "");  // not asked for
+    if (row.at("part") == "prefill") {
+      EXPECT_EQ(row.at("page_size"), "");
+      continue;
+    }
+    EXPECT_EQ(row.at("page_size"), "16");
     EXPECT_GT(std::stod(row.at("kv_gbps")), 0.0);
     EXPECT_GT(std::stod(row.at("read_gbps")), 0.0);
     EXPECT_GT(std::stod(row.at("tokens_per_s")), 0.0);
@@ -107,6 +113,29 @@ TEST_F(ServeBenchCliTest, QuickRunVerifiesEveryPartAndWritesTheCsv) {
   }
 }
 
+// Several page sizes: one server row each, on the same requests; --huge-pages reports the share the
+// kernel granted (the quick caches are below one huge page, so any share in [0, 1] is right).
+TEST_F(ServeBenchCliTest, PageSizesRunTheServerOncePerSizeOnTheSameRequests) {
+  const Completed completed =
+      run({"serve-bench", "--quick", "--page-size", "1,7,16", "--huge-pages", "--single-dtypes",
+           "bf16", "--no-prefill", "--no-plot", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 5u);  // serve at 3 page sizes, dense and paged
+  const char* const sizes[] = {"1", "7", "16"};
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& row = rows[i];
+    EXPECT_EQ(row.at("part"), i < 3 ? "serve" : "single") << i;
+    EXPECT_EQ(row.at("page_size"), i < 3 ? sizes[i] : "1") << i;  // part 2 takes the first
+    EXPECT_EQ(row.at("kv_tokens"), rows[i < 3 ? 0 : 3].at("kv_tokens")) << i;
+    EXPECT_EQ(row.at("verified"), "yes");
+    ASSERT_FALSE(row.at("huge_page_share").empty()) << i;
+    EXPECT_GE(std::stod(row.at("huge_page_share")), 0.0);
+    EXPECT_LE(std::stod(row.at("huge_page_share")), 1.0);
+  }
+  EXPECT_NE(completed.out.find("on huge pages"), std::string::npos) << completed.out;
+}
+
 TEST_F(ServeBenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   const auto expect_clean_failure = [&](std::vector<std::string> args, int code,
                                         const std::string& message) {
@@ -118,6 +147,7 @@ TEST_F(ServeBenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   };
   expect_clean_failure({"--requests", "0"}, 2, "--requests");
   expect_clean_failure({"--page-size", "0"}, 2, "--page-size");
+  expect_clean_failure({"--page-size", "16,0"}, 2, "--page-size");
   expect_clean_failure({"--cache-dtype", "f64"}, 2, "--cache-dtype");
   expect_clean_failure({"--min-len", "700", "--max-len", "600"}, 1,
                        "--min-len: expected at most --max-len = 600, got 700");
@@ -135,7 +165,7 @@ TEST_F(ServeBenchCliTest, HelpSaysWhatIsMeasured) {
   EXPECT_EQ(completed.exit_code, 0);
   for (const char* text : {"--requests", "--min-len", "--max-len", "--page-size", "--steps",
                            "--cache-dtype", "--single-seqlens", "log-uniform", "paged/dense",
-                           "fp64", "shuffled", "--prefill-sequences", "varlen/padded"}) {
+                           "fp64", "shuffled", "--prefill-sequences", "varlen/padded", "--huge-pages"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

@@ -21,6 +21,9 @@
 
 #include <omp.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +31,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -56,7 +61,8 @@ struct ServeOptions {
   int requests = 32;
   std::int64_t min_len = 512, max_len = 32768;
   int steps = 16;
-  std::int64_t page_size = 16;
+  std::vector<std::int64_t> page_sizes = {16};
+  bool huge_pages = false;
   std::int64_t heads_q = 32, heads_kv = 8, head_dim = 128;
   std::string q_dtype = "f32", cache_dtype = "bf16";
   std::vector<std::int64_t> single_seqlens = {4096, 16384, 65536};
@@ -90,18 +96,46 @@ void fill_uniform(void* data, DType dtype, std::int64_t count, std::uint64_t see
   }
 }
 
-// An owned [d0, d1, d2, d3] buffer of one dtype, cache-line aligned.
+// Bytes of this process's anonymous memory on transparent huge pages (AnonHugePages of
+// /proc/self/smaps_rollup), 0 where the kernel does not say.
+std::int64_t anon_huge_page_bytes() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::string name;
+  std::int64_t kib = 0;
+  while (rollup >> name) {
+    if (name == "AnonHugePages:" && rollup >> kib) return kib * 1024;
+    rollup.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0;
+}
+
+// An owned [d0, d1, d2, d3] buffer of one dtype, cache-line aligned; with `huge_pages` on 2 MiB
+// boundaries and offered to the kernel for transparent huge pages (MADV_HUGEPAGE), as a server
+// may hold its KV cache: a TLB entry then covers 512 times the rows (bench/RESULTS.md has what
+// it changes).
 struct Buffer {
+  static constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
   DType dtype;
   std::array<std::int64_t, 4> shape;
   std::unique_ptr<std::byte[], void (*)(std::byte*)> bytes;
 
-  Buffer(DType type, std::array<std::int64_t, 4> dims)
+  Buffer(DType type, std::array<std::int64_t, 4> dims, bool huge_pages = false)
       : dtype(type),
         shape(dims),
-        bytes(static_cast<std::byte*>(
-                  ::operator new(std::max<std::size_t>(size(), 1), std::align_val_t{64})),
-              [](std::byte* p) { ::operator delete(p, std::align_val_t{64}); }) {}
+        bytes(static_cast<std::byte*>(::operator new(std::max<std::size_t>(size(), 1),
+                                                     std::align_val_t{kHugePageBytes})),
+              [](std::byte* p) { ::operator delete(p, std::align_val_t{kHugePageBytes}); }) {
+#if defined(MADV_HUGEPAGE)
+    // Advice only: where the kernel declines, the buffer stays on small pages (the run reports
+    // the share it got).
+    if (huge_pages && size() >= kHugePageBytes) {
+      static_cast<void>(::madvise(bytes.get(), size() / kHugePageBytes * kHugePageBytes,
+                                  MADV_HUGEPAGE));
+    }
+#else
+    static_cast<void>(huge_pages);
+#endif
+  }
   std::size_t size() const {
     return static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]) *
            dtype_size(dtype);
@@ -132,11 +166,11 @@ struct Cache {
   }
 
   Cache(std::vector<std::int32_t> initial, std::int64_t room, std::int64_t page, DType dtype,
-        std::int64_t heads_kv, std::int64_t head_dim, std::mt19937_64& rng)
+        std::int64_t heads_kv, std::int64_t head_dim, bool huge_pages, std::mt19937_64& rng)
       : lengths(std::move(initial)),
         page_size(page),
-        k(dtype, shape(lengths, room, page, heads_kv, head_dim)),
-        v(dtype, shape(lengths, room, page, heads_kv, head_dim)) {
+        k(dtype, shape(lengths, room, page, heads_kv, head_dim), huge_pages),
+        v(dtype, shape(lengths, room, page, heads_kv, head_dim), huge_pages) {
     if (page_size > 0) {
       const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end()) + room;
       pages_per_sequence = (longest + page_size - 1) / page_size;
@@ -292,6 +326,9 @@ struct Row {
   // padded batch's include its padding), and varlen's real over the padded batch's computed.
   std::optional<double> real_gflops, computed_gflops, varlen_over_padded;
   std::int64_t requests = 0, kv_tokens = 0;
+  std::int64_t page_size = 0;  // of the paged cache (its dense twin's too); 0 for prefill
+  // With --huge-pages: the share of the cache's bytes the kernel put on huge pages.
+  std::optional<double> huge_page_share;
   double seconds = 0.0, kv_gbps = 0.0, read_gbps = 0.0, ratio_read = 0.0;
   std::optional<double> paged_over_dense;
   Check check;
@@ -307,17 +344,28 @@ std::vector<std::int32_t> draw_lengths(const ServeOptions& o, std::mt19937_64& r
   return lengths;
 }
 
-// Part 1: the ragged batch on a paged cache.
-Row serve(const ServeOptions& o, int threads, std::mt19937_64& rng, bool& verified) {
+// With --huge-pages, the share of `bytes` (just allocated and written) that went on huge pages
+// since `before` (anon_huge_page_bytes()).
+std::optional<double> huge_page_share(const ServeOptions& o, std::int64_t before, double bytes) {
+  if (!o.huge_pages) return std::nullopt;
+  return std::clamp(static_cast<double>(anon_huge_page_bytes() - before) / bytes, 0.0, 1.0);
+}
+
+// Part 1: the ragged batch of `lengths` on a cache in pages of `page_size` rows.
+Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::int64_t page_size,
+          int threads, std::mt19937_64& rng, bool& verified) {
   const DType cache_dtype = dtype_from(o.cache_dtype);
-  Cache cache(draw_lengths(o, rng), o.steps + 1, o.page_size, cache_dtype, o.heads_kv,
-              o.head_dim, rng);
-  std::fprintf(stderr, "flashattn serve-bench: filling %.2f GB of paged K/V\n",
-               static_cast<double>(2 * cache.k.size()) * 1e-9);
+  const std::int64_t huge_before = anon_huge_page_bytes();
+  Cache cache(lengths, o.steps + 1, page_size, cache_dtype, o.heads_kv, o.head_dim, o.huge_pages,
+              rng);
+  std::fprintf(stderr, "flashattn serve-bench: filling %.2f GB of K/V in pages of %lld rows\n",
+               static_cast<double>(2 * cache.k.size()) * 1e-9, static_cast<long long>(page_size));
   fill_uniform(cache.k.bytes.get(), cache_dtype,
                static_cast<std::int64_t>(cache.k.size() / dtype_size(cache_dtype)), o.seed + 10);
   fill_uniform(cache.v.bytes.get(), cache_dtype,
                static_cast<std::int64_t>(cache.v.size() / dtype_size(cache_dtype)), o.seed + 11);
+  const std::optional<double> huge_share =
+      huge_page_share(o, huge_before, 2.0 * static_cast<double>(cache.k.size()));
   Step step(o.requests, o, o.seed + 20);
 
   // Verified: the first step, appending, on sampled requests (the shortest, the longest, and
@@ -333,6 +381,8 @@ Row serve(const ServeOptions& o, int threads, std::mt19937_64& rng, bool& verifi
   row.cache = "paged";
   row.cache_dtype = o.cache_dtype;
   row.requests = o.requests;
+  row.page_size = page_size;
+  row.huge_page_share = huge_share;
   const int checks = std::min<int>(o.check_requests, o.requests);
   for (int i = 0; i < checks; ++i) {
     const std::int64_t b = order[checks == 1 ? 0 : i * (order.size() - 1) / (checks - 1)];
@@ -372,8 +422,9 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
                         int threads, int repeat, std::mt19937_64& rng, bool& verified) {
   const DType dtype = dtype_from(cache_dtype_name);
   const std::vector<std::int32_t> lengths = {static_cast<std::int32_t>(length)};
-  Cache dense(lengths, 0, 0, dtype, o.heads_kv, o.head_dim, rng);
-  Cache paged(lengths, 0, o.page_size, dtype, o.heads_kv, o.head_dim, rng);
+  const std::int64_t page_size = o.page_sizes.front(), huge_before = anon_huge_page_bytes();
+  Cache dense(lengths, 0, 0, dtype, o.heads_kv, o.head_dim, o.huge_pages, rng);
+  Cache paged(lengths, 0, page_size, dtype, o.heads_kv, o.head_dim, o.huge_pages, rng);
   fill_uniform(dense.k.bytes.get(), dtype, static_cast<std::int64_t>(dense.k.size() / dtype_size(dtype)),
                o.seed + 30);
   fill_uniform(dense.v.bytes.get(), dtype, static_cast<std::int64_t>(dense.v.size() / dtype_size(dtype)),
@@ -398,6 +449,9 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
   dense_row.cache_dtype = cache_dtype_name;
   dense_row.requests = 1;
   dense_row.kv_tokens = length;
+  dense_row.page_size = page_size;
+  dense_row.huge_page_share = huge_page_share(
+      o, huge_before, 2.0 * static_cast<double>(dense.k.size() + paged.k.size()));
   dense_row.check = check_sequence(dense, dense_step, 0, threads);
   if (!same) dense_row.check.error = INFINITY;  // dense and paged must agree bit for bit
   Row paged_row = dense_row;
@@ -558,7 +612,8 @@ std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_
   std::ostringstream line;
   line << machine.date << ',' << machine.host << ',' << machine.threads << ',' << row.part << ','
        << row.cache << ',' << o.q_dtype << ',' << row.cache_dtype << ',' << row.requests << ','
-       << row.kv_tokens << ',' << o.page_size << ',' << o.heads_q << ',' << o.heads_kv << ','
+       << row.kv_tokens << ',' << (decode ? std::to_string(row.page_size) : std::string())
+       << ',' << o.heads_q << ',' << o.heads_kv << ','
        << o.head_dim << ',' << format("%.6g", row.seconds) << ','
        << decode_number("%.1f",
                         row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0)
@@ -569,20 +624,25 @@ std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_
        << format("%.3g", row.check.tolerance) << ','
        << optional_number("%.2f", row.real_gflops) << ','
        << optional_number("%.2f", row.computed_gflops) << ','
-       << optional_number("%.3f", row.varlen_over_padded) << '\n';
+       << optional_number("%.3f", row.varlen_over_padded) << ','
+       << optional_number("%.3f", row.huge_page_share) << '\n';
   return line.str();
 }
 
 void print_row(const Row& row) {
-  std::printf("%-7s %-6s %-5s %8lld %11lld %9.3f %9.1f %8.2f %8.2f %6.2f %8s %s (error %.2g, "
-              "tolerance %.2g)\n",
+  const std::string huge =
+      row.huge_page_share ? format(", %.0f%% on huge pages", 100.0 * *row.huge_page_share) : "";
+  std::printf("%-7s %-6s %-5s %5lld %8lld %11lld %9.3f %9.1f %8.2f %8.2f %6.2f %8s %s (error %.2g, "
+              "tolerance %.2g%s)\n",
               row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
-              static_cast<long long>(row.requests), static_cast<long long>(row.kv_tokens),
+              static_cast<long long>(row.page_size), static_cast<long long>(row.requests),
+              static_cast<long long>(row.kv_tokens),
               row.seconds * 1e3,
               row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0,
               row.kv_gbps, row.read_gbps, row.ratio_read,
               row.paged_over_dense ? format("%.3f", *row.paged_over_dense).c_str() : "",
-              row.check.passed() ? "verified" : "FAILED", row.check.error, row.check.tolerance);
+              row.check.passed() ? "verified" : "FAILED", row.check.error, row.check.tolerance,
+              huge.c_str());
 }
 
 int run_serve_bench(ServeOptions o, const CLI::App& command) {
@@ -640,19 +700,23 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
   const double copy_gbps = bench::best_rate(copy, o.quick ? 0.01 : 0.25, o.quick ? 2 : 5) * 1e-9;
   std::printf("flashattn serve-bench on %s (%s), %d threads, %s\n", machine.cpu_model.c_str(),
               machine.host.c_str(), threads, machine.simd_target.c_str());
-  std::printf("memory copy %.1f GB/s (read + written); Hq %lld, Hkv %lld, D %lld, q %s, page %lld\n\n",
+  std::printf("memory copy %.1f GB/s (read + written); Hq %lld, Hkv %lld, D %lld, q %s%s\n\n",
               copy_gbps, static_cast<long long>(o.heads_q), static_cast<long long>(o.heads_kv),
               static_cast<long long>(o.head_dim), o.q_dtype.c_str(),
-              static_cast<long long>(o.page_size));
-  std::printf("%-7s %-6s %-5s %8s %11s %9s %9s %8s %8s %6s %8s\n", "part", "cache", "dtype",
-              "requests", "KV tokens", "step ms", "tokens/s", "GB/s", "read", "/read",
+              o.huge_pages ? "; cache on huge pages where the kernel grants them" : "");
+  std::printf("%-7s %-6s %-5s %5s %8s %11s %9s %9s %8s %8s %6s %8s\n", "part", "cache", "dtype",
+              "page", "requests", "KV tokens", "step ms", "tokens/s", "GB/s", "read", "/read",
               "paged/dense");
 
   std::mt19937_64 rng(o.seed);
   bool verified = true;
   std::vector<Row> rows;
-  rows.push_back(serve(o, threads, rng, verified));
-  print_row(rows.back());
+  // The same requests at every page size.
+  const std::vector<std::int32_t> lengths = draw_lengths(o, rng);
+  for (const std::int64_t page_size : o.page_sizes) {
+    rows.push_back(serve(o, lengths, page_size, threads, rng, verified));
+    print_row(rows.back());
+  }
   if (!o.no_single) {
     const int cases = static_cast<int>(o.single_dtypes.size() * o.single_seqlens.size());
     int done = 0;
@@ -691,7 +755,7 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
       "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
       "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,"
       "paged_over_dense,copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,"
-      "varlen_over_padded\n";
+      "varlen_over_padded,huge_page_share\n";
   for (const Row& row : rows) text += csv_line(machine, o, copy_gbps, row);
   csv.append(text);
   csv.commit();
@@ -711,7 +775,8 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
     const std::string xlabel = "KV cache length (one sequence, one query row, Hq = " +
                                std::to_string(o.heads_q) + ", Hkv = " +
                                std::to_string(o.heads_kv) + ", D = " + std::to_string(o.head_dim) +
-                               ", q " + o.q_dtype + ", pages of " + std::to_string(o.page_size) +
+                               ", q " + o.q_dtype + ", pages of " +
+                               std::to_string(o.page_sizes.front()) +
                                ")";
     const std::optional<std::string> failure = run_gnuplot(
         *gnuplot, serving_plot_script(png->temp_path(), machine, copy_gbps, points, xlabel));
@@ -746,7 +811,9 @@ Action add_serve_bench_command(CLI::App& app) {
       "--steps steps are timed, each after a plain read of the cache's pages on the same threads.\n"
       "Reported: step time (median), tokens/s (requests per step time), GB/s of K and V read\n"
       "(each cached byte once per step), the read's GB/s, and /read: the median over the rounds\n"
-      "of the step's GB/s over the read's.\n"
+      "of the step's GB/s over the read's. Several --page-size values run part 1 once per size\n"
+      "on the same requests: small pages scatter the cache, which costs reads on most machines\n"
+      "(bench/RESULTS.md), and --huge-pages shows how much of that the TLB takes.\n"
       "Part 2, one sequence: per --single-dtypes cache dtype and --single-seqlens length, one\n"
       "query row against a dense and a paged cache holding the same rows: both verified (and\n"
       "bitwise equal), then timed in rounds of (read dense, dense, paged, read paged): GB/s,\n"
@@ -771,7 +838,10 @@ Action add_serve_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 24));
   command->add_option("--steps", options->steps, "Timed decode steps")
       ->check(CLI::Range(1, 100000));
-  command->add_option("--page-size", options->page_size, "Rows per page")
+  command->add_option("--page-size", options->page_sizes,
+                      "Rows per page; several (16,64,256) run part 1 once per size on the same "
+                      "requests, and part 2 takes the first")
+      ->delimiter(',')
       ->check(CLI::Range(1, 1 << 20));
   command->add_option("--heads-q", options->heads_q, "Query heads")->check(CLI::Range(1, 1024));
   command->add_option("--heads-kv", options->heads_kv, "KV heads")->check(CLI::Range(1, 1024));
@@ -804,6 +874,9 @@ Action add_serve_bench_command(CLI::App& app) {
   command->add_option("--seed", options->seed, "Random seed of the lengths, pages and values");
   command->add_option("--out-dir", options->out_dir, "Directory of the CSV and the plot");
   command->add_flag("--no-plot", options->no_plot, "Write the CSV only");
+  command->add_flag("--huge-pages", options->huge_pages,
+                    "Put the KV caches on transparent huge pages (madvise), as a server may; "
+                    "the CSV's huge_page_share says how much the kernel granted");
   command->add_flag("--quick", options->quick,
                     "A tiny run for tests and smoke runs (4 requests of 40..600 rows, 3 steps, "
                     "part 2 at 300 rows); options given explicitly still win");
