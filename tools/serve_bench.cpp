@@ -115,6 +115,11 @@ std::int64_t anon_huge_page_bytes() {
 // it changes).
 struct Buffer {
   static constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+  static constexpr std::align_val_t kHugeAlignment{kHugePageBytes}, kLineAlignment{64};
+  static std::byte* allocate(std::size_t bytes, bool huge_pages) {
+    return static_cast<std::byte*>(
+        ::operator new(bytes, huge_pages ? kHugeAlignment : kLineAlignment));
+  }
   DType dtype;
   std::array<std::int64_t, 4> shape;
   std::unique_ptr<std::byte[], void (*)(std::byte*)> bytes;
@@ -122,9 +127,9 @@ struct Buffer {
   Buffer(DType type, std::array<std::int64_t, 4> dims, bool huge_pages = false)
       : dtype(type),
         shape(dims),
-        bytes(static_cast<std::byte*>(::operator new(std::max<std::size_t>(size(), 1),
-                                                     std::align_val_t{kHugePageBytes})),
-              [](std::byte* p) { ::operator delete(p, std::align_val_t{kHugePageBytes}); }) {
+        bytes(allocate(std::max<std::size_t>(size(), 1), huge_pages),
+              huge_pages ? [](std::byte* p) { ::operator delete(p, kHugeAlignment); }
+                         : [](std::byte* p) { ::operator delete(p, kLineAlignment); }) {
 #if defined(MADV_HUGEPAGE)
     // Advice only: where the kernel declines, the buffer stays on small pages (the run reports
     // the share it got).
