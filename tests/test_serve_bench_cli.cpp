@@ -1,5 +1,5 @@
 // `flashattn serve-bench`, run as a subprocess on its --quick sizes: every part verifies, the CSV
-// has a row per part and cache, the plot is whole or said to be missing; bad arguments fail with
+// has a row per part and cache, the plots are whole or said to be missing; bad arguments fail with
 // one line and leave no file. No assertion is about time.
 
 #include <gtest/gtest.h>
@@ -64,8 +64,8 @@ class ServeBenchCliTest : public flashattn::testing::CliFixture {
 };
 
 TEST_F(ServeBenchCliTest, QuickRunVerifiesEveryPartAndWritesTheCsv) {
-  const Completed completed = run({"serve-bench", "--quick", "--single-dtypes", "f32,bf16",
-                                   "--out-dir", results().string()});
+  const Completed completed = run(
+      {"serve-bench", "--quick", "--single-dtypes", "f32,bf16", "--out-dir", results().string()});
   ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
   const auto rows = read_rows();
   ASSERT_EQ(rows.size(), 7u);  // serve, dense and paged per single dtype, varlen and padded
@@ -136,6 +136,36 @@ TEST_F(ServeBenchCliTest, PageSizesRunTheServerOncePerSizeOnTheSameRequests) {
   EXPECT_NE(completed.out.find("on huge pages"), std::string::npos) << completed.out;
 }
 
+// A sweep of page sizes gets a plot of its own, also without part 2 (whose plot is then left
+// out); one page size without part 2 has nothing to plot and says so.
+TEST_F(ServeBenchCliTest, PageSizesSweepIsPlottedOnItsOwn) {
+  const Completed completed = run({"serve-bench", "--quick", "--page-size", "4,16", "--no-single",
+                                   "--no-prefill", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  std::vector<std::string> plots;
+  for (const auto& entry : fs::directory_iterator(results())) {
+    if (entry.path().extension() != ".png") continue;
+    plots.push_back(entry.path().filename().string());
+    EXPECT_GT(fs::file_size(entry.path()), 0u);
+  }
+  if (completed.out.find("no plot: gnuplot is not on PATH") == std::string::npos) {
+    ASSERT_EQ(plots.size(), 1u) << completed.out;
+    EXPECT_NE(plots[0].find("-quick-serve-pages.png"), std::string::npos) << plots[0];
+  } else {
+    EXPECT_TRUE(plots.empty());
+  }
+
+  const fs::path single_size = work_ / "single-size";
+  const Completed alone = run(
+      {"serve-bench", "--quick", "--no-single", "--no-prefill", "--out-dir", single_size.string()});
+  ASSERT_EQ(alone.exit_code, 0) << alone.out << alone.err;
+  EXPECT_NE(alone.out.find("no plot: --no-single and one --page-size"), std::string::npos)
+      << alone.out;
+  for (const auto& entry : fs::directory_iterator(single_size)) {
+    EXPECT_NE(entry.path().extension(), ".png") << entry.path();
+  }
+}
+
 TEST_F(ServeBenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
   const auto expect_clean_failure = [&](std::vector<std::string> args, int code,
                                         const std::string& message) {
@@ -163,9 +193,10 @@ TEST_F(ServeBenchCliTest, BadArgumentsFailWithOneLineAndNoFile) {
 TEST_F(ServeBenchCliTest, HelpSaysWhatIsMeasured) {
   const Completed completed = run({"serve-bench", "--help"});
   EXPECT_EQ(completed.exit_code, 0);
-  for (const char* text : {"--requests", "--min-len", "--max-len", "--page-size", "--steps",
-                           "--cache-dtype", "--single-seqlens", "log-uniform", "paged/dense",
-                           "fp64", "shuffled", "--prefill-sequences", "varlen/padded", "--huge-pages"}) {
+  for (const char* text :
+       {"--requests", "--min-len", "--max-len", "--page-size", "--steps", "--cache-dtype",
+        "--single-seqlens", "log-uniform", "paged/dense", "fp64", "shuffled", "--prefill-sequences",
+        "varlen/padded", "--huge-pages"}) {
     EXPECT_NE(completed.out.find(text), std::string::npos) << text << "\n" << completed.out;
   }
   EXPECT_TRUE(files().empty());

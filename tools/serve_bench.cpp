@@ -17,7 +17,8 @@
 // longest sequence: GFLOP/s of the real FLOPs, and of what each computed.
 //
 // Writes <out-dir>/<date>-<host>-serve.csv and, with gnuplot, -serve.png (part 2's GB/s against
-// the cache length, and the reads).
+// the cache length, and the reads) and, given several page sizes, -serve-pages.png (part 1's GB/s
+// against the page size, and its reads).
 
 #include <omp.h>
 #include <unistd.h>
@@ -127,23 +128,23 @@ struct Buffer {
   Buffer(DType type, std::array<std::int64_t, 4> dims, bool huge_pages = false)
       : dtype(type),
         shape(dims),
-        bytes(allocate(std::max<std::size_t>(size(), 1), huge_pages),
-              huge_pages ? [](std::byte* p) { ::operator delete(p, kHugeAlignment); }
-                         : [](std::byte* p) { ::operator delete(p, kLineAlignment); }) {
+        bytes(
+            allocate(std::max<std::size_t>(size(), 1), huge_pages),
+            huge_pages ? [](std::byte* p) { ::operator delete(p, kHugeAlignment); }
+                       : [](std::byte* p) { ::operator delete(p, kLineAlignment); }) {
 #if defined(MADV_HUGEPAGE)
     // Advice only: where the kernel declines, the buffer stays on small pages (the run reports
     // the share it got).
     if (huge_pages && size() >= kHugePageBytes) {
-      static_cast<void>(::madvise(bytes.get(), size() / kHugePageBytes * kHugePageBytes,
-                                  MADV_HUGEPAGE));
+      static_cast<void>(
+          ::madvise(bytes.get(), size() / kHugePageBytes * kHugePageBytes, MADV_HUGEPAGE));
     }
 #else
     static_cast<void>(huge_pages);
 #endif
   }
   std::size_t size() const {
-    return static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]) *
-           dtype_size(dtype);
+    return static_cast<std::size_t>(shape[0] * shape[1] * shape[2] * shape[3]) * dtype_size(dtype);
   }
   TensorView view() { return contiguous_view(bytes.get(), dtype, shape); }
   std::span<const std::byte> span() const { return {bytes.get(), size()}; }
@@ -281,7 +282,8 @@ Check check_sequence(const Cache& cache, const Step& step, std::int64_t b, int t
     max_q = std::max(max_q, std::abs(static_cast<double>(x)));
   }
   for (std::int64_t i = 0; i < L * Hkv * D; ++i) {
-    max_k = std::max(max_k, std::abs(static_cast<double>(load_f32(keys.bytes.get(), DType::f32, i))));
+    max_k =
+        std::max(max_k, std::abs(static_cast<double>(load_f32(keys.bytes.get(), DType::f32, i))));
     max_v =
         std::max(max_v, std::abs(static_cast<double>(load_f32(values.bytes.get(), DType::f32, i))));
   }
@@ -295,7 +297,9 @@ Check check_sequence(const Cache& cache, const Step& step, std::int64_t b, int t
     check.error = std::isnan(got) ? INFINITY : std::max(check.error, error);
   }
   const double u32 = 0x1p-24, scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const double u_q = step.q.dtype == DType::f32 ? 0.0 : step.q.dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
+  const double u_q = step.q.dtype == DType::f32   ? 0.0
+                     : step.q.dtype == DType::f16 ? 0x1p-11
+                                                  : 0x1p-8;
   check.tolerance = u32 * max_v *
                         (4.0 * scale * static_cast<double>(D) * max_q * max_k +
                          2.0 * static_cast<double>(L) + 16.0) +
@@ -413,8 +417,8 @@ Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::
         progress.update(++done);
       });
   bytes /= o.steps;
-  row.kv_tokens = static_cast<std::int64_t>(bytes / (2.0 * o.heads_kv * o.head_dim *
-                                                     static_cast<double>(dtype_size(cache_dtype))));
+  row.kv_tokens = static_cast<std::int64_t>(
+      bytes / (2.0 * o.heads_kv * o.head_dim * static_cast<double>(dtype_size(cache_dtype))));
   row.seconds = times.second;
   row.kv_gbps = bytes / times.second * 1e-9;
   row.read_gbps = read.work_per_unit() / times.first * 1e-9;
@@ -423,17 +427,18 @@ Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::
 }
 
 // Part 2: one sequence of `length` rows, dense and paged.
-std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_name, std::int64_t length,
-                        int threads, int repeat, std::mt19937_64& rng, bool& verified) {
+std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_name,
+                        std::int64_t length, int threads, int repeat, std::mt19937_64& rng,
+                        bool& verified) {
   const DType dtype = dtype_from(cache_dtype_name);
   const std::vector<std::int32_t> lengths = {static_cast<std::int32_t>(length)};
   const std::int64_t page_size = o.page_sizes.front(), huge_before = anon_huge_page_bytes();
   Cache dense(lengths, 0, 0, dtype, o.heads_kv, o.head_dim, o.huge_pages, rng);
   Cache paged(lengths, 0, page_size, dtype, o.heads_kv, o.head_dim, o.huge_pages, rng);
-  fill_uniform(dense.k.bytes.get(), dtype, static_cast<std::int64_t>(dense.k.size() / dtype_size(dtype)),
-               o.seed + 30);
-  fill_uniform(dense.v.bytes.get(), dtype, static_cast<std::int64_t>(dense.v.size() / dtype_size(dtype)),
-               o.seed + 31);
+  fill_uniform(dense.k.bytes.get(), dtype,
+               static_cast<std::int64_t>(dense.k.size() / dtype_size(dtype)), o.seed + 30);
+  fill_uniform(dense.v.bytes.get(), dtype,
+               static_cast<std::int64_t>(dense.v.size() / dtype_size(dtype)), o.seed + 31);
   const std::size_t row_bytes = static_cast<std::size_t>(o.head_dim) * dtype_size(dtype);
   for (std::int64_t j = 0; j < length; ++j) {
     for (std::int64_t h = 0; h < o.heads_kv; ++h) {
@@ -455,8 +460,8 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
   dense_row.requests = 1;
   dense_row.kv_tokens = length;
   dense_row.page_size = page_size;
-  dense_row.huge_page_share = huge_page_share(
-      o, huge_before, 2.0 * static_cast<double>(dense.k.size() + paged.k.size()));
+  dense_row.huge_page_share =
+      huge_page_share(o, huge_before, 2.0 * static_cast<double>(dense.k.size() + paged.k.size()));
   dense_row.check = check_sequence(dense, dense_step, 0, threads);
   if (!same) dense_row.check.error = INFINITY;  // dense and paged must agree bit for bit
   Row paged_row = dense_row;
@@ -486,8 +491,7 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
 // packed (varlen_attention_forward) and padded to the longest (attention_forward on
 // [B, longest, H, D]: with Sq = Skv the causal mask keeps every real row on its own real keys).
 // Both are verified on sampled rows against the fp64 reference, then timed in alternation.
-std::vector<Row> prefill(const ServeOptions& o, int threads, std::mt19937_64& rng,
-                         bool& verified) {
+std::vector<Row> prefill(const ServeOptions& o, int threads, std::mt19937_64& rng, bool& verified) {
   const DType dtype = dtype_from(o.q_dtype);
   std::uniform_real_distribution<double> uniform(std::log(static_cast<double>(o.prefill_min)),
                                                  std::log(static_cast<double>(o.prefill_max)));
@@ -508,7 +512,8 @@ std::vector<Row> prefill(const ServeOptions& o, int threads, std::mt19937_64& rn
   fill_uniform(v.bytes.get(), dtype, total * Hkv * D, o.seed + 52);
   // The padded batch: each sequence's rows first, zeros after.
   const std::size_t element = dtype_size(dtype);
-  for (Buffer* buffer : {&padded_q, &padded_k, &padded_v}) std::memset(buffer->bytes.get(), 0, buffer->size());
+  for (Buffer* buffer : {&padded_q, &padded_k, &padded_v})
+    std::memset(buffer->bytes.get(), 0, buffer->size());
   for (std::int64_t b = 0; b < B; ++b) {
     for (const auto& [from, to, heads] :
          {std::tuple{&q, &padded_q, Hq}, std::tuple{&k, &padded_k, Hkv},
@@ -568,11 +573,11 @@ std::vector<Row> prefill(const ServeOptions& o, int threads, std::mt19937_64& rn
       reference_attention_forward(q_row.view(), k_rows.view(), v_rows.view(), want.view(), nullptr,
                                   reference_options);
       const double u = dtype == DType::f32 ? 0.0 : dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
-      const double tolerance = 0x1p-24 * max_v *
-                                   (4.0 / std::sqrt(static_cast<double>(D)) *
-                                        static_cast<double>(D) * max_q * max_k +
-                                    2.0 * static_cast<double>(keys) + 16.0) +
-                               2.0 * u * max_v;
+      const double tolerance =
+          0x1p-24 * max_v *
+              (4.0 / std::sqrt(static_cast<double>(D)) * static_cast<double>(D) * max_q * max_k +
+               2.0 * static_cast<double>(keys) + 16.0) +
+          2.0 * u * max_v;
       for (auto [row_ptr, check, index] :
            {std::tuple{out.bytes.get(), &varlen_row.check, row},
             std::tuple{padded_out.bytes.get(), &padded_row.check, b * longest + i}}) {
@@ -617,18 +622,17 @@ std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_
   std::ostringstream line;
   line << machine.date << ',' << machine.host << ',' << machine.threads << ',' << row.part << ','
        << row.cache << ',' << o.q_dtype << ',' << row.cache_dtype << ',' << row.requests << ','
-       << row.kv_tokens << ',' << (decode ? std::to_string(row.page_size) : std::string())
-       << ',' << o.heads_q << ',' << o.heads_kv << ','
-       << o.head_dim << ',' << format("%.6g", row.seconds) << ','
+       << row.kv_tokens << ',' << (decode ? std::to_string(row.page_size) : std::string()) << ','
+       << o.heads_q << ',' << o.heads_kv << ',' << o.head_dim << ',' << format("%.6g", row.seconds)
+       << ','
        << decode_number("%.1f",
                         row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0)
-       << ',' << decode_number("%.3f", row.kv_gbps) << ','
-       << decode_number("%.3f", row.read_gbps) << ',' << decode_number("%.3f", row.ratio_read)
-       << ',' << optional_number("%.3f", row.paged_over_dense) << ',' << format("%.3f", copy_gbps) << ','
+       << ',' << decode_number("%.3f", row.kv_gbps) << ',' << decode_number("%.3f", row.read_gbps)
+       << ',' << decode_number("%.3f", row.ratio_read) << ','
+       << optional_number("%.3f", row.paged_over_dense) << ',' << format("%.3f", copy_gbps) << ','
        << (row.check.passed() ? "yes" : "no") << ',' << format("%.3g", row.check.error) << ','
-       << format("%.3g", row.check.tolerance) << ','
-       << optional_number("%.2f", row.real_gflops) << ','
-       << optional_number("%.2f", row.computed_gflops) << ','
+       << format("%.3g", row.check.tolerance) << ',' << optional_number("%.2f", row.real_gflops)
+       << ',' << optional_number("%.2f", row.computed_gflops) << ','
        << optional_number("%.3f", row.varlen_over_padded) << ','
        << optional_number("%.3f", row.huge_page_share) << '\n';
   return line.str();
@@ -637,17 +641,17 @@ std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_
 void print_row(const Row& row) {
   const std::string huge =
       row.huge_page_share ? format(", %.0f%% on huge pages", 100.0 * *row.huge_page_share) : "";
-  std::printf("%-7s %-6s %-5s %5lld %8lld %11lld %9.3f %9.1f %8.2f %8.2f %6.2f %8s %s (error %.2g, "
-              "tolerance %.2g%s)\n",
-              row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
-              static_cast<long long>(row.page_size), static_cast<long long>(row.requests),
-              static_cast<long long>(row.kv_tokens),
-              row.seconds * 1e3,
-              row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0,
-              row.kv_gbps, row.read_gbps, row.ratio_read,
-              row.paged_over_dense ? format("%.3f", *row.paged_over_dense).c_str() : "",
-              row.check.passed() ? "verified" : "FAILED", row.check.error, row.check.tolerance,
-              huge.c_str());
+  std::printf(
+      "%-7s %-6s %-5s %5lld %8lld %11lld %9.3f %9.1f %8.2f %8.2f %6.2f %8s %s (error %.2g, "
+      "tolerance %.2g%s)\n",
+      row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
+      static_cast<long long>(row.page_size), static_cast<long long>(row.requests),
+      static_cast<long long>(row.kv_tokens), row.seconds * 1e3,
+      row.seconds > 0 ? static_cast<double>(row.requests) / row.seconds : 0.0, row.kv_gbps,
+      row.read_gbps, row.ratio_read,
+      row.paged_over_dense ? format("%.3f", *row.paged_over_dense).c_str() : "",
+      row.check.passed() ? "verified" : "FAILED", row.check.error, row.check.tolerance,
+      huge.c_str());
 }
 
 int run_serve_bench(ServeOptions o, const CLI::App& command) {
@@ -663,12 +667,12 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
     if (unset("--prefill-max")) o.prefill_max = 200;
   }
   if (o.min_len > o.max_len) {
-    throw Error("--min-len: expected at most --max-len = " + std::to_string(o.max_len) +
-                ", got " + std::to_string(o.min_len));
+    throw Error("--min-len: expected at most --max-len = " + std::to_string(o.max_len) + ", got " +
+                std::to_string(o.min_len));
   }
   if (o.prefill_min > o.prefill_max) {
-    throw Error("--prefill-min: expected at most --prefill-max = " +
-                std::to_string(o.prefill_max) + ", got " + std::to_string(o.prefill_min));
+    throw Error("--prefill-min: expected at most --prefill-max = " + std::to_string(o.prefill_max) +
+                ", got " + std::to_string(o.prefill_min));
   }
   if (o.heads_q % o.heads_kv != 0) {
     throw Error("--heads-kv: expected a divisor of --heads-q = " + std::to_string(o.heads_q) +
@@ -684,20 +688,25 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
   fs::create_directories(out_dir, error);
   if (error) throw Error("--out-dir: cannot create " + out_dir.string() + ": " + error.message());
   const Machine machine = describe_machine(threads);
-  const std::string stem = machine.date + "-" + file_name_safe(machine.host) +
-                           (o.quick ? "-quick" : "") + "-serve";
+  const std::string stem =
+      machine.date + "-" + file_name_safe(machine.host) + (o.quick ? "-quick" : "") + "-serve";
   AtomicFile csv(out_dir / (stem + ".csv"));
-  std::unique_ptr<AtomicFile> png;
+  // Two plots: part 2's sweep of lengths, and part 1's sweep of page sizes where there is one.
+  const bool pages_sweep = o.page_sizes.size() > 1;
+  std::unique_ptr<AtomicFile> lengths_png, pages_png;
   std::optional<fs::path> gnuplot;
   std::string no_plot_reason;
   if (o.no_plot) {
     no_plot_reason = "--no-plot";
-  } else if (o.no_single) {
-    no_plot_reason = "--no-single (the plot shows the single-sequence sweep)";
+  } else if (o.no_single && !pages_sweep) {
+    no_plot_reason =
+        "--no-single and one --page-size (the plots show the single-sequence sweep and the "
+        "server's sweep of page sizes)";
   } else if (gnuplot = find_on_path("gnuplot"); !gnuplot) {
     no_plot_reason = "gnuplot is not on PATH; install gnuplot-nox (scripts/install-deps.sh)";
   } else {
-    png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
+    if (!o.no_single) lengths_png = std::make_unique<AtomicFile>(out_dir / (stem + ".png"));
+    if (pages_sweep) pages_png = std::make_unique<AtomicFile>(out_dir / (stem + "-pages.png"));
   }
 
   std::fprintf(stderr, "flashattn serve-bench: measuring the memory copy ceiling\n");
@@ -739,20 +748,20 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
   }
 
   if (!o.no_prefill) {
-    std::printf("\n%-7s %-6s %-5s %8s %11s %9s %11s %14s %14s\n", "part", "batch", "dtype",
-                "seqs", "rows", "ms", "real GF/s", "computed GF/s", "varlen/padded");
+    std::printf("\n%-7s %-6s %-5s %8s %11s %9s %11s %14s %14s\n", "part", "batch", "dtype", "seqs",
+                "rows", "ms", "real GF/s", "computed GF/s", "varlen/padded");
     std::fprintf(stderr, "flashattn serve-bench: prefill, packed and padded\n");
     for (const Row& row : prefill(o, threads, rng, verified)) {
       rows.push_back(row);
-      std::printf("%-7s %-6s %-5s %8lld %11lld %9.1f %11s %14s %14s %s (error %.2g, tolerance "
-                  "%.2g)\n",
-                  row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
-                  static_cast<long long>(row.requests), static_cast<long long>(row.kv_tokens),
-                  row.seconds * 1e3, optional_number("%.1f", row.real_gflops).c_str(),
-                  optional_number("%.1f", row.computed_gflops).c_str(),
-                  optional_number("%.3f", row.varlen_over_padded).c_str(),
-                  row.check.passed() ? "verified" : "FAILED", row.check.error,
-                  row.check.tolerance);
+      std::printf(
+          "%-7s %-6s %-5s %8lld %11lld %9.1f %11s %14s %14s %s (error %.2g, tolerance "
+          "%.2g)\n",
+          row.part.c_str(), row.cache.c_str(), row.cache_dtype.c_str(),
+          static_cast<long long>(row.requests), static_cast<long long>(row.kv_tokens),
+          row.seconds * 1e3, optional_number("%.1f", row.real_gflops).c_str(),
+          optional_number("%.1f", row.computed_gflops).c_str(),
+          optional_number("%.3f", row.varlen_over_padded).c_str(),
+          row.check.passed() ? "verified" : "FAILED", row.check.error, row.check.tolerance);
     }
   }
 
@@ -765,7 +774,23 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
   csv.append(text);
   csv.commit();
   std::printf("\nwrote %s\n", fs::absolute(csv.path()).lexically_normal().c_str());
-  if (png) {
+  // Draws one plot into `png`, or says why not in no_plot_reason.
+  const auto draw = [&](AtomicFile& png, const std::vector<GbpsPoint>& points,
+                        const std::string& xlabel) {
+    const std::optional<std::string> failure = run_gnuplot(
+        *gnuplot, serving_plot_script(png.temp_path(), machine, copy_gbps, points, xlabel));
+    if (!failure && fs::file_size(png.temp_path(), error) > 0 && !error) {
+      png.commit();
+      std::printf("wrote %s\n", fs::absolute(png.path()).lexically_normal().c_str());
+    } else {
+      png.discard();
+      no_plot_reason = failure.value_or("gnuplot wrote an empty file");
+    }
+  };
+  const std::string shape = "Hq = " + std::to_string(o.heads_q) +
+                            ", Hkv = " + std::to_string(o.heads_kv) +
+                            ", D = " + std::to_string(o.head_dim) + ", q " + o.q_dtype;
+  if (lengths_png) {
     std::vector<GbpsPoint> points;
     for (const Row& row : rows) {
       if (row.part != "single" || row.seconds == 0.0) continue;
@@ -773,25 +798,26 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
       points.push_back({row.cache + " " + row.cache_dtype, row.cache == "paged" ? 1 : 2, colour,
                         row.kv_tokens, row.kv_gbps});
       if (row.cache == "dense") {
-        points.push_back({"read of K and V, " + row.cache_dtype, 3, colour, row.kv_tokens,
-                          row.read_gbps});
+        points.push_back(
+            {"read of K and V, " + row.cache_dtype, 3, colour, row.kv_tokens, row.read_gbps});
       }
     }
-    const std::string xlabel = "KV cache length (one sequence, one query row, Hq = " +
-                               std::to_string(o.heads_q) + ", Hkv = " +
-                               std::to_string(o.heads_kv) + ", D = " + std::to_string(o.head_dim) +
-                               ", q " + o.q_dtype + ", pages of " +
-                               std::to_string(o.page_sizes.front()) +
-                               ")";
-    const std::optional<std::string> failure = run_gnuplot(
-        *gnuplot, serving_plot_script(png->temp_path(), machine, copy_gbps, points, xlabel));
-    if (!failure && fs::file_size(png->temp_path(), error) > 0 && !error) {
-      png->commit();
-      std::printf("wrote %s\n", fs::absolute(png->path()).lexically_normal().c_str());
-    } else {
-      png->discard();
-      no_plot_reason = failure.value_or("gnuplot wrote an empty file");
+    draw(*lengths_png, points,
+         "KV cache length (one sequence, one query row, " + shape + ", pages of " +
+             std::to_string(o.page_sizes.front()) + ")");
+  }
+  if (pages_png) {
+    // The server's GB/s against its page size, beside the read of the same pages in each round.
+    std::vector<GbpsPoint> points;
+    for (const Row& row : rows) {
+      if (row.part != "serve" || row.seconds == 0.0) continue;
+      points.push_back({"server, " + row.cache_dtype + " cache", 1, 1, row.page_size, row.kv_gbps});
+      points.push_back({"read of its K and V", 3, 1, row.page_size, row.read_gbps});
     }
+    draw(*pages_png, points,
+         "rows per page (the server: " + std::to_string(o.requests) + " requests, " +
+             std::to_string(rows.front().kv_tokens) + " keys, pages in shuffled order, " + shape +
+             (o.huge_pages ? ", on huge pages" : "") + ")");
   }
   if (!no_plot_reason.empty()) std::printf("no plot: %s\n", no_plot_reason.c_str());
   if (!verified) {
@@ -831,7 +857,9 @@ Action add_serve_bench_command(CLI::App& app) {
       "GF/s counts the unpadded causal FLOPs, computed GF/s what the call computed (padding\n"
       "included), varlen/padded is varlen's real over the padded batch's computed GF/s.\n"
       "Writes <out-dir>/<YYYY-MM-DD>-<host>-serve.csv (-quick-serve.csv with --quick) and, with\n"
-      "gnuplot, -serve.png (part 2's GB/s against the length). Progress goes to stderr.\n"
+      "gnuplot, -serve.png (part 2's GB/s against the length) and, given several --page-size\n"
+      "values, -serve-pages.png (the server's GB/s and its read's against the page size).\n"
+      "Progress goes to stderr.\n"
       "Exit codes: 0 verified, 1 invalid arguments or unwritable output, 2 bad command line,\n"
       "3 a part failed verification (then not timed).");
   command->option_defaults()->always_capture_default();
@@ -843,9 +871,10 @@ Action add_serve_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 24));
   command->add_option("--steps", options->steps, "Timed decode steps")
       ->check(CLI::Range(1, 100000));
-  command->add_option("--page-size", options->page_sizes,
-                      "Rows per page; several (16,64,256) run part 1 once per size on the same "
-                      "requests, and part 2 takes the first")
+  command
+      ->add_option("--page-size", options->page_sizes,
+                   "Rows per page; several (16,64,256) run part 1 once per size on the same "
+                   "requests, and part 2 takes the first")
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 20));
   command->add_option("--heads-q", options->heads_q, "Query heads")->check(CLI::Range(1, 1024));
@@ -856,24 +885,27 @@ Action add_serve_bench_command(CLI::App& app) {
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   command->add_option("--cache-dtype", options->cache_dtype, "dtype of the KV cache")
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
-  command->add_option("--single-seqlens", options->single_seqlens,
-                      "Lengths of part 2's single sequence")
+  command
+      ->add_option("--single-seqlens", options->single_seqlens,
+                   "Lengths of part 2's single sequence")
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 24));
   command->add_option("--single-dtypes", options->single_dtypes, "Cache dtypes of part 2")
       ->delimiter(',')
       ->check(CLI::IsMember({"f32", "f16", "bf16"}));
   command->add_flag("--no-single", options->no_single, "Leave out part 2");
-  command->add_option("--prefill-sequences", options->prefill_sequences,
-                      "Sequences of part 3's prefill")
+  command
+      ->add_option("--prefill-sequences", options->prefill_sequences,
+                   "Sequences of part 3's prefill")
       ->check(CLI::Range(1, 4096));
   command->add_option("--prefill-min", options->prefill_min, "Shortest prefill sequence")
       ->check(CLI::Range(1, 1 << 20));
   command->add_option("--prefill-max", options->prefill_max, "Longest prefill sequence")
       ->check(CLI::Range(1, 1 << 20));
   command->add_flag("--no-prefill", options->no_prefill, "Leave out part 3");
-  command->add_option("--check-requests", options->check_requests,
-                      "Requests of the first step checked against the fp64 reference")
+  command
+      ->add_option("--check-requests", options->check_requests,
+                   "Requests of the first step checked against the fp64 reference")
       ->check(CLI::Range(1, 1 << 16));
   add_threads_option(command, &options->threads);
   command->add_option("--seed", options->seed, "Random seed of the lengths, pages and values");
