@@ -640,8 +640,22 @@ HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT ro
   for (int k = 0; k < K; ++k) x_rows[k] = x.row(k);
   for (int r = 0; r < R; ++r)
     for (int k = 0; k < K; ++k) sums[r][k] = hn::Zero(tag);
+  // Where a step reads one line of each row (64-byte vectors of fp32, or bf16 pairs), the line
+  // of each row ahead is asked for directly, not by PrefetchAhead's loop over lines.
+  constexpr auto kElementBytes = static_cast<std::int64_t>(sizeof(typename Reader::Element));
+  const bool line_per_step = V * N * kElementBytes == 64;
+  const char* ahead_rows[K];
+  for (int k = 0; k < K; ++k) {
+    ahead_rows[k] = ahead.present() ? reinterpret_cast<const char*>(ahead.row(k)) : nullptr;
+  }
   for (std::int64_t d = 0; d < n; d += V * N) {
-    if (ahead.present()) PrefetchAhead(ahead, K, d, d + V * N);
+    if (ahead.present()) {
+      if (line_per_step) {
+        for (int k = 0; k < K; ++k) prefetch_line(ahead_rows[k] + d * kElementBytes);
+      } else {
+        PrefetchAhead(ahead, K, d, d + V * N);
+      }
+    }
     Vec xs[K][V];
     for (int k = 0; k < K; ++k) Reader::Load(tag, x_rows[k] + d, xs[k]);
     for (int r = 0; r < R; ++r) {
