@@ -166,6 +166,7 @@ struct ChunkResults {
 
 struct Scratch {
   AlignedVector<float> q;       // [Hkv·rows x Dp] the batch entry's query rows
+  std::int64_t q_entry = -1;    // whose rows q holds: a thread's chunks are often one entry's
   AlignedVector<float> scores;  // [Hkv·rows x Bk]
   // [key group x Dp] K or V rows widened, zeros past head_dim (head_dim not a whole number of
   // vectors, or f16 without F16C)
@@ -469,6 +470,8 @@ ChunkState start_chunk(const AttentionParams& p, const DecodePlan& plan, ChunkRe
 
 // The batch entry's query rows into t.q, [Hkv·rows x Dp], in bf16 pair order for bf16 pairs.
 void load_query_rows(const AttentionParams& p, const DecodePlan& plan, Scratch& t, std::int64_t b) {
+  if (t.q_entry == b) return;
+  t.q_entry = b;
   const std::int64_t rows = plan.rows, Sq = p.seqlen_q, Dp = cpu::pad_to_lanes(p.head_dim);
   for (std::int64_t h = 0; h < p.heads_kv; ++h) {
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -647,7 +650,7 @@ void flash_decode(const AttentionParams& p) {
   parallel_tasks(
       p.num_threads, plan.total_chunks,
       [&] {
-        return Scratch{AlignedVector<float>(slots_per_entry * Dp),
+        return Scratch{AlignedVector<float>(slots_per_entry * Dp), -1,
                        AlignedVector<float>(slots_per_entry * plan.block_keys),
                        AlignedVector<float>(plan.key_group * Dp)};
       },
