@@ -358,7 +358,7 @@ struct OffsetRows {
   OffsetRows() = default;
   OffsetRows(const char* base_, const std::int64_t* offsets_, std::int64_t column_)
       : base(base_), offsets(offsets_), column(column_) {}
-  explicit OffsetRows(ScatteredRows rows)
+  explicit OffsetRows(const ScatteredRows& rows)
       : base(static_cast<const char*>(rows.base)), offsets(rows.byte_offsets) {}
   HWY_INLINE bool present() const { return base != nullptr; }
   HWY_INLINE const T* row(std::int64_t k) const {
@@ -881,7 +881,8 @@ void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_R
 // Calls kernel(x_rows, ahead_rows) with the rows as StridedRows or, where their offsets are
 // given, OffsetRows of Element. Rows ahead given in the other form are not asked for.
 template <class Element, class Kernel>
-HWY_INLINE void WithRowsOf(ScatteredRows x, ScatteredRows ahead, const Kernel& kernel) {
+HWY_INLINE void WithRowsOf(const ScatteredRows& x, const ScatteredRows& ahead,
+                           const Kernel& kernel) {
   const bool ahead_alike = (ahead.byte_offsets == nullptr) == (x.byte_offsets == nullptr);
   if (x.byte_offsets == nullptr) {
     using Rows = StridedRows<Element>;
@@ -897,7 +898,7 @@ HWY_INLINE void WithRowsOf(ScatteredRows x, ScatteredRows ahead, const Kernel& k
 // input dtype's element type: all of them, or, for f16 on targets without F16C, one at a time
 // widened by the scalar conversion (the portable targets), with no rows ahead.
 template <class Kernel>
-HWY_INLINE void WithInputRows(ScatteredRows x, ScatteredRows ahead, DType x_dtype,
+HWY_INLINE void WithInputRows(const ScatteredRows& x, const ScatteredRows& ahead, DType x_dtype,
                               std::int64_t x_count, std::int64_t n, const Kernel& kernel) {
   auto all_rows = [&](auto rows, auto ahead_rows) { kernel(rows, ahead_rows, x_count, 0); };
   switch (x_dtype) {
@@ -924,8 +925,8 @@ HWY_INLINE void WithInputRows(ScatteredRows x, ScatteredRows ahead, DType x_dtyp
 }
 
 void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_RESTRICT rows,
-             std::int64_t ld_rows, std::int64_t count, ScatteredRows x, DType x_dtype,
-             std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+             std::int64_t ld_rows, std::int64_t count, const ScatteredRows& x, DType x_dtype,
+             std::int64_t x_count, std::int64_t n, const ScatteredRows& ahead) {
   WithInputRows(x, ahead, x_dtype, x_count, n,
                 [&](auto typed, auto typed_ahead, std::int64_t typed_count, std::int64_t first) {
                   using Rows = decltype(typed);
@@ -937,7 +938,8 @@ void DotRows(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HWY_
 
 void DotRowsBf16Pairs(float* HWY_RESTRICT out, std::int64_t out_stride,
                       const float* HWY_RESTRICT rows, std::int64_t ld_rows, std::int64_t count,
-                      ScatteredRows x, std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+                      const ScatteredRows& x, std::int64_t x_count, std::int64_t n,
+                      const ScatteredRows& ahead) {
   WithRowsOf<hwy::bfloat16_t>(x, ahead, [&](auto typed, auto typed_ahead) {
     DotRowsOf<Bf16Pairs, decltype(typed)>(out, out_stride, rows, ld_rows, count, typed, x_count, n,
                                           typed_ahead);
@@ -945,8 +947,8 @@ void DotRowsBf16Pairs(float* HWY_RESTRICT out, std::int64_t out_stride,
 }
 
 void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RESTRICT weights,
-              std::int64_t weight_stride, std::int64_t count, ScatteredRows x, DType x_dtype,
-              std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+              std::int64_t weight_stride, std::int64_t count, const ScatteredRows& x, DType x_dtype,
+              std::int64_t x_count, std::int64_t n, const ScatteredRows& ahead) {
   WithInputRows(x, ahead, x_dtype, x_count, n,
                 [&](auto typed, auto typed_ahead, std::int64_t typed_count, std::int64_t first) {
                   using Rows = decltype(typed);
@@ -958,8 +960,8 @@ void AxpyRows(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_RES
 
 void AxpyRowsBf16Pairs(float* HWY_RESTRICT acc, std::int64_t ld_acc,
                        const float* HWY_RESTRICT weights, std::int64_t weight_stride,
-                       std::int64_t count, ScatteredRows x, std::int64_t x_count, std::int64_t n,
-                       ScatteredRows ahead) {
+                       std::int64_t count, const ScatteredRows& x, std::int64_t x_count,
+                       std::int64_t n, const ScatteredRows& ahead) {
   WithRowsOf<hwy::bfloat16_t>(x, ahead, [&](auto typed, auto typed_ahead) {
     AxpyRowsOf<Bf16Pairs, decltype(typed)>(acc, ld_acc, weights, weight_stride, count, typed,
                                            x_count, n, typed_ahead);
@@ -1128,15 +1130,15 @@ void transpose_rows(float* dst, std::int64_t ld_dst, const float* const* rows, s
 }
 
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
-              std::int64_t n, ScatteredRows ahead) {
+              std::int64_t count, const ScatteredRows& x, DType x_dtype, std::int64_t x_count,
+              std::int64_t n, const ScatteredRows& ahead) {
   HWY_DYNAMIC_DISPATCH(DotRows)
   (out, out_stride, rows, ld_rows, count, x, x_dtype, x_count, n, ahead);
 }
 
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
-               std::int64_t n, ScatteredRows ahead) {
+               std::int64_t count, const ScatteredRows& x, DType x_dtype, std::int64_t x_count,
+               std::int64_t n, const ScatteredRows& ahead) {
   HWY_DYNAMIC_DISPATCH(AxpyRows)
   (acc, ld_acc, weights, weight_stride, count, x, x_dtype, x_count, n, ahead);
 }
@@ -1164,15 +1166,15 @@ void from_bf16_pair_order(float* dst, const float* src, std::int64_t n) {
 }
 
 void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
-                         std::int64_t ld_rows, std::int64_t count, ScatteredRows x,
-                         std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+                         std::int64_t ld_rows, std::int64_t count, const ScatteredRows& x,
+                         std::int64_t x_count, std::int64_t n, const ScatteredRows& ahead) {
   HWY_DYNAMIC_DISPATCH(DotRowsBf16Pairs)
   (out, out_stride, rows, ld_rows, count, x, x_count, n, ahead);
 }
 
 void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
-                          std::int64_t weight_stride, std::int64_t count, ScatteredRows x,
-                          std::int64_t x_count, std::int64_t n, ScatteredRows ahead) {
+                          std::int64_t weight_stride, std::int64_t count, const ScatteredRows& x,
+                          std::int64_t x_count, std::int64_t n, const ScatteredRows& ahead) {
   HWY_DYNAMIC_DISPATCH(AxpyRowsBf16Pairs)
   (acc, ld_acc, weights, weight_stride, count, x, x_count, n, ahead);
 }

@@ -132,12 +132,12 @@ struct ScatteredRows {
 // x_dtype (widened exactly in registers):
 // out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k][0 .. n)   r < count, k < x_count
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
-              std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
-              std::int64_t n, ScatteredRows ahead = {});
+              std::int64_t count, const ScatteredRows& x, DType x_dtype, std::int64_t x_count,
+              std::int64_t n, const ScatteredRows& ahead = {});
 // acc[r · ld_acc + d] += Σ_k weights[r · weight_stride + k] · x[k][d]   r < count, d < n
 void axpy_rows(float* acc, std::int64_t ld_acc, const float* weights, std::int64_t weight_stride,
-               std::int64_t count, ScatteredRows x, DType x_dtype, std::int64_t x_count,
-               std::int64_t n, ScatteredRows ahead = {});
+               std::int64_t count, const ScatteredRows& x, DType x_dtype, std::int64_t x_count,
+               std::int64_t n, const ScatteredRows& ahead = {});
 
 // The same two products on bf16 x rows with the fp32 operand (rows, acc) in bf16 pair order:
 // each chunk of bf16_pair_chunk() elements (2 vectors of the SIMD target that runs) holds its
@@ -152,11 +152,11 @@ std::int64_t bf16_pair_chunk();
 void to_bf16_pair_order(float* dst, const float* src, std::int64_t n);
 void from_bf16_pair_order(float* dst, const float* src, std::int64_t n);
 void dot_rows_bf16_pairs(float* out, std::int64_t out_stride, const float* rows,
-                         std::int64_t ld_rows, std::int64_t count, ScatteredRows x,
-                         std::int64_t x_count, std::int64_t n, ScatteredRows ahead = {});
+                         std::int64_t ld_rows, std::int64_t count, const ScatteredRows& x,
+                         std::int64_t x_count, std::int64_t n, const ScatteredRows& ahead = {});
 void axpy_rows_bf16_pairs(float* acc, std::int64_t ld_acc, const float* weights,
-                          std::int64_t weight_stride, std::int64_t count, ScatteredRows x,
-                          std::int64_t x_count, std::int64_t n, ScatteredRows ahead = {});
+                          std::int64_t weight_stride, std::int64_t count, const ScatteredRows& x,
+                          std::int64_t x_count, std::int64_t n, const ScatteredRows& ahead = {});
 
 // Whether no element of values[0, n) is an infinity or NaN (of fp32 values, of bf16 bit
 // patterns): the backward asks it of each packed block (cpu/kernels/visible_gradients.hpp).
