@@ -259,6 +259,10 @@ class KeyWalk {
     inputs_head_ = -1;
     inputs_key_ = -1;
     ahead_.key = -1;
+    // The calls between the first and the one calls_ahead_ on are asked for once per chunk and
+    // tensor: later walks of K (V) start on rows the previous one asked for as it ended.
+    first_walk_ = std::find(walked_, walked_ + 2, base) == walked_ + 2;
+    if (first_walk_) *std::find(walked_, walked_ + 2, nullptr) = base;
     const std::int64_t group = plan_.key_group;
     for (std::int64_t j = block; j < block + keys; j += group) {
       visit(j, std::min(group, block + keys - j),
@@ -406,7 +410,7 @@ class KeyWalk {
   const InputRows& rows_of(const void* base, const Strides& strides, std::int64_t h,
                            std::int64_t key, std::int64_t count) {
     if (h != inputs_head_ || key != inputs_key_ || count != inputs_count_) {
-      const bool first_call = inputs_key_ < 0;
+      const bool first_call = first_walk_ && inputs_key_ < 0;
       if (key != inputs_key_ || count != inputs_count_) locate(key, count, strides, group_);
       const std::int64_t ahead = head_ahead(base, strides, h, key, count, first_call);
       const std::int64_t Dp = cpu::pad_to_lanes(p_.head_dim);
@@ -443,6 +447,8 @@ class KeyWalk {
   InputRows inputs_{{}, DType::f32, {}};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1, inputs_count_ = 0;
   GroupRows group_;  // of inputs_key_
+  const void* walked_[2] = {};  // the tensors (K, V) walked so far
+  bool first_walk_ = true;      // whether this walk is its tensor's first in the chunk
   GroupRows ahead_;  // of the rows ahead (head_ahead), looked up once for every KV head's call
 };
 
