@@ -161,7 +161,7 @@ DecodePlan decode_plan(const AttentionParams& p) {
 // Each chunk's running statistics and accumulator for every row of its batch entry: row
 // (h·rows + r) of chunk c of batch entry b is slot ((first_b + c)·Hkv + h)·rows + r.
 struct ChunkResults {
-  AlignedVector<float> max, sum, acc;  // acc: Dp floats per slot
+  UninitializedAlignedVector<float> max, sum, acc;  // acc: Dp floats per slot
 };
 
 struct Scratch {
@@ -651,8 +651,10 @@ void flash_decode(const AttentionParams& p) {
   const DecodePlan plan = decode_plan(p);
   const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
   const std::int64_t slots = plan.total_chunks * slots_per_entry;
-  ChunkResults results{AlignedVector<float>(slots), AlignedVector<float>(slots),
-                       AlignedVector<float>(slots * Dp)};
+  // Not zeroed here: start_chunk fills each chunk's slots before they are read.
+  ChunkResults results{UninitializedAlignedVector<float>(slots),
+                       UninitializedAlignedVector<float>(slots),
+                       UninitializedAlignedVector<float>(slots * Dp)};
   parallel_tasks(
       p.num_threads, plan.total_chunks,
       [&] {

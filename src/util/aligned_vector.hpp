@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <new>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace flashattn::detail {
@@ -33,5 +35,31 @@ struct CacheLineAllocator {
 
 template <class T>
 using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
+
+// The same allocation with elements default-initialized: a vector of floats sized without the
+// zero fill that value-initialization writes, for buffers every element of which is written
+// before it is read (the decode path's per-chunk statistics, filled as each chunk starts).
+template <class T>
+struct UninitializedCacheLineAllocator : CacheLineAllocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitializedCacheLineAllocator<U>;
+  };
+  UninitializedCacheLineAllocator() = default;
+  template <class U>
+  UninitializedCacheLineAllocator(const UninitializedCacheLineAllocator<U>&) {}
+
+  template <class U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <class T>
+using UninitializedAlignedVector = std::vector<T, UninitializedCacheLineAllocator<T>>;
 
 }  // namespace flashattn::detail
