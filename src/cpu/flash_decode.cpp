@@ -603,7 +603,7 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
       sum += results.sum[slot(chunk)] * weights[chunk];
     }
     // The row's accumulators lie heads·rows·Dp floats apart, one per chunk: one product over
-    // them all rather than a call per chunk, whose fixed cost was ~3% of a 4096-key call.
+    // them all rather than a call per chunk, each with its fixed cost (docs/tuning.md).
     cpu::axpy_rows(out_row, Dp, weights, 0, 1, {results.acc.data() + slot(0) * Dp, heads * rows * Dp},
                    DType::f32, entry.chunks, Dp);
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf

@@ -120,7 +120,8 @@ void softmax_gradient_tile(float* dp, std::int64_t ld_dp, const float* p, std::i
 
 // Rows of the decode products' second operand: `ld` elements apart from base, or, where
 // byte_offsets is given, row k at byte_offsets[k] bytes from base (the rows of a paged cache
-// that cross a page; the offsets serve every KV head's rows). A null base is no rows.
+// that cross a page; the offsets serve every KV head's rows). A null base is no rows. Taken by
+// reference: a copy of rows just written misses store forwarding (docs/tuning.md).
 struct ScatteredRows {
   const void* base = nullptr;
   std::int64_t ld = 0;
