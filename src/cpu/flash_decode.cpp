@@ -261,8 +261,12 @@ class KeyWalk {
     ahead_.key = -1;
     // The calls between the first and the one calls_ahead_ on are asked for once per chunk and
     // tensor: later walks of K (V) start on rows the previous one asked for as it ended.
-    first_walk_ = std::find(walked_, walked_ + 2, base) == walked_ + 2;
-    if (first_walk_) *std::find(walked_, walked_ + 2, nullptr) = base;
+    const void** const walked_end = walked_ + 2;
+    first_walk_ = std::find(walked_, walked_end, base) == walked_end;
+    if (const auto free_slot = std::find(walked_, walked_end, nullptr);
+        first_walk_ && free_slot != walked_end) {
+      *free_slot = base;
+    }
     const std::int64_t group = plan_.key_group;
     for (std::int64_t j = block; j < block + keys; j += group) {
       visit(j, std::min(group, block + keys - j),
@@ -446,7 +450,7 @@ class KeyWalk {
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{{}, DType::f32, {}};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1, inputs_count_ = 0;
-  GroupRows group_;  // of inputs_key_
+  GroupRows group_;             // of inputs_key_
   const void* walked_[2] = {};  // the tensors (K, V) walked so far
   bool first_walk_ = true;      // whether this walk is its tensor's first in the chunk
   GroupRows ahead_;  // of the rows ahead (head_ahead), looked up once for every KV head's call
@@ -604,8 +608,9 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     }
     // The row's accumulators lie heads·rows·Dp floats apart, one per chunk: one product over
     // them all rather than a call per chunk, each with its fixed cost (docs/tuning.md).
-    cpu::axpy_rows(out_row, Dp, weights, 0, 1, {results.acc.data() + slot(0) * Dp, heads * rows * Dp},
-                   DType::f32, entry.chunks, Dp);
+    cpu::axpy_rows(out_row, Dp, weights, 0, 1,
+                   {results.acc.data() + slot(0) * Dp, heads * rows * Dp}, DType::f32, entry.chunks,
+                   Dp);
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
     // (the sink); a row whose scores are all -inf gets 0/0 without a sink. (A bias or mask,
     // which can mask every key of a row, sends the call to the tiled forward.)
