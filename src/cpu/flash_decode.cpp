@@ -232,12 +232,13 @@ Prefetching prefetching_for(DType dtype) {
 class KeyWalk {
  public:
   KeyWalk(const AttentionParams& p, const DecodePlan& plan, Scratch& t, std::int64_t b,
-          std::int64_t chunk_end)
+          KeyRange chunk)
       : p_(p),
         plan_(plan),
         t_(t),
         b_(b),
-        chunk_end_(chunk_end),
+        chunk_begin_(chunk.begin),
+        chunk_end_(chunk.end),
         prefetching_(prefetching_for(p.dtype)),
         element_bytes_(static_cast<std::int64_t>(dtype_size(p.dtype))),
         calls_ahead_(std::max<std::int64_t>(
@@ -259,14 +260,9 @@ class KeyWalk {
     inputs_head_ = -1;
     inputs_key_ = -1;
     ahead_.key = -1;
-    // The calls between the first and the one calls_ahead_ on are asked for once per chunk and
-    // tensor: later walks of K (V) start on rows the previous one asked for as it ended.
-    const void** const walked_end = walked_ + 2;
-    first_walk_ = std::find(walked_, walked_end, base) == walked_end;
-    if (const auto free_slot = std::find(walked_, walked_end, nullptr);
-        first_walk_ && free_slot != walked_end) {
-      *free_slot = base;
-    }
+    // The calls between the first and the one calls_ahead_ on are asked for on the chunk's first
+    // block only: later walks of K (V) start on rows the previous one asked for as it ended.
+    first_block_ = block == chunk_begin_;
     const std::int64_t group = plan_.key_group;
     for (std::int64_t j = block; j < block + keys; j += group) {
       visit(j, std::min(group, block + keys - j),
@@ -414,7 +410,7 @@ class KeyWalk {
   const InputRows& rows_of(const void* base, const Strides& strides, std::int64_t h,
                            std::int64_t key, std::int64_t count) {
     if (h != inputs_head_ || key != inputs_key_ || count != inputs_count_) {
-      const bool first_call = first_walk_ && inputs_key_ < 0;
+      const bool first_call = first_block_ && inputs_key_ < 0;
       if (key != inputs_key_ || count != inputs_count_) locate(key, count, strides, group_);
       const std::int64_t ahead = head_ahead(base, strides, h, key, count, first_call);
       const std::int64_t Dp = cpu::pad_to_lanes(p_.head_dim);
@@ -443,16 +439,15 @@ class KeyWalk {
   const AttentionParams& p_;
   const DecodePlan& plan_;
   Scratch& t_;
-  std::int64_t b_, chunk_end_;
+  std::int64_t b_, chunk_begin_, chunk_end_;
   Prefetching prefetching_;
   std::int64_t element_bytes_;
   std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{{}, DType::f32, {}};
   std::int64_t inputs_head_ = -1, inputs_key_ = -1, inputs_count_ = 0;
-  GroupRows group_;             // of inputs_key_
-  const void* walked_[2] = {};  // the tensors (K, V) walked so far
-  bool first_walk_ = true;      // whether this walk is its tensor's first in the chunk
+  GroupRows group_;          // of inputs_key_
+  bool first_block_ = true;  // whether the walk is over the chunk's first block
   GroupRows ahead_;  // of the rows ahead (head_ahead), looked up once for every KV head's call
 };
 
@@ -565,7 +560,7 @@ void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
   const ChunkState state = start_chunk(p, plan, results, b, chunk);
   if (state.keys.empty()) return;
   load_query_rows(p, plan, t, b);
-  KeyWalk walk(p, plan, t, b, state.keys.end);
+  KeyWalk walk(p, plan, t, b, state.keys);
   const std::int64_t rows = plan.rows, Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
   for (std::int64_t block = state.keys.begin; block < state.keys.end; block += Bk) {
     const std::int64_t keys = std::min(Bk, state.keys.end - block);
