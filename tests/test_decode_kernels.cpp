@@ -1,10 +1,11 @@
 // The decode path's two products (cpu/kernels/tile_kernels.hpp: dot_rows, axpy_rows, and their bf16
 // pair variants) on every SIMD target compiled in that this CPU runs, against sums in double:
 // every row count up to 9 and every x count up to 19, so that each block shape the kernels pick
-// (rows by 4, 2 and 1; x rows by 8, 2 and 1) and every remainder is reached, on fp32, bf16 and
-// f16 rows that lie apart in memory, in order (given by a stride) or out of order (given by an
-// offset per row, as a paged cache scatters them), with nothing written outside the outputs. The
-// attention tests reach these kernels only through the shapes they happen to run.
+// (rows by 4, 2 and 1, or 3 and 5-7 rows at once; x rows by 8, 4, 2 and 1) and every remainder is
+// reached, on fp32, bf16 and f16 rows that lie apart in memory, in order (given by a stride) or
+// out of order (given by an offset per row, as a paged cache scatters them), with nothing written
+// outside the outputs. The attention tests reach these kernels only through the shapes they
+// happen to run.
 //
 // Inputs are representable in every dtype (multiples of 1/16 below 16 in magnitude: 8
 // significant bits, all that bf16 holds, so every mantissa bit of a bf16 row is used), so the

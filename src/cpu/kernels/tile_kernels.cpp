@@ -776,6 +776,46 @@ HWY_INLINE void DotFourByFour(Tag tag, float* HWY_RESTRICT out, std::int64_t out
   const hn::Full128<float> block;
   for (int r = 0; r < 4; ++r) hn::StoreU(hn::Load(block, all + 4 * r), block, out + r * out_stride);
 }
+
+// R rows against K x vectors, R·K <= 16: the products in one SumsOfSixteen (padded with zeros),
+// row r's K in lanes r·K to r·K + K - 1. For 3 and 5-7 rows (GQA groups of 3 and 5-7 query
+// heads): each x vector is then loaded and widened once for all rows, where DotFourByFour's
+// blocks of 4 rows and those of 2 and 1 after them widen it once per block and sum the 2- and
+// 1-row blocks' products one by one (docs/tuning.md). Not for 8 rows: 8 x 2 ran 1.03-1.13x the
+// time of two 4 x 4 blocks.
+template <int R, int K, class Reader, class Rows>
+HWY_INLINE void DotRowsSummedTogether(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
+                                      const float* HWY_RESTRICT rows, std::int64_t ld_rows, Rows x,
+                                      std::int64_t n, Rows ahead) {
+  static_assert(R * K <= 16);
+  Vec sums[R][K];
+  DotSums<R, K, Reader, Rows>(tag, sums, rows, ld_rows, x, n, ahead);
+  Vec padded[4][4];
+  for (int i = 0; i < 16; ++i) {
+    padded[i / 4][i % 4] = i < R * K ? sums[i / K][i % K] : hn::Zero(tag);
+  }
+  HWY_ALIGN float all[16];
+  hn::Store(SumsOfSixteen(tag, padded), tag, all);
+  for (int r = 0; r < R; ++r) {
+    for (int k = 0; k < K; ++k) out[r * out_stride + k] = all[r * K + k];
+  }
+}
+
+// R rows against the x vectors [0, x_count), K at a time, the last ones one by one.
+template <int R, int K, class Reader, class Rows>
+HWY_INLINE void DotAllRows(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
+                           const float* HWY_RESTRICT rows, std::int64_t ld_rows, Rows x,
+                           std::int64_t x_count, std::int64_t n, Rows ahead) {
+  std::int64_t k = 0;
+  for (; k + K <= x_count; k += K) {
+    DotRowsSummedTogether<R, K, Reader, Rows>(tag, out + k, out_stride, rows, ld_rows,
+                                              x.from_row(k), n, ahead.from_row(k));
+  }
+  for (; k < x_count; ++k) {
+    DotRowsBlock<R, 1, Reader, Rows>(tag, out + k, out_stride, rows, ld_rows, x.from_row(k), n,
+                                     ahead.from_row(k));
+  }
+}
 #endif
 
 // `ahead`: as for DotSums, x_count rows; asked for by the first block of rows only.
@@ -787,6 +827,24 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
   auto ahead_of = [&](std::int64_t r, std::int64_t k) {
     return r == 0 ? ahead.from_row(k) : Rows{};
   };
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  switch (count) {
+    case 3:
+      return DotAllRows<3, 4, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
+                                            ahead);
+    case 5:
+      return DotAllRows<5, 2, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
+                                            ahead);
+    case 6:
+      return DotAllRows<6, 2, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
+                                            ahead);
+    case 7:
+      return DotAllRows<7, 2, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
+                                            ahead);
+    default:
+      break;
+  }
+#endif
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
   if constexpr (std::is_same_v<Reader, Widened<float>>) {
     // Groups of 8 x vectors row by row, the group staying in L1 while the rows pass over it.
@@ -865,6 +923,20 @@ void AxpyRowsOf(float* HWY_RESTRICT acc, std::int64_t ld_acc, const float* HWY_R
   if (count == 2) {
     return AxpyFewRows<2, 4, Reader, Rows>(tag, acc, ld_acc, weights, ps, x, x_count, n, ahead);
   }
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // GQA groups of 3, 5 and 7 query heads in one block of rows, each x row loaded and widened once
+  // for all of them, where blocks of kBlockRows (6), 4, 2 and 1 rows load it once per block
+  // (docs/tuning.md).
+  if (count == 3) {
+    return AxpyFewRows<3, 4, Reader, Rows>(tag, acc, ld_acc, weights, ps, x, x_count, n, ahead);
+  }
+  if (count == 5) {
+    return AxpyFewRows<5, 4, Reader, Rows>(tag, acc, ld_acc, weights, ps, x, x_count, n, ahead);
+  }
+  if (count == 7) {
+    return AxpyFewRows<7, 2, Reader, Rows>(tag, acc, ld_acc, weights, ps, x, x_count, n, ahead);
+  }
+#endif
   constexpr int V = Reader::kVectors;
   const std::int64_t N = static_cast<std::int64_t>(hn::Lanes(tag));
   std::int64_t d = 0;
