@@ -806,15 +806,13 @@ template <int R, int K, class Reader, class Rows>
 HWY_INLINE void DotAllRows(Tag tag, float* HWY_RESTRICT out, std::int64_t out_stride,
                            const float* HWY_RESTRICT rows, std::int64_t ld_rows, Rows x,
                            std::int64_t x_count, std::int64_t n, Rows ahead) {
-  std::int64_t k = 0;
-  for (; k + K <= x_count; k += K) {
+  const std::int64_t whole = x_count / K * K;
+  for (std::int64_t k = 0; k < whole; k += K) {
     DotRowsSummedTogether<R, K, Reader, Rows>(tag, out + k, out_stride, rows, ld_rows,
                                               x.from_row(k), n, ahead.from_row(k));
   }
-  for (; k < x_count; ++k) {
-    DotRowsBlock<R, 1, Reader, Rows>(tag, out + k, out_stride, rows, ld_rows, x.from_row(k), n,
-                                     ahead.from_row(k));
-  }
+  DotRowsAgainst<R, 1, Reader, Rows>(tag, out + whole, out_stride, rows, ld_rows, x.from_row(whole),
+                                     x_count - whole, n, ahead.from_row(whole));
 }
 #endif
 
@@ -828,19 +826,22 @@ void DotRowsOf(float* HWY_RESTRICT out, std::int64_t out_stride, const float* HW
     return r == 0 ? ahead.from_row(k) : Rows{};
   };
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  // GQA groups of 3 and 5-7 query heads: all rows in one block (DotRowsSummedTogether).
+  auto all_rows = [&](auto block_rows, auto block_keys) {
+    DotAllRows<decltype(block_rows)::value, decltype(block_keys)::value, Reader, Rows>(
+        tag, out, out_stride, rows, ld_rows, x, x_count, n, ahead);
+  };
+  using Four = std::integral_constant<int, 4>;
+  using Two = std::integral_constant<int, 2>;
   switch (count) {
     case 3:
-      return DotAllRows<3, 4, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
-                                            ahead);
+      return all_rows(std::integral_constant<int, 3>(), Four());
     case 5:
-      return DotAllRows<5, 2, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
-                                            ahead);
+      return all_rows(std::integral_constant<int, 5>(), Two());
     case 6:
-      return DotAllRows<6, 2, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
-                                            ahead);
+      return all_rows(std::integral_constant<int, 6>(), Two());
     case 7:
-      return DotAllRows<7, 2, Reader, Rows>(tag, out, out_stride, rows, ld_rows, x, x_count, n,
-                                            ahead);
+      return all_rows(std::integral_constant<int, 7>(), Two());
     default:
       break;
   }
