@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Decode against a KV cache, side by side with what users would pick instead.
 
-One f32 query row per sequence (Hq = 32 query heads on Hkv = 8 KV heads, D = 128) against a KV
-cache of each --cache-dtypes dtype: one sequence of each --seqlens length, then a ragged batch
-of --requests sequences of lengths log-uniform in [--min-len, --max-len] (a server's decode step;
-0 requests leaves it out). On the same inputs and the same number of threads:
+One f32 query row per sequence (Hq = 32 query heads on Hkv = 8 KV heads, D = 128, or
+--heads-q, --heads-kv and --head-dim) against a KV cache of each --cache-dtypes dtype: one
+sequence of each --seqlens length, then a ragged batch of --requests sequences of lengths
+log-uniform in [--min-len, --max-len] (a server's decode step; 0 requests leaves it out). On the
+same inputs and the same number of threads:
 
   flashattn    one f32 sequence: `flashattn run` (the FlashAttention path; its JSON line gives
                the median seconds of --repeat calls after a warm-up). Otherwise the Python
@@ -285,6 +286,8 @@ def compare(args, work, case, q, k32, v32, lengths, cache_dtype):
 
 
 def main():
+    # The shape every function here reads, set from the command line.
+    global HEADS_Q, HEADS_KV, HEAD_DIM  # pylint: disable=global-statement
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -300,9 +303,17 @@ def main():
     parser.add_argument("--max-len", type=int, default=16384, help="longest request of the batch")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads, each peer")
     parser.add_argument("--repeat", type=int, default=15, help="timed calls per peer (median)")
+    parser.add_argument("--heads-q", type=int, default=HEADS_Q, help="query heads")
+    parser.add_argument("--heads-kv", type=int, default=HEADS_KV,
+                        help="KV heads (a divisor of --heads-q)")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head dimension")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out-dir", default="bench/results")
     args = parser.parse_args()
+    if args.heads_q < 1 or args.heads_kv < 1 or args.heads_q % args.heads_kv or args.head_dim < 1:
+        parser.error(f"--heads-q, --heads-kv, --head-dim: expected positive, --heads-kv dividing "
+                     f"--heads-q, got {args.heads_q}, {args.heads_kv}, {args.head_dim}")
+    HEADS_Q, HEADS_KV, HEAD_DIM = args.heads_q, args.heads_kv, args.head_dim
     try:
         seqlens = [int(x) for x in args.seqlens.split(",")] if args.seqlens else []
     except ValueError:
@@ -358,8 +369,9 @@ def main():
                 rows += compare(args, work, case, q, k32, v32, lengths, cache_dtype)
             del k32, v32
 
-    path = write_csv(args.out_dir, "peers", {"threads": args.threads, "repeat": args.repeat},
-                     rows)
+    path = write_csv(args.out_dir, "peers",
+                     {"threads": args.threads, "repeat": args.repeat, "heads_q": HEADS_Q,
+                      "heads_kv": HEADS_KV, "head_dim": HEAD_DIM}, rows)
     print(f"\nwrote {os.path.abspath(path)}")
     return 0 if all(row["verified"] for row in rows) else 3
 
