@@ -90,7 +90,9 @@ struct CachePair {
     return {block_table[b * pages_per_sequence + j / page_size], j % page_size};
   }
 
-  static std::int64_t batch(const CacheCase& c) { return static_cast<std::int64_t>(c.cached.size()); }
+  static std::int64_t batch(const CacheCase& c) {
+    return static_cast<std::int64_t>(c.cached.size());
+  }
   static std::int64_t pages(const CacheCase& c) {
     return (c.capacity + c.page_size - 1) / c.page_size;
   }
@@ -103,10 +105,9 @@ struct Outputs {
 
 Outputs run(const CacheCase& c, const Tensor& q, KVCacheView cache, const Tensor& k_new,
             const Tensor& v_new, int threads) {
-  Outputs result{Tensor(c.q_dtype, q.view.shape),
-                 std::vector<float>(static_cast<std::size_t>(q.view.shape[0] * c.heads_q *
-                                                             c.seqlen_q),
-                                    NAN)};
+  Outputs result{
+      Tensor(c.q_dtype, q.view.shape),
+      std::vector<float>(static_cast<std::size_t>(q.view.shape[0] * c.heads_q * c.seqlen_q), NAN)};
   result.out.poison();
   AttentionOptions options;
   options.causal = c.causal;
@@ -187,7 +188,8 @@ TEST_P(KVCacheAgainstReference, DenseAndPagedMatchTheReferenceAndEachOther) {
   // The result does not depend on the thread count (bitwise), with a cache that already holds
   // the new rows and no append.
   CacheCase no_append = c;
-  for (std::int64_t b = 0; b < B; ++b) no_append.cached[b] += static_cast<std::int32_t>(c.seqlen_new);
+  for (std::int64_t b = 0; b < B; ++b)
+    no_append.cached[b] += static_cast<std::int32_t>(c.seqlen_new);
   no_append.seqlen_new = 0;
   EXPECT_TRUE(same_bits(from_paged, run(no_append, q, paged, k_new, v_new, 1)))
       << "1 thread and 2 threads disagree";
@@ -218,10 +220,10 @@ TEST_P(KVCacheAgainstReference, DenseAndPagedMatchTheReferenceAndEachOther) {
         kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(L) + 16.0) +
         unit_roundoff(c.q_dtype) * max_v + probability_rounding_bound(c.q_dtype, max_v) + 1e-30;
     const MaxError error = max_error(out_b, want.out);
-    EXPECT_LE(error.value, out_tolerance) << "out index " << error.index << ": got " << error.got
-                                          << ", want " << error.want;
-    const double lse_tolerance = kU32 * (4.0 * scores + 2.0 * static_cast<double>(L) +
-                                         4.0 * max_abs_finite(want.lse));
+    EXPECT_LE(error.value, out_tolerance)
+        << "out index " << error.index << ": got " << error.got << ", want " << error.want;
+    const double lse_tolerance =
+        kU32 * (4.0 * scores + 2.0 * static_cast<double>(L) + 4.0 * max_abs_finite(want.lse));
     for (std::int64_t h = 0; h < c.heads_q; ++h) {
       for (std::int64_t i = 0; i < c.seqlen_q; ++i) {
         const double wanted = want.lse[h * c.seqlen_q + i];
@@ -318,6 +320,59 @@ TEST(KVCache, StepByStepAppendsMatchADenseCache) {
   }
 }
 
+// The same rows with each KV head's rows together in memory (dense [B, Hkv, capacity, D], pages
+// [pages, Hkv, page_size, D]: FlashInfer's HND), passed as the usual dims through strides: the
+// same results bit for bit as the row-major caches, and the appended rows land where they should.
+Tensor head_major_copy(const Tensor& source) {
+  const auto& s = source.view.shape;
+  Tensor copy(source.view.dtype, s, {s[2] * s[1] * s[3], s[3], s[1] * s[3], 1});
+  copy.for_each_index(
+      [&](auto a, auto b, auto c, auto d) { copy.set(a, b, c, d, source.at(a, b, c, d)); });
+  return copy;
+}
+
+bool same_values(const Tensor& a, const Tensor& b) {
+  bool same = true;
+  a.for_each_index([&](auto i, auto j, auto h, auto d) {
+    const float x = a.at(i, j, h, d), y = b.at(i, j, h, d);
+    same = same && (std::memcmp(&x, &y, sizeof x) == 0 || (std::isnan(x) && std::isnan(y)));
+  });
+  return same;
+}
+
+TEST(KVCache, HeadMajorCachesMatchRowMajorCaches) {
+  std::mt19937_64 rng(test_seed());
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const std::int64_t seqlen_q : {1, 3}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " Sq " + std::to_string(seqlen_q));
+      CacheCase c = {{19, 0, 40}, seqlen_q, 2, 8, 2, 64, 48, 7};
+      c.causal = seqlen_q > 1;
+      c.cache_dtype = dtype;
+      CachePair cache(c, rng);
+      Tensor dense_k = head_major_copy(cache.dense_k), dense_v = head_major_copy(cache.dense_v);
+      Tensor paged_k = head_major_copy(cache.paged_k), paged_v = head_major_copy(cache.paged_v);
+      Tensor q(DType::f32, {3, seqlen_q, 8, 64}), k_new(DType::f32, {3, 2, 2, 64}),
+          v_new(DType::f32, {3, 2, 2, 64});
+      q.fill_normal(rng);
+      k_new.fill_normal(rng);
+      v_new.fill_normal(rng);
+      const Outputs want = run(c, q, {cache.dense_k.view, cache.dense_v.view}, k_new, v_new, 2);
+      EXPECT_TRUE(same_bits(want, run(c, q, {dense_k.view, dense_v.view}, k_new, v_new, 2)));
+      EXPECT_TRUE(same_bits(want, run(c, q,
+                                      {paged_k.view, paged_v.view, cache.block_table.data(),
+                                       cache.pages_per_sequence},
+                                      k_new, v_new, 2)));
+      EXPECT_TRUE(same_values(cache.dense_k, dense_k) && same_values(cache.dense_v, dense_v));
+      run(c, q,
+          {cache.paged_k.view, cache.paged_v.view, cache.block_table.data(),
+           cache.pages_per_sequence},
+          k_new, v_new, 2);
+      EXPECT_TRUE(same_values(cache.paged_k, paged_k) && same_values(cache.paged_v, paged_v));
+    }
+  }
+}
+
 // Bad input: one corruption of a valid decode call each, with the start of the message it must
 // raise; nothing may be written, neither out nor lse nor the cache.
 struct Call {
@@ -358,8 +413,8 @@ TEST_P(KVCacheBadInput, RaisesANamedErrorAndWritesNothing) {
                                   v_before = call.v_cache.bytes;
   const std::vector<float> lse_before = call.lse;
   try {
-    kvcache_attention_forward(call.q_view, call.cache, call.seqlens_ptr, call.new_kv,
-                              call.out_view, call.lse_ptr, call.options);
+    kvcache_attention_forward(call.q_view, call.cache, call.seqlens_ptr, call.new_kv, call.out_view,
+                              call.lse_ptr, call.options);
     FAIL() << "no error raised";
   } catch (const Error& error) {
     const std::string what = error.what();
@@ -390,10 +445,14 @@ std::vector<BadCall> bad_calls() {
        "k_new: expected dtype bf16"},
       {"heads_kv", [](Call& c) { c.q_view.shape[2] = c.out_view.shape[2] = 3; },
        "k_cache: expected heads_kv dividing"},
-      {"page_size_zero",
-       [](Call& c) { c.cache.k.shape[1] = c.cache.v.shape[1] = 0; },
+      {"page_size_zero", [](Call& c) { c.cache.k.shape[1] = c.cache.v.shape[1] = 0; },
        "k_cache: expected page_size"},
-      {"dense_batch", [](Call& c) { c.cache.block_table = nullptr; c.cache.pages_per_sequence = 0; c.cache.k.shape[0] = c.cache.v.shape[0] = 3; },
+      {"dense_batch",
+       [](Call& c) {
+         c.cache.block_table = nullptr;
+         c.cache.pages_per_sequence = 0;
+         c.cache.k.shape[0] = c.cache.v.shape[0] = 3;
+       },
        "k_cache: expected batch 2"},
       {"pages_without_table",
        [](Call& c) {
@@ -401,8 +460,7 @@ std::vector<BadCall> bad_calls() {
          c.cache.k.shape[0] = c.cache.v.shape[0] = 2;
        },
        "pages_per_sequence: expected 0"},
-      {"seqlens_null", [](Call& c) { c.seqlens_ptr = nullptr; },
-       "cache_seqlens: expected 2"},
+      {"seqlens_null", [](Call& c) { c.seqlens_ptr = nullptr; }, "cache_seqlens: expected 2"},
       {"seqlen_negative", [](Call& c) { c.seqlens[1] = -1; }, "cache_seqlens[1]: expected >= 0"},
       {"seqlen_past_capacity", [](Call& c) { c.seqlens[0] = 12; },
        "cache_seqlens[0]: expected at most 11"},
@@ -410,7 +468,11 @@ std::vector<BadCall> bad_calls() {
        "block_table[1, 1]: expected a page in [0, 6)"},
       {"page_negative", [](Call& c) { c.block_table[0] = -1; },
        "block_table[0, 0]: expected a page in [0, 6)"},
-      {"page_written_twice", [](Call& c) { c.block_table[5] = 1; c.seqlens = {5, 8}; },
+      {"page_written_twice",
+       [](Call& c) {
+         c.block_table[5] = 1;
+         c.seqlens = {5, 8};
+       },
        "block_table[1, 2]: page 1 receives new rows here and at block_table[0, 1]"},
       {"k_new_shape", [](Call& c) { c.new_kv.k.shape[2] = 1; },
        "k_new: expected shape [2, Snew, 2, 16], got [2, 1, 1, 16]"},
@@ -419,8 +481,7 @@ std::vector<BadCall> bad_calls() {
        "k_cache: expected memory disjoint from q"},
       {"out_overlaps_cache", [](Call& c) { c.out_view.data = c.v_cache.view.data; },
        "out: expected memory disjoint from v_cache"},
-      {"lse_overlaps_out",
-       [](Call& c) { c.lse_ptr = static_cast<float*>(c.out.view.data); },
+      {"lse_overlaps_out", [](Call& c) { c.lse_ptr = static_cast<float*>(c.out.view.data); },
        "out: expected memory disjoint from lse"},
       {"k_new_overlaps_cache", [](Call& c) { c.new_kv.k.data = c.k_cache.view.data; },
        "k_cache: expected memory disjoint from k_new"},

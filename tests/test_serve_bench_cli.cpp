@@ -22,7 +22,7 @@ const char* const kHeader =
     "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
     "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,paged_over_dense,"
     "copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,varlen_over_padded,"
-    "huge_page_share";
+    "huge_page_share,kv_layout";
 
 class ServeBenchCliTest : public flashattn::testing::CliFixture {
  protected:
@@ -93,8 +93,10 @@ TEST_F(ServeBenchCliTest, QuickRunVerifiesEveryPartAndWritesTheCsv) {
     EXPECT_EQ(row.at("huge_page_share"), "");  // not asked for
     if (row.at("part") == "prefill") {
       EXPECT_EQ(row.at("page_size"), "");
+      EXPECT_EQ(row.at("kv_layout"), "");
       continue;
     }
+    EXPECT_EQ(row.at("kv_layout"), "NHD");
     EXPECT_EQ(row.at("page_size"), "16");
     EXPECT_GT(std::stod(row.at("kv_gbps")), 0.0);
     EXPECT_GT(std::stod(row.at("read_gbps")), 0.0);
@@ -134,6 +136,30 @@ TEST_F(ServeBenchCliTest, PageSizesRunTheServerOncePerSizeOnTheSameRequests) {
     EXPECT_LE(std::stod(row.at("huge_page_share")), 1.0);
   }
   EXPECT_NE(completed.out.find("on huge pages"), std::string::npos) << completed.out;
+}
+
+// Head-major caches (each KV head's rows together, seen through strides): both parts verify
+// against the reference, and dense and paged agree bit for bit (paged_over_dense is only
+// written then, and verified says yes).
+TEST_F(ServeBenchCliTest, HeadMajorCachesVerifyInBothParts) {
+  const Completed completed =
+      run({"serve-bench", "--quick", "--kv-layout", "HND", "--page-size", "7", "--single-dtypes",
+           "f32,bf16", "--no-prefill", "--no-plot", "--out-dir", results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 5u);  // serve, then dense and paged for each dtype
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i].at("kv_layout"), "HND") << i;
+    EXPECT_EQ(rows[i].at("verified"), "yes") << i;
+    EXPECT_LE(std::stod(rows[i].at("max_error")), std::stod(rows[i].at("tolerance"))) << i;
+  }
+  EXPECT_NE(completed.out.find("cache HND"), std::string::npos) << completed.out;
+
+  const Completed bad =
+      run({"serve-bench", "--quick", "--kv-layout", "BHSD", "--out-dir", (work_ / "bad").string()});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--kv-layout"), std::string::npos) << bad.err;
+  EXPECT_FALSE(fs::exists(work_ / "bad"));
 }
 
 // A sweep of page sizes gets a plot of its own, also without part 2 (whose plot is then left

@@ -13,6 +13,11 @@
 // match the reference, then are timed in rounds of (read dense, dense, paged, read paged): each
 // one's GB/s, ratio_read, and paged over dense.
 //
+// --kv-layout HND keeps each KV head's rows together in the memory of both parts' caches
+// ([pages, Hkv, page_size, D], dense [B, Hkv, capacity, D]: FlashInfer's HND), which the
+// library reads through the view's strides; the default NHD is kvcache.hpp's [pages, page_size,
+// Hkv, D].
+//
 // Part 3, prefill: a causal ragged batch packed (varlen) against the same batch padded to its
 // longest sequence: GFLOP/s of the real FLOPs, and of what each computed.
 //
@@ -64,6 +69,7 @@ struct ServeOptions {
   int steps = 16;
   std::vector<std::int64_t> page_sizes = {16};
   bool huge_pages = false;
+  std::string kv_layout = "NHD";
   std::int64_t heads_q = 32, heads_kv = 8, head_dim = 128;
   std::string q_dtype = "f32", cache_dtype = "bf16";
   std::vector<std::int64_t> single_seqlens = {4096, 16384, 65536};
@@ -151,14 +157,19 @@ struct Buffer {
 };
 
 // A batch of sequences and their K/V cache, dense [B, capacity, Hkv, D] or in pages of
-// page_size rows handed out in shuffled order; `room` rows past each length for appends.
+// page_size rows handed out in shuffled order; `room` rows past each length for appends. With
+// `head_major` the memory holds each KV head's rows together ([B, Hkv, capacity, D], or pages of
+// [Hkv, page_size, D]: FlashInfer's HND) and the library sees it through strides.
 struct Cache {
   std::vector<std::int32_t> lengths;
   std::int64_t page_size = 0;  // 0: dense
   std::int64_t pages_per_sequence = 0;
+  bool head_major = false;
+  std::int64_t heads_kv = 0, head_dim = 0;
   std::vector<std::int32_t> block_table;
   Buffer k, v;
 
+  // [dense batch | pages, rows of one, Hkv, D] as the library indexes them.
   static std::array<std::int64_t, 4> shape(const std::vector<std::int32_t>& lengths,
                                            std::int64_t room, std::int64_t page_size,
                                            std::int64_t heads_kv, std::int64_t head_dim) {
@@ -170,13 +181,24 @@ struct Cache {
     for (const std::int32_t length : lengths) pages += (length + room + page_size - 1) / page_size;
     return {pages, page_size, heads_kv, head_dim};
   }
+  // The same dims in the order they lie in memory.
+  static std::array<std::int64_t, 4> memory_shape(std::array<std::int64_t, 4> s, bool head_major) {
+    if (head_major) std::swap(s[1], s[2]);
+    return s;
+  }
 
   Cache(std::vector<std::int32_t> initial, std::int64_t room, std::int64_t page, DType dtype,
-        std::int64_t heads_kv, std::int64_t head_dim, bool huge_pages, std::mt19937_64& rng)
+        std::int64_t kv_heads, std::int64_t dims, bool huge_pages, bool heads_together,
+        std::mt19937_64& rng)
       : lengths(std::move(initial)),
         page_size(page),
-        k(dtype, shape(lengths, room, page, heads_kv, head_dim), huge_pages),
-        v(dtype, shape(lengths, room, page, heads_kv, head_dim), huge_pages) {
+        head_major(heads_together),
+        heads_kv(kv_heads),
+        head_dim(dims),
+        k(dtype, memory_shape(shape(lengths, room, page, kv_heads, dims), heads_together),
+          huge_pages),
+        v(dtype, memory_shape(shape(lengths, room, page, kv_heads, dims), heads_together),
+          huge_pages) {
     if (page_size > 0) {
       const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end()) + room;
       pages_per_sequence = (longest + page_size - 1) / page_size;
@@ -196,23 +218,35 @@ struct Cache {
     }
   }
 
+  // The library's [*, rows, Hkv, D] view of a buffer, head-major memory through its strides.
+  TensorView view_of(Buffer& buffer) const {
+    TensorView view = buffer.view();
+    if (head_major) {
+      std::swap(view.shape[1], view.shape[2]);
+      std::swap(view.strides[1], view.strides[2]);
+    }
+    return view;
+  }
+
   KVCacheView view() {
-    if (page_size == 0) return {k.view(), v.view()};
-    return {k.view(), v.view(), block_table.data(), pages_per_sequence};
+    if (page_size == 0) return {view_of(k), view_of(v)};
+    return {view_of(k), view_of(v), block_table.data(), pages_per_sequence};
   }
 
   // Element offset of row j of sequence b, KV head h, in k or v.
   std::int64_t offset(std::int64_t b, std::int64_t j, std::int64_t h) const {
-    const auto& s = k.shape;
-    if (page_size == 0) return ((b * s[1] + j) * s[2] + h) * s[3];
-    return ((block_table[b * pages_per_sequence + j / page_size] * s[1] + j % page_size) * s[2] +
-            h) *
-           s[3];
+    const std::int64_t outer =
+        page_size == 0 ? b : block_table[b * pages_per_sequence + j / page_size];
+    const std::int64_t row = page_size == 0 ? j : j % page_size;
+    const std::int64_t rows = page_size == 0 ? k.shape[head_major ? 2 : 1] : page_size;
+    return (head_major ? (outer * heads_kv + h) * rows + row
+                       : (outer * rows + row) * heads_kv + h) *
+           head_dim;
   }
 
   // Sequence b's first `rows` rows of K and V into [1, rows, Hkv, D] f32 buffers.
   void gather(std::int64_t b, std::int64_t rows, Buffer& keys, Buffer& values) const {
-    const std::int64_t heads = k.shape[2], D = k.shape[3];
+    const std::int64_t heads = heads_kv, D = head_dim;
     for (std::int64_t j = 0; j < rows; ++j) {
       for (std::int64_t h = 0; h < heads; ++h) {
         for (std::int64_t d = 0; d < D; ++d) {
@@ -228,7 +262,7 @@ struct Cache {
 
   // Bytes of K and V that attending to the current lengths reads.
   double kv_bytes() const {
-    const double row = static_cast<double>(k.shape[2] * k.shape[3] * dtype_size(k.dtype)) * 2.0;
+    const double row = static_cast<double>(heads_kv * head_dim * dtype_size(k.dtype)) * 2.0;
     return row * std::accumulate(lengths.begin(), lengths.end(), 0.0);
   }
 };
@@ -271,7 +305,7 @@ struct Check {
 
 Check check_sequence(const Cache& cache, const Step& step, std::int64_t b, int threads) {
   const std::int64_t L = cache.lengths[b], Hq = step.q.shape[2], D = step.q.shape[3];
-  const std::int64_t Hkv = cache.k.shape[2];
+  const std::int64_t Hkv = cache.heads_kv;
   Buffer keys(DType::f32, {1, L, Hkv, D}), values(DType::f32, {1, L, Hkv, D});
   Buffer q(DType::f32, {1, 1, Hq, D}), want(DType::f32, {1, 1, Hq, D});
   cache.gather(b, L, keys, values);
@@ -366,7 +400,7 @@ Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::
   const DType cache_dtype = dtype_from(o.cache_dtype);
   const std::int64_t huge_before = anon_huge_page_bytes();
   Cache cache(lengths, o.steps + 1, page_size, cache_dtype, o.heads_kv, o.head_dim, o.huge_pages,
-              rng);
+              o.kv_layout == "HND", rng);
   std::fprintf(stderr, "flashattn serve-bench: filling %.2f GB of K/V in pages of %lld rows\n",
                static_cast<double>(2 * cache.k.size()) * 1e-9, static_cast<long long>(page_size));
   fill_uniform(cache.k.bytes.get(), cache_dtype,
@@ -433,8 +467,10 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
   const DType dtype = dtype_from(cache_dtype_name);
   const std::vector<std::int32_t> lengths = {static_cast<std::int32_t>(length)};
   const std::int64_t page_size = o.page_sizes.front(), huge_before = anon_huge_page_bytes();
-  Cache dense(lengths, 0, 0, dtype, o.heads_kv, o.head_dim, o.huge_pages, rng);
-  Cache paged(lengths, 0, page_size, dtype, o.heads_kv, o.head_dim, o.huge_pages, rng);
+  Cache dense(lengths, 0, 0, dtype, o.heads_kv, o.head_dim, o.huge_pages, o.kv_layout == "HND",
+              rng);
+  Cache paged(lengths, 0, page_size, dtype, o.heads_kv, o.head_dim, o.huge_pages,
+              o.kv_layout == "HND", rng);
   fill_uniform(dense.k.bytes.get(), dtype,
                static_cast<std::int64_t>(dense.k.size() / dtype_size(dtype)), o.seed + 30);
   fill_uniform(dense.v.bytes.get(), dtype,
@@ -634,7 +670,8 @@ std::string csv_line(const Machine& machine, const ServeOptions& o, double copy_
        << format("%.3g", row.check.tolerance) << ',' << optional_number("%.2f", row.real_gflops)
        << ',' << optional_number("%.2f", row.computed_gflops) << ','
        << optional_number("%.3f", row.varlen_over_padded) << ','
-       << optional_number("%.3f", row.huge_page_share) << '\n';
+       << optional_number("%.3f", row.huge_page_share) << ','
+       << (decode ? o.kv_layout : std::string()) << '\n';
   return line.str();
 }
 
@@ -714,9 +751,10 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
   const double copy_gbps = bench::best_rate(copy, o.quick ? 0.01 : 0.25, o.quick ? 2 : 5) * 1e-9;
   std::printf("flashattn serve-bench on %s (%s), %d threads, %s\n", machine.cpu_model.c_str(),
               machine.host.c_str(), threads, machine.simd_target.c_str());
-  std::printf("memory copy %.1f GB/s (read + written); Hq %lld, Hkv %lld, D %lld, q %s%s\n\n",
+  std::printf("memory copy %.1f GB/s (read + written); Hq %lld, Hkv %lld, D %lld, q %s%s%s\n\n",
               copy_gbps, static_cast<long long>(o.heads_q), static_cast<long long>(o.heads_kv),
               static_cast<long long>(o.head_dim), o.q_dtype.c_str(),
+              o.kv_layout == "HND" ? "; cache HND (each KV head's rows together)" : "",
               o.huge_pages ? "; cache on huge pages where the kernel grants them" : "");
   std::printf("%-7s %-6s %-5s %5s %8s %11s %9s %9s %8s %8s %6s %8s\n", "part", "cache", "dtype",
               "page", "requests", "KV tokens", "step ms", "tokens/s", "GB/s", "read", "/read",
@@ -769,7 +807,7 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
       "date,host,threads,part,cache,q_dtype,cache_dtype,requests,kv_tokens,page_size,heads_q,"
       "heads_kv,head_dim,step_seconds,tokens_per_s,kv_gbps,read_gbps,ratio_read,"
       "paged_over_dense,copy_gbps,verified,max_error,tolerance,real_gflops,computed_gflops,"
-      "varlen_over_padded,huge_page_share\n";
+      "varlen_over_padded,huge_page_share,kv_layout\n";
   for (const Row& row : rows) text += csv_line(machine, o, copy_gbps, row);
   csv.append(text);
   csv.commit();
@@ -911,6 +949,13 @@ Action add_serve_bench_command(CLI::App& app) {
   command->add_option("--seed", options->seed, "Random seed of the lengths, pages and values");
   command->add_option("--out-dir", options->out_dir, "Directory of the CSV and the plot");
   command->add_flag("--no-plot", options->no_plot, "Write the CSV only");
+  command
+      ->add_option("--kv-layout", options->kv_layout,
+                   "How the cache's memory holds its rows: NHD, each key's heads together "
+                   "([pages, page_size, Hkv, D], vLLM's and FlashAttention's layout), or HND, each "
+                   "KV head's rows together ([pages, Hkv, page_size, D], FlashInfer's HND)")
+      ->check(CLI::IsMember({"NHD", "HND"}))
+      ->capture_default_str();
   command->add_flag("--huge-pages", options->huge_pages,
                     "Put the KV caches on transparent huge pages (madvise), as a server may; "
                     "the CSV's huge_page_share says how much the kernel granted");

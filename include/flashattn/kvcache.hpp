@@ -26,13 +26,16 @@ namespace flashattn {
 //   paged (block_table set):   k, v [num_pages, page_size, heads_kv, head_dim], page_size >= 1;
 //                              block_table int32 [batch, pages_per_sequence] row-major: sequence
 //                              b's key j is row j % page_size of page block_table[b, j / page_size]
-// Any element strides with the last dim contiguous. The capacity of a sequence is `capacity`
-// (dense) or pages_per_sequence · page_size (paged). Only the block-table entries that cover a
-// sequence's L_b keys are read (and must lie in [0, num_pages)); the rest may hold anything.
-// Pages may be shared between sequences (a common prompt prefix) but not written by two
-// sequences, nor twice by one, in the same call. The pointer decides: a paged cache needs a
-// non-null block_table even when no sequence has a page yet (an empty std::vector's data() may
-// be null; reserve it).
+// Any element strides with the last dim contiguous: a cache that keeps each KV head's rows
+// together ([num_pages, heads_kv, page_size, head_dim], FlashInfer's HND; dense [batch, heads_kv,
+// capacity, head_dim]) is passed with dims 1 and 2 swapped in shape and strides, and gives the
+// same results bit for bit (the decode reads the layout above faster: bench/RESULTS.md, "HND").
+// The capacity of a sequence is `capacity` (dense) or pages_per_sequence · page_size (paged).
+// Only the block-table entries that cover a sequence's L_b keys are read (and must lie in
+// [0, num_pages)); the rest may hold anything. Pages may be shared between sequences (a common
+// prompt prefix) but not written by two sequences, nor twice by one, in the same call. The
+// pointer decides: a paged cache needs a non-null block_table even when no sequence has a page
+// yet (an empty std::vector's data() may be null; reserve it).
 struct KVCacheView {
   TensorView k, v;
   const std::int32_t* block_table = nullptr;

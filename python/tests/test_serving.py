@@ -99,6 +99,29 @@ def test_kvcache_with_torch_tensors_appends_into_the_tensor():
     assert torch.allclose(out[0, 0], v_new[0, 0].expand(2, 16), rtol=0, atol=1e-6)
 
 
+def test_kvcache_head_major_pages_read_through_strides(rng):
+    # Pages that keep each KV head's rows together ([pages, Hkv, page_size, D], FlashInfer's HND)
+    # go in as a transposed view: the same bits as the row-major pages, appends in place.
+    batch, hq, hkv, d, page_size, pages = 2, 4, 2, 32, 5, 4
+    lengths = np.array([7, 13], np.int32)
+    table = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
+    head_major = rng.standard_normal((batch * pages, hkv, page_size, d)).astype(np.float32)
+    row_major = np.ascontiguousarray(head_major.transpose(0, 2, 1, 3))
+    k_hnd, v_hnd = head_major.copy(), head_major[::-1].copy()
+    k_nhd, v_nhd = row_major.copy(), np.ascontiguousarray(head_major[::-1].transpose(0, 2, 1, 3))
+    q = rng.standard_normal((batch, 1, hq, d)).astype(np.float32)
+    k_new = rng.standard_normal((batch, 1, hkv, d)).astype(np.float32)
+    v_new = rng.standard_normal((batch, 1, hkv, d)).astype(np.float32)
+    want = flashattn.flash_attn_with_kvcache(q, k_nhd, v_nhd, k_new, v_new, cache_seqlens=lengths,
+                                             block_table=table)
+    got = flashattn.flash_attn_with_kvcache(q, k_hnd.transpose(0, 2, 1, 3),
+                                            v_hnd.transpose(0, 2, 1, 3), k_new, v_new,
+                                            cache_seqlens=lengths, block_table=table)
+    assert np.array_equal(got, want)
+    assert np.array_equal(k_hnd.transpose(0, 2, 1, 3), k_nhd)
+    assert np.array_equal(v_hnd.transpose(0, 2, 1, 3), v_nhd)
+
+
 def test_merge_attention_states_equals_attending_to_the_union(rng):
     q = rng.standard_normal((2, 5, 4, 32), dtype=np.float32)
     k = rng.standard_normal((2, 90, 4, 32), dtype=np.float32)
