@@ -98,7 +98,7 @@ struct Problem {
   // Modifiers the API must refuse: the backward gets them, the forward (which makes out and
   // lse) runs without them.
   bool refused_softcap = false, refused_alibi = false, refused_sinks = false;
-  bool refused_dsinks = false;  // dsinks without sinks, or aliasing them
+  bool refused_dsinks = false;   // dsinks without sinks, or aliasing them
   FuzzedLogitViews logit_views;  // what options.bias and options.mask view
   Tensor dbias;                  // ModifierGradients::dbias when want_dbias
   bool want_dbias = false;

@@ -99,7 +99,8 @@ Problem make_problem(FuzzedDataProvider& in) {
     }
   }
   for (std::int64_t b = 0; b < p.batch; ++b) {
-    p.cached.push_back(static_cast<std::int32_t>(in.ConsumeIntegralInRange<std::int64_t>(0, max_cached)));
+    p.cached.push_back(
+        static_cast<std::int32_t>(in.ConsumeIntegralInRange<std::int64_t>(0, max_cached)));
   }
   const std::int64_t longest =
       p.cached.empty() ? 0 : *std::max_element(p.cached.begin(), p.cached.end());
@@ -125,8 +126,10 @@ Problem make_problem(FuzzedDataProvider& in) {
   p.k_new = fuzzed_layout(in, p.new_dtype, new_shape, true);
   p.v_new = fuzzed_layout(in, p.new_dtype, new_shape, true);
   // The caches are written: no stride-0 dims.
-  p.dense_k = fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim}, false);
-  p.dense_v = fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim}, false);
+  p.dense_k =
+      fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim}, false);
+  p.dense_v =
+      fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim}, false);
   p.paged_k =
       fuzzed_layout(in, p.cache_dtype, {p.num_pages, p.page_size, p.heads_kv, p.head_dim}, false);
   p.paged_v =
@@ -145,7 +148,8 @@ Problem make_problem(FuzzedDataProvider& in) {
   fill(p.k_new, p.new_dtype, in, k_exponent, specials, true);
   fill(p.v_new, p.new_dtype, in, v_exponent, specials, true);
   // The same rows in both caches.
-  for_each_index({p.batch, p.capacity, p.heads_kv, p.head_dim}, [&](auto b, auto j, auto h, auto d) {
+  for_each_index({p.batch, p.capacity, p.heads_kv, p.head_dim}, [&](auto b, auto j, auto h,
+                                                                    auto d) {
     const auto [page, row] = p.page_row(b, j);
     const float k = value_from(in.ConsumeIntegral<std::uint8_t>(), k_exponent, specials, true);
     const float v = value_from(in.ConsumeIntegral<std::uint8_t>(), v_exponent, specials, true);
@@ -188,11 +192,11 @@ Call make_call(Problem& p, bool paged) {
   };
   Call call;
   call.q = view(p.q, p.q_dtype);
-  call.cache = paged ? flashattn::KVCacheView{view(p.paged_k, p.cache_dtype),
-                                              view(p.paged_v, p.cache_dtype),
-                                              p.block_table.data(), p.pages_per_sequence}
-                     : flashattn::KVCacheView{view(p.dense_k, p.cache_dtype),
-                                              view(p.dense_v, p.cache_dtype)};
+  call.cache =
+      paged
+          ? flashattn::KVCacheView{view(p.paged_k, p.cache_dtype), view(p.paged_v, p.cache_dtype),
+                                   p.block_table.data(), p.pages_per_sequence}
+          : flashattn::KVCacheView{view(p.dense_k, p.cache_dtype), view(p.dense_v, p.cache_dtype)};
   call.cache_seqlens = p.cached.data();
   // Passed even with Snew = 0: a [B, 0, Hkv, D] append is valid and appends nothing.
   call.new_kv = {view(p.k_new, p.new_dtype), view(p.v_new, p.new_dtype)};
@@ -279,11 +283,12 @@ template <class RowOf>
 std::vector<std::uint8_t> appended(const Problem& p, const Tensor& cache, const Tensor& rows,
                                    RowOf&& row_of) {
   std::vector<std::uint8_t> bytes = cache.buffer.bytes;
-  for_each_index({p.batch, p.seqlen_new, p.heads_kv, p.head_dim}, [&](auto b, auto i, auto h, auto d) {
-    const auto [outer, row] = row_of(b, p.cached[b] + i);
-    store_f32(bytes.data(), p.cache_dtype, cache.offset(outer, row, h, d),
-              load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, d)));
-  });
+  for_each_index(
+      {p.batch, p.seqlen_new, p.heads_kv, p.head_dim}, [&](auto b, auto i, auto h, auto d) {
+        const auto [outer, row] = row_of(b, p.cached[b] + i);
+        store_f32(bytes.data(), p.cache_dtype, cache.offset(outer, row, h, d),
+                  load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, d)));
+      });
   return bytes;
 }
 
@@ -325,8 +330,8 @@ __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
           where << "out[b=" << b << ", row=" << row << ", h=" << h << ", d=" << d << "] = " << got;
           if (keys.empty() && got != 0.0) finding(p, where.str() + " for a row that sees no key");
           if (!keys.empty() && finite && std::isfinite(got) && std::abs(got) > bound) {
-            finding(p, where.str() + " outside the values it sees (bound " +
-                           std::to_string(bound) + ")");
+            finding(p, where.str() + " outside the values it sees (bound " + std::to_string(bound) +
+                           ")");
           }
         }
         if (lse != nullptr && keys.empty() &&

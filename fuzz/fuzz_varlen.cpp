@@ -72,7 +72,8 @@ Problem make_problem(FuzzedDataProvider& in) {
     p.cu_k.push_back(p.cu_k.back() + in.ConsumeIntegralInRange(0, 40));
   }
   const std::int64_t total_q = p.cu_q.back(), total_k = p.cu_k.back();
-  const Shape q_shape{1, total_q, p.heads_q, p.head_dim}, k_shape{1, total_k, p.heads_kv, p.head_dim};
+  const Shape q_shape{1, total_q, p.heads_q, p.head_dim},
+      k_shape{1, total_k, p.heads_kv, p.head_dim};
   p.q = fuzzed_layout(in, p.dtype, q_shape, true);
   p.k = fuzzed_layout(in, p.dtype, k_shape, true);
   p.v = fuzzed_layout(in, p.dtype, k_shape, true);
@@ -196,10 +197,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     flashattn::varlen_attention_forward(p.impl, p.view(p.q), p.view(p.k), p.view(p.v),
                                         p.cu_q.data(), p.cu_k.data(), p.batch, p.view(p.out),
                                         p.lse.data(), p.options);
-    flashattn::varlen_attention_backward(p.impl, p.view(p.dout), p.view(p.q), p.view(p.k),
-                                         p.view(p.v), p.view(p.out), p.lse.data(), p.cu_q.data(),
-                                         p.cu_k.data(), p.batch, p.view(p.dq), p.view(p.dk),
-                                         p.view(p.dv), p.options);
+    flashattn::varlen_attention_backward(
+        p.impl, p.view(p.dout), p.view(p.q), p.view(p.k), p.view(p.v), p.view(p.out), p.lse.data(),
+        p.cu_q.data(), p.cu_k.data(), p.batch, p.view(p.dq), p.view(p.dk), p.view(p.dv), p.options);
   } catch (const flashattn::Error& error) {
     finding(p, std::string("a valid call raised Error: ") + error.what());
   }
@@ -214,7 +214,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::int64_t q0 = p.cu_q[b], Lq = p.cu_q[b + 1] - q0;
     const std::int64_t k0 = p.cu_k[b], Lk = p.cu_k[b + 1] - k0;
     std::vector<std::uint8_t> out(static_cast<std::size_t>(Lq * Hq * D) * element + 1);
-    std::vector<std::uint8_t> dq(out.size()), dk(static_cast<std::size_t>(Lk * Hkv * D) * element + 1);
+    std::vector<std::uint8_t> dq(out.size()),
+        dk(static_cast<std::size_t>(Lk * Hkv * D) * element + 1);
     std::vector<std::uint8_t> dv(dk.size());
     std::vector<float> lse(static_cast<std::size_t>(Hq * Lq) + 1);
     const auto contiguous = [&](std::vector<std::uint8_t>& bytes, std::int64_t rows,

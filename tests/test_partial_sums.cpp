@@ -1,5 +1,5 @@
-// The product kernels sum long reductions in partial sums (cpu/kernels/tile_kernels.hpp: partial sums),
-// on every SIMD target compiled in that this CPU runs. Each test is built so that one chain
+// The product kernels sum long reductions in partial sums (cpu/kernels/tile_kernels.hpp: partial
+// sums), on every SIMD target compiled in that this CPU runs. Each test is built so that one chain
 // through every term loses the small terms and the partial sums keep them, exactly: a term
 // of 2^-24 added to a sum in [1, 2) is half an ulp and rounds away (to even), while 2^k such
 // terms summed first from zero make 2^(k-24) exactly, which the sum then takes exactly.

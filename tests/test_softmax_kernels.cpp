@@ -1,7 +1,7 @@
-// The exponentials of the softmax tiles (cpu/kernels/tile_kernels.hpp) on every SIMD target compiled in
-// that this CPU runs: every float exponent between the flush threshold and 0 against exp2 in
-// double, the edges exactly (t = 0, t < -125, -inf), and NaN scores whatever their bits. The
-// attention tests reach these kernels only through scores that random inputs produce.
+// The exponentials of the softmax tiles (cpu/kernels/tile_kernels.hpp) on every SIMD target
+// compiled in that this CPU runs: every float exponent between the flush threshold and 0 against
+// exp2 in double, the edges exactly (t = 0, t < -125, -inf), and NaN scores whatever their bits.
+// The attention tests reach these kernels only through scores that random inputs produce.
 //
 // Tolerance, in units of u = 2^-24: 2^t is 2^n times a degree-6 Taylor polynomial of f = t - n,
 // f in [-1/2, 1/2], whose truncation is at most (ln 2 / 2)^7 / 7! = 1.2e-7 absolute, 1.7e-7 =

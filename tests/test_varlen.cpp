@@ -150,14 +150,14 @@ TEST_P(VarlenAgainstEachSequence, ForwardAndBackwardAreEachSequenceAlone) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     const double max_v = max_abs(v_b);
     const double scores = scale * static_cast<double>(D) * max_abs(q_b) * max_abs(k_b);
-    const double tolerance =
-        kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(Lk) + 16.0) +
-        unit_roundoff(c.dtype) * max_v + probability_rounding_bound(c.dtype, max_v) + 1e-30;
+    const double tolerance = kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(Lk) + 16.0) +
+                             unit_roundoff(c.dtype) * max_v +
+                             probability_rounding_bound(c.dtype, max_v) + 1e-30;
     const MaxError error = max_error(out_b, want.out);
-    EXPECT_LE(error.value, tolerance) << "out index " << error.index << ": got " << error.got
-                                      << ", want " << error.want;
-    const double lse_tolerance = kU32 * (4.0 * scores + 2.0 * static_cast<double>(Lk) +
-                                         4.0 * max_abs_finite(want.lse));
+    EXPECT_LE(error.value, tolerance)
+        << "out index " << error.index << ": got " << error.got << ", want " << error.want;
+    const double lse_tolerance =
+        kU32 * (4.0 * scores + 2.0 * static_cast<double>(Lk) + 4.0 * max_abs_finite(want.lse));
     for (std::size_t i = 0; i < want.lse.size(); ++i) {
       if (std::isinf(want.lse[i])) {
         EXPECT_EQ(lse_b[i], -INFINITY) << "lse " << i;
@@ -195,8 +195,8 @@ std::vector<VarlenCase> varlen_cases() {
   }
   cases.push_back({q_lengths, k_lengths, 4, 2, 64, false, 16, 4, DType::f32});
   cases.push_back({q_lengths, k_lengths, 4, 2, 64, true, -1, -1, DType::bf16});
-  cases.push_back({q_lengths, k_lengths, 2, 2, 32, true, -1, -1, DType::f16, AttentionImpl::flash,
-                   true});
+  cases.push_back(
+      {q_lengths, k_lengths, 2, 2, 32, true, -1, -1, DType::f16, AttentionImpl::flash, true});
   cases.push_back({{300, 17}, {300, 900}, 2, 1, 128, true, -1, -1, DType::f32});
   cases.push_back({{}, {}, 2, 1, 16});  // an empty batch
   return cases;
@@ -249,14 +249,20 @@ TEST_P(VarlenBadInput, RaisesANamedErrorAndWritesNothing) {
 std::vector<BadVarlen> bad_varlen() {
   return {
       {"first_offset", [](VarlenCall& c) { c.cu_q[0] = 1; }, "cu_seqlens_q[0]: expected 0, got 1"},
-      {"decreasing", [](VarlenCall& c) { c.cu_k = {0, 5, 4}; },
+      {"decreasing",
+       [](VarlenCall& c) {
+         c.cu_k = {0, 5, 4};
+       },
        "cu_seqlens_k[2]: expected >= cu_seqlens_k[1] = 5"},
       {"short_total", [](VarlenCall& c) { c.cu_q[2] = 5; },
        "cu_seqlens_q[2]: expected 6 (the packed rows), got 5"},
       {"null_offsets", [](VarlenCall& c) { c.cu_q_ptr = nullptr; },
        "cu_seqlens_q: expected 3 int32 offsets, got null"},
       {"negative_batch", [](VarlenCall& c) { c.batch = -1; }, "batch: expected >= 0, got -1"},
-      {"unpacked_q", [](VarlenCall& c) { c.q_view.shape = {2, 3, 2, 8}; },
+      {"unpacked_q",
+       [](VarlenCall& c) {
+         c.q_view.shape = {2, 3, 2, 8};
+       },
        "q: expected a packed [1, total, heads, head_dim] view, got dim 0 = 2"},
       {"out_overlaps_q", [](VarlenCall& c) { c.out_view.data = c.q.view.data; },
        "out: expected memory disjoint from q"},

@@ -35,8 +35,8 @@ TEST(WidenRow, EveryBitPatternOnEveryTarget) {
                         static_cast<std::int64_t>(patterns.size()));
       int mismatches = 0;
       for (std::size_t i = 0; i < patterns.size() && mismatches < 5; ++i) {
-        const float want = dtype == DType::f16 ? f32_from_f16(patterns[i])
-                                               : f32_from_bf16(patterns[i]);
+        const float want =
+            dtype == DType::f16 ? f32_from_f16(patterns[i]) : f32_from_bf16(patterns[i]);
         const bool same = std::isnan(want) ? std::isnan(widened[i])
                                            : std::bit_cast<std::uint32_t>(widened[i]) ==
                                                  std::bit_cast<std::uint32_t>(want);

@@ -15,8 +15,8 @@ namespace flashattn {
 
 void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cache,
                                const std::int32_t* cache_seqlens, const NewKeysValues& new_kv,
-                               const TensorView& out, float* lse,
-                               const AttentionOptions& options, AttentionImpl impl) {
+                               const TensorView& out, float* lse, const AttentionOptions& options,
+                               AttentionImpl impl) {
   constexpr const char* caller = "kvcache_attention_forward";
   detail::out_of_memory_as_error(caller, [&] {
     if (impl != AttentionImpl::flash && impl != AttentionImpl::standard &&

@@ -595,8 +595,8 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
                                    kv.begin, kv.end)) {
           if (bp.dlogits != nullptr) {
             for (std::int64_t row = row_begin; row < row_begin + task.queries->rows(n); ++row) {
-              std::fill_n(bp.dlogits + ((task.b * p.heads_q + head) * p.seqlen_q + row) *
-                                           p.seqlen_kv +
+              std::fill_n(bp.dlogits +
+                              ((task.b * p.heads_q + head) * p.seqlen_q + row) * p.seqlen_kv +
                               kv.begin,
                           kv.keys, 0.0f);
             }

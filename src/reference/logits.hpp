@@ -14,8 +14,8 @@ namespace flashattn::detail {
 
 // The logit of key j for query row `row` of (batch b, query head h), from x = scale·q·k:
 // softcap·tanh(x / softcap), then − slope·|row + seqlen_kv − seqlen_q − j|, then + bias; −inf
-// where a bias or mask masks the key (AttentionParams::key_masked), whatever x is. When `softcap_derivative` is given it receives d logit / dx (1
-// without a softcap).
+// where a bias or mask masks the key (AttentionParams::key_masked), whatever x is. When
+// `softcap_derivative` is given it receives d logit / dx (1 without a softcap).
 inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int64_t h,
                               std::int64_t row, std::int64_t j, double x,
                               double* softcap_derivative = nullptr) {
@@ -28,7 +28,8 @@ inline double reference_logit(const AttentionParams& p, std::int64_t b, std::int
     derivative = 1.0 - t * t;
   }
   if (m.alibi_slopes != nullptr) {
-    const double distance = static_cast<double>(row + p.seqlen_kv - p.seqlen_q + p.diagonal_shift - j);
+    const double distance =
+        static_cast<double>(row + p.seqlen_kv - p.seqlen_q + p.diagonal_shift - j);
     logit -= static_cast<double>(m.alibi_slope(b, h)) * std::abs(distance);
   }
   if (m.bias.data != nullptr) logit += static_cast<double>(m.bias.bias(b, h, row, j));

@@ -257,8 +257,7 @@ class User {
                                  rk.view, rv.view, options);
     unchanged(kBackward, out, out_before, "out");
     unchanged(kBackward, dout, dout_before, "dout");
-    const double G = std::max({max_abs(rq), max_abs(rk), max_abs(rv)}) +
-                     max_abs(dout) * max_abs(v);
+    const double G = std::max({max_abs(rq), max_abs(rk), max_abs(rv)}) + max_abs(dout) * max_abs(v);
     const double bound = 5.0 * kU32 *
                              (4.0 / std::sqrt(static_cast<double>(D)) * static_cast<double>(D) *
                                   max_abs(q) * max_abs(k) +
@@ -271,8 +270,8 @@ class User {
       const Tensor& got = *pair.first;
       const Tensor& want = *pair.second;
       got.for_each_index([&](auto a, auto b, auto c, auto d) {
-        error = std::max(error, std::abs(static_cast<double>(got.at(a, b, c, d)) -
-                                         want.at(a, b, c, d)));
+        error = std::max(error,
+                         std::abs(static_cast<double>(got.at(a, b, c, d)) - want.at(a, b, c, d)));
       });
     }
     check(kBackward, error / bound, std::string(impl_name(impl)) + " gradients beyond bound");
@@ -300,9 +299,8 @@ class User {
       const std::int64_t q0 = cu_q[b], Lq = cu_q[b + 1] - q0, k0 = cu_k[b], Lk = cu_k[b + 1] - k0;
       const auto rows = [&](const Tensor& t, std::int64_t begin, std::int64_t count) {
         Tensor part(type, {1, count, t.view.shape[2], D});
-        part.for_each_index([&](auto, auto s, auto h, auto d) {
-          part.set(0, s, h, d, t.at(0, begin + s, h, d));
-        });
+        part.for_each_index(
+            [&](auto, auto s, auto h, auto d) { part.set(0, s, h, d, t.at(0, begin + s, h, d)); });
         return part;
       };
       const Tensor q_b = rows(q, q0, Lq), k_b = rows(k, k0, Lk), v_b = rows(v, k0, Lk);
@@ -323,7 +321,8 @@ class User {
     const std::int64_t D = between(1, 4) * 16, Sq = between(1, 4), Snew = between(0, Sq);
     const std::int64_t page = std::array<std::int64_t, 4>{1, 5, 16, 7}[rng_() % 4];
     std::vector<std::int32_t> cached;
-    for (std::int64_t b = 0; b < B; ++b) cached.push_back(static_cast<std::int32_t>(between(0, 80)));
+    for (std::int64_t b = 0; b < B; ++b)
+      cached.push_back(static_cast<std::int32_t>(between(0, 80)));
     const std::int64_t capacity = *std::max_element(cached.begin(), cached.end()) + Snew;
     const std::int64_t pages = (capacity + page - 1) / page;
     std::vector<std::int32_t> table(static_cast<std::size_t>(B * pages));
@@ -332,7 +331,8 @@ class User {
     table.reserve(1);  // a non-null table says "paged", also when no sequence has a page
     Tensor dense_k = random_tensor(rng_, cache_type, {B, capacity, Hkv, D}, false);
     Tensor dense_v = random_tensor(rng_, cache_type, {B, capacity, Hkv, D}, false);
-    Tensor paged_k(cache_type, {B * pages, page, Hkv, D}), paged_v(cache_type, {B * pages, page, Hkv, D});
+    Tensor paged_k(cache_type, {B * pages, page, Hkv, D}),
+        paged_v(cache_type, {B * pages, page, Hkv, D});
     dense_k.for_each_index([&](auto b, auto j, auto h, auto d) {
       const std::int64_t p = table[b * pages + j / page];
       paged_k.set(p, j % page, h, d, dense_k.at(b, j, h, d));
@@ -376,7 +376,8 @@ class User {
     const Tensor v = random_tensor(rng_, DType::f32, {B, Skv, H, D}, false);
     const auto part = [&](const Tensor& t, std::int64_t begin, std::int64_t end) {
       Tensor p(DType::f32, {B, end - begin, H, D});
-      p.for_each_index([&](auto a, auto s, auto h, auto d) { p.set(a, s, h, d, t.at(a, begin + s, h, d)); });
+      p.for_each_index(
+          [&](auto a, auto s, auto h, auto d) { p.set(a, s, h, d, t.at(a, begin + s, h, d)); });
       return p;
     };
     AttentionOptions options;
@@ -429,8 +430,9 @@ int run(int argc, char** argv) {
     }
   }
   if (!(seconds > 0) || users < 1 || users > 256 || !(max_rss_growth_mib >= 0)) {
-    std::fprintf(stderr, "flashattn_soak: expected --seconds > 0, --users 1..256, "
-                         "--max-rss-growth-mib >= 0\n");
+    std::fprintf(stderr,
+                 "flashattn_soak: expected --seconds > 0, --users 1..256, "
+                 "--max-rss-growth-mib >= 0\n");
     return 2;
   }
   std::printf("flashattn_soak: %d user threads for %.0f s, seed %llu\n", users, seconds,
@@ -468,18 +470,20 @@ int run(int argc, char** argv) {
     calls += tally.calls[kind];
     checks += tally.checks[kind];
     std::printf("%-9s %10lld %10lld %22.3g\n", kKindNames[kind],
-                static_cast<long long>(tally.calls[kind]), static_cast<long long>(tally.checks[kind]),
-                tally.worst_ratio[kind]);
+                static_cast<long long>(tally.calls[kind]),
+                static_cast<long long>(tally.checks[kind]), tally.worst_ratio[kind]);
   }
   const double growth_mib = static_cast<double>(rss_end - rss_warm) / (1 << 20);
-  std::printf("total     %10lld %10lld; RSS %.1f MiB after warm-up, %.1f MiB at the end "
-              "(growth %.1f MiB), peak %.1f MiB; %zu failures\n",
-              static_cast<long long>(calls), static_cast<long long>(checks),
-              static_cast<double>(rss_warm) / (1 << 20), static_cast<double>(rss_end) / (1 << 20),
-              growth_mib, static_cast<double>(rss_peak) / (1 << 20), tally.failures.size());
+  std::printf(
+      "total     %10lld %10lld; RSS %.1f MiB after warm-up, %.1f MiB at the end "
+      "(growth %.1f MiB), peak %.1f MiB; %zu failures\n",
+      static_cast<long long>(calls), static_cast<long long>(checks),
+      static_cast<double>(rss_warm) / (1 << 20), static_cast<double>(rss_end) / (1 << 20),
+      growth_mib, static_cast<double>(rss_peak) / (1 << 20), tally.failures.size());
   for (const std::string& failure : tally.failures) std::printf("FAILED %s\n", failure.c_str());
   if (kSanitized) {
-    std::printf("RSS growth not judged: a sanitizer build (its quarantine and shadow memory grow)\n");
+    std::printf(
+        "RSS growth not judged: a sanitizer build (its quarantine and shadow memory grow)\n");
   } else if (growth_mib > max_rss_growth_mib) {
     std::printf("FAILED RSS grew by %.1f MiB, more than --max-rss-growth-mib %.1f\n", growth_mib,
                 max_rss_growth_mib);

@@ -155,9 +155,10 @@ inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int
 
 // In place, for j < n: x = scale·scores[j], then softcap·tanh(x / softcap) (softcap > 0), then
 // − slope·|first_distance − j| (slope != 0), then + bias[j] (a bias; −inf where it is −inf,
-// whatever the score), then −inf where mask[j] is 0 (a mask). With `derivative` not null, derivative[j] receives d logit / dx: 1 − tanh²(x /
-// softcap), or 1 without a softcap (the backward's chain rule). n need not be a whole number of
-// vectors. Distances beyond 2^24 round to fp32.
+// whatever the score), then −inf where mask[j] is 0 (a mask). With `derivative` not null,
+// derivative[j] receives d logit / dx: 1 − tanh²(x / softcap), or 1 without a softcap (the
+// backward's chain rule). n need not be a whole number of vectors. Distances beyond 2^24 round to
+// fp32.
 void modify_scores(float* scores, float* derivative, std::int64_t n, float scale,
                    const RowModifiers& row);
 

@@ -36,9 +36,8 @@ struct VisibleGradientTile {
 
 // dV_j += Σ_i P_ij·dO_i, dK_j += Σ_i dS_ij·Q_i, dQ_i += Σ_j dS_ij·K_j over the pairs where
 // query position row_begin + i sees key key_begin + j (p.key_range) and no bias or mask masks
-// it (p.key_masked), and no pair of a row that a bias or mask masked entirely (row_fully_masked). Plain loops:
-// the path of
-// non-finite inputs only.
+// it (p.key_masked), and no pair of a row that a bias or mask masked entirely (row_fully_masked).
+// Plain loops: the path of non-finite inputs only.
 void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& tile);
 
 }  // namespace flashattn::detail::cpu
