@@ -2,7 +2,6 @@
 
 #include "machine.hpp"
 
-#include <cblas.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -11,10 +10,7 @@
 #include <fstream>
 
 #include "flashattn/introspect.hpp"
-
-// Weak: the sanitizer builds (FLASHATTN_PLAIN_BLAS) link a plain-loop sgemm instead of OpenBLAS,
-// and there the function does not exist.
-#pragma weak openblas_get_corename
+#include "openblas_core.hpp"
 
 namespace flashattn::cli {
 namespace {
@@ -53,14 +49,14 @@ std::string today() {
 
 Machine describe_machine(int threads) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
-  const char* core = openblas_get_corename != nullptr ? openblas_get_corename() : nullptr;
   return {.date = today(),
           .host = host_name(),
           .cpu_model = cpu_model(),
           .simd_target = simd_target(),
           .bf16_products = bf16_products(),
-          .openblas_core = core != nullptr ? core : "none (OpenBLAS not linked)",
+          .openblas_core = bench::openblas_core(),
           .openblas_coretype = coretype != nullptr ? coretype : "",
+          .openblas_warning = bench::openblas_fallback_warning(),
           .threads = threads};
 }
 

@@ -37,6 +37,8 @@ struct Ceilings {
 
 struct Machine {
   std::string date, host, cpu_model, simd_target, bf16_products, openblas_core, openblas_coretype;
+  // OpenBLAS on an SSE-only kernel where the CPU has AVX2 or AVX-512 (openblas_core.hpp).
+  std::optional<std::string> openblas_warning;
   int threads = 0;
 };
 

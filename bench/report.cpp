@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "openblas_core.hpp"
+
 namespace flashattn::cli {
 
 namespace {
@@ -189,7 +191,9 @@ void print_header(const Machine& machine, const Ceilings& ceilings, const BenchO
   std::printf("openblas core %s%s%s\n", machine.openblas_core.c_str(),
               machine.openblas_coretype.empty() ? "" : ", OPENBLAS_CORETYPE=",
               machine.openblas_coretype.c_str());
-  if (!machine.openblas_coretype.empty()) {
+  if (machine.openblas_warning) {
+    bench::print_warning(*machine.openblas_warning);
+  } else if (!machine.openblas_coretype.empty()) {
     // A pinned kernel can run sgemm far slower than OpenBLAS's own choice for this CPU, which
     // lowers the sgemm ceiling and the standard path alike.
     std::printf(

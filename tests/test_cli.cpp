@@ -9,10 +9,12 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -24,6 +26,7 @@
 #include "flashattn/dtype.hpp"
 #include "flashattn/introspect.hpp"
 #include "npy.hpp"
+#include "openblas_core.hpp"
 
 namespace {
 
@@ -529,6 +532,58 @@ TEST_F(CliTest, DemoOnSmallShapesAgrees) {
   EXPECT_NE(decode.out.find("\nagree: yes"), std::string::npos) << decode.out;
   EXPECT_NE(decode.out.find("K+V GB/s: bytes of k and v (300.00 KiB) / time"), std::string::npos)
       << decode.out;
+}
+
+// OPENBLAS_CORETYPE set for this process and the children it starts, restored on leaving.
+class ScopedCoretype {
+ public:
+  explicit ScopedCoretype(const char* value) {
+    if (const char* old = std::getenv("OPENBLAS_CORETYPE")) old_ = old;
+    ::setenv("OPENBLAS_CORETYPE", value, 1);
+  }
+  ~ScopedCoretype() {
+    if (old_) {
+      ::setenv("OPENBLAS_CORETYPE", old_->c_str(), 1);
+    } else {
+      ::unsetenv("OPENBLAS_CORETYPE");
+    }
+  }
+  ScopedCoretype(const ScopedCoretype&) = delete;
+  ScopedCoretype& operator=(const ScopedCoretype&) = delete;
+
+ private:
+  std::optional<std::string> old_;
+};
+
+// demo times the standard path, whose products are OpenBLAS's sgemm: on an SSE-only kernel it
+// warns, naming the setting that fits the CPU, and on a kernel that fits it stays silent.
+// OPENBLAS_CORETYPE forces both cases on any CPU with AVX2.
+TEST_F(CliTest, DemoWarnsWhereOpenblasRunsAnSseKernel) {
+  if (flashattn::bench::openblas_core() == "none (OpenBLAS not linked)") {
+    GTEST_SKIP() << "this build links the plain-loop sgemm, not OpenBLAS";
+  }
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "an SSE kernel is this CPU's own";
+  const std::vector<std::string> args = {"demo",       "--seqlen", "32",       "--heads", "2",
+                                         "--head-dim", "32",       "--repeat", "1"};
+  const char* fitting = __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell";
+  {
+    const ScopedCoretype prescott("Prescott");
+    const Completed slow = run(args);
+    EXPECT_EQ(slow.exit_code, 0) << slow.out << slow.err;
+    EXPECT_NE(slow.out.find("\nwarning  OpenBLAS runs its Prescott kernel"), std::string::npos)
+        << slow.out;
+    EXPECT_NE(slow.out.find("OPENBLAS_CORETYPE=Prescott pins that kernel"), std::string::npos)
+        << slow.out;
+    EXPECT_NE(slow.out.find(std::string("OPENBLAS_CORETYPE=") + fitting), std::string::npos)
+        << slow.out;
+  }
+  {
+    const ScopedCoretype fits(fitting);
+    const Completed fast = run(args);
+    EXPECT_EQ(fast.exit_code, 0) << fast.out << fast.err;
+    EXPECT_NE(fast.out.find("\nagree: yes"), std::string::npos) << fast.out;
+    EXPECT_EQ(fast.out.find("warning"), std::string::npos) << fast.out;
+  }
 }
 
 TEST_F(CliTest, DemoRejectsBadArguments) {

@@ -26,6 +26,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/introspect.hpp"
+#include "openblas_core.hpp"
 #include "verify.hpp"
 
 namespace flashattn::cli {
@@ -250,6 +251,11 @@ void print_problem(const DemoOptions& demo, const DemoShape& shape, const Attent
       "threads  %d (OpenMP: max threads %d, %d processors); inputs normal(0, 1), seed %llu\n",
       resolved_threads(demo.threads), omp_get_max_threads(), omp_get_num_procs(),
       static_cast<unsigned long long>(demo.seed));
+  // The standard path's products are OpenBLAS's sgemm: on a fallback kernel the comparison
+  // below would flatter flash.
+  if (const std::optional<std::string> warning = bench::openblas_fallback_warning()) {
+    bench::print_warning(*warning);
+  }
   std::printf(
       "timing   median of %d runs after 1 warm-up; GFLOP/s = %.3g GFLOP (attention_flops) / "
       "time\n\n",
