@@ -14,7 +14,7 @@ namespace flashattn::bench {
 
 std::string openblas_core() {
   const char* core = openblas_get_corename != nullptr ? openblas_get_corename() : nullptr;
-  return core != nullptr ? core : "none (OpenBLAS not linked)";
+  return std::string(core != nullptr ? std::string_view(core) : kOpenblasNotLinked);
 }
 
 std::optional<std::string> openblas_fallback_warning(std::string_view core,

@@ -14,8 +14,10 @@
 
 namespace flashattn::bench {
 
-// The name of the kernel OpenBLAS chose (openblas_get_corename), or "none (OpenBLAS not linked)"
-// in the builds that link the plain-loop sgemm instead.
+// What openblas_core() names in the builds that link the plain-loop sgemm instead of OpenBLAS.
+inline constexpr std::string_view kOpenblasNotLinked = "none (OpenBLAS not linked)";
+
+// The name of the kernel OpenBLAS chose (openblas_get_corename), or kOpenblasNotLinked.
 std::string openblas_core();
 
 // The warning for OpenBLAS running an SSE-only kernel (`core`) on a CPU with AVX-512F or AVX2,

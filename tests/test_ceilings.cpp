@@ -85,7 +85,8 @@ TEST(OpenblasFallbackWarning, SilentWhereTheKernelFitsOrNothingWiderExists) {
   // An SSE kernel is the right one on a CPU without AVX2.
   EXPECT_FALSE(openblas_fallback_warning("Prescott", "", false, false).has_value());
   // The sanitizer builds' plain-loop sgemm.
-  EXPECT_FALSE(openblas_fallback_warning("none (OpenBLAS not linked)", "", true, true).has_value());
+  EXPECT_FALSE(
+      openblas_fallback_warning(flashattn::bench::kOpenblasNotLinked, "", true, true).has_value());
 }
 
 }  // namespace

@@ -559,7 +559,7 @@ class ScopedCoretype {
 // warns, naming the setting that fits the CPU, and on a kernel that fits it stays silent.
 // OPENBLAS_CORETYPE forces both cases on any CPU with AVX2.
 TEST_F(CliTest, DemoWarnsWhereOpenblasRunsAnSseKernel) {
-  if (flashattn::bench::openblas_core() == "none (OpenBLAS not linked)") {
+  if (flashattn::bench::openblas_core() == flashattn::bench::kOpenblasNotLinked) {
     GTEST_SKIP() << "this build links the plain-loop sgemm, not OpenBLAS";
   }
   if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "an SSE kernel is this CPU's own";
