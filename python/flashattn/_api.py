@@ -124,6 +124,41 @@ def _int32(x: Any, name: str) -> Any:
     return np.ascontiguousarray(array, dtype=np.int32)
 
 
+def _torch_vector(x: Any, name: str) -> Any:
+    """alibi_slopes and sinks for the torch ops: a CPU tensor as given (its autograd kept), or
+    None; numbers and arrays become float32 tensors."""
+    if x is None:
+        return None
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: expected a CPU tensor, got one on {x.device}")
+        return x
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(x, dtype=np.float32)))
+
+
+def _torch_int32(x: Any, name: str) -> Any:
+    """cu_seqlens, cache_seqlens, block_table for the torch ops: a contiguous int32 tensor."""
+    torch = _torch()
+    if not isinstance(x, torch.Tensor):
+        return torch.from_numpy(_int32(x, name))
+    if x.device.type != "cpu":
+        raise ValueError(f"{name}: expected a CPU tensor, got one on {x.device}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an int32 tensor, got {x.dtype}")
+    if x.dtype != torch.int32:
+        # The range check reads the values: skipped while torch.compile traces (no data then).
+        if (x.numel() and not torch.compiler.is_compiling()
+                and (x.min() < -2**31 or x.max() >= 2**31)):
+            raise ValueError(f"{name}: values outside int32")
+        x = x.to(torch.int32)
+    return x.contiguous()
+
+
+def _scale(softmax_scale: Optional[float]) -> Optional[float]:
+    return None if softmax_scale is None else float(softmax_scale)
+
+
 def _mask(x: Any, name: str) -> Any:
     if x is None:
         return None
@@ -171,7 +206,7 @@ def _options(framework: str, softmax_scale, causal, window_size, softcap, alibi_
              attn_bias, attn_mask, num_threads) -> dict:
     left, right = _window(window_size)
     return dict(
-        scale=None if softmax_scale is None else float(softmax_scale),
+        scale=_scale(softmax_scale),
         causal=bool(causal),
         window_left=left,
         window_right=right,
@@ -182,12 +217,6 @@ def _options(framework: str, softmax_scale, causal, window_size, softcap, alibi_
         attn_mask=_mask(attn_mask, "attn_mask"),
         num_threads=int(num_threads),
     )
-
-
-def _wants_grad(*tensors: Any) -> bool:
-    torch = _torch()
-    return (torch is not None and torch.is_grad_enabled()
-            and any(_is_torch(t) and t.requires_grad for t in tensors))
 
 
 def _forward_arrays(framework, q, k, v, options, impl, out_heads_first=False):
@@ -242,13 +271,17 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     _same_framework(k, "k", framework)
     _same_framework(v, "v", framework)
     impl = _impl(impl)
-    if _wants_grad(q, k, v, sinks, attn_bias):
-        from . import _autograd
-        out, lse = _autograd.attention(q, k, v, impl, softmax_scale=softmax_scale,
-                                       causal=causal, window_size=window_size, softcap=softcap,
-                                       alibi_slopes=alibi_slopes, sinks=sinks,
-                                       attn_bias=attn_bias, attn_mask=attn_mask,
-                                       num_threads=num_threads)
+    if framework == "torch":
+        from . import _torch_ops
+        left, right = _window(window_size)
+        if attn_mask is not None:
+            _mask(attn_mask, "attn_mask")
+        if attn_bias is not None:
+            _framework(attn_bias, "attn_bias")
+        out, lse = _torch_ops.fwd(q, k, v, _torch_vector(alibi_slopes, "alibi_slopes"),
+                                  _torch_vector(sinks, "sinks"), attn_bias, attn_mask,
+                                  _scale(softmax_scale), bool(causal), left, right,
+                                  float(softcap), int(num_threads), impl, False)
     else:
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, attn_bias, attn_mask, num_threads)
@@ -294,15 +327,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     _same_framework(k, "k", framework)
     _same_framework(v, "v", framework)
     impl = _impl(impl)
-    cu_q = _int32(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = _int32(cu_seqlens_k, "cu_seqlens_k")
-    if _wants_grad(q, k, v, sinks):
-        from . import _autograd
-        out, lse = _autograd.varlen_attention(
-            q, k, v, cu_q, cu_k, impl, softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-            num_threads=num_threads)
+    if framework == "torch":
+        from . import _torch_ops
+        left, right = _window(window_size)
+        out, lse = _torch_ops.varlen_fwd(
+            q, k, v, _torch_int32(cu_seqlens_q, "cu_seqlens_q"),
+            _torch_int32(cu_seqlens_k, "cu_seqlens_k"),
+            _torch_vector(alibi_slopes, "alibi_slopes"), _torch_vector(sinks, "sinks"),
+            _scale(softmax_scale), bool(causal), left, right, float(softcap), int(num_threads),
+            impl)
     else:
+        cu_q = _int32(cu_seqlens_q, "cu_seqlens_q")
+        cu_k = _int32(cu_seqlens_k, "cu_seqlens_k")
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, None, None, num_threads)
         out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl)
@@ -365,17 +401,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = np.full(batch, capacity, dtype=np.int64)
     elif isinstance(cache_seqlens, (int, np.integer)):
         cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
-    lengths = _int32(cache_seqlens, "cache_seqlens")
-    table = None if block_table is None else _int32(block_table, "block_table")
-    options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       None, None, None, num_threads)
-    out = _empty(framework, q.shape, q.dtype)
-    lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
-    _flashattn.kvcache_forward(
-        _impl(impl), _native(q), _native(k_cache, writable=True, name="k_cache"),
-        _native(v_cache, writable=True, name="v_cache"), lengths, table,
-        None if k is None else _native(k), None if v is None else _native(v),
-        _native(out, writable=True, name="out"), _native(lse), **options)
+    impl = _impl(impl)
+    if framework == "torch":
+        from . import _torch_ops
+        left, right = _window(window_size)
+        table = None if block_table is None else _torch_int32(block_table, "block_table")
+        out, lse = _torch_ops.kvcache_fwd(
+            q, k_cache, v_cache, _torch_int32(cache_seqlens, "cache_seqlens"), table, k, v,
+            _torch_vector(alibi_slopes, "alibi_slopes"), _scale(softmax_scale), bool(causal),
+            left, right, float(softcap), int(num_threads), impl)
+    else:
+        lengths = _int32(cache_seqlens, "cache_seqlens")
+        table = None if block_table is None else _int32(block_table, "block_table")
+        options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           None, None, None, num_threads)
+        out = _empty(framework, q.shape, q.dtype)
+        lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
+        _flashattn.kvcache_forward(
+            impl, _native(q), _native(k_cache, writable=True, name="k_cache"),
+            _native(v_cache, writable=True, name="v_cache"), lengths, table,
+            None if k is None else _native(k), None if v is None else _native(v),
+            _native(out, writable=True, name="out"), _native(lse), **options)
     return (out, lse) if return_softmax_lse else out
 
 

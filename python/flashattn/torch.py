@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import _api, _autograd
+from . import _api, _torch_ops
 
 __all__ = ["scaled_dot_product_attention", "sdpa_replaced"]
 
@@ -81,15 +81,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             mask = full
         else:
             bias = full.to(query.dtype) if full.dtype != query.dtype else full
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias)
-                                       if t is not None):
-        out, _ = _autograd.attention(q, k, v, "flash", attn_bias=bias, out_heads_first=True,
-                                     softmax_scale=scale, causal=causal, window_size=(-1, -1),
-                                     softcap=0.0, alibi_slopes=None, attn_mask=mask,
-                                     num_threads=0)
-    else:
-        options = _api._options("torch", scale, causal, (-1, -1), 0.0, None, None, bias, mask, 0)
-        out, _ = _api._forward_arrays("torch", q, k, v, options, "flash", out_heads_first=True)
+    out, _ = _torch_ops.fwd(q, k, v, None, None, bias, mask, None if scale is None else
+                            float(scale), causal, -1, -1, 0.0, 0, "flash", True)
     return out.transpose(1, 2).reshape(*batch_shape, heads_q, seqlen_q, query.shape[-1])
 
 

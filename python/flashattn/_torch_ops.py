@@ -1,0 +1,238 @@
+"""flashattn's entry points as torch.library custom ops: torch.ops.flashattn.*.
+
+Every torch call of the package goes through these ops, so that
+
+- autograd comes from `register_autograd` (the backward op recomputes P block by block from the
+  saved lse; it is never stored);
+- `torch.compile(fullgraph=True)` sees one opaque node per call, shaped by the fake (meta)
+  implementations below, instead of a Python function it cannot trace;
+- the KV-cache op declares its in-place append (k_cache, v_cache) as a mutation.
+
+Op arguments are plain: tensors (optional where the option is), then the scalar options in one
+fixed order (`_SCALARS`). Inputs arrive already checked for framework and dtype by _api; the C++
+library checks the rest and raises ValueError naming the argument. numpy callers never come here.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _api, _flashattn
+
+_LIB = "flashattn"
+
+
+def _vector(x: Optional[Tensor]) -> Optional[Tensor]:
+    return None if x is None else x.detach().to(torch.float32).contiguous()
+
+
+def _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal, window_left,
+             window_right, softcap, num_threads) -> dict:
+    return dict(scale=softmax_scale, causal=causal, window_left=window_left,
+                window_right=window_right, softcap=softcap, alibi_slopes=_vector(alibi_slopes),
+                sinks=_vector(sinks),
+                attn_bias=None if attn_bias is None else _api._native(attn_bias),
+                attn_mask=None if attn_mask is None else _api._native(attn_mask),
+                num_threads=num_threads)
+
+
+def _empty_like(x: Tensor) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype)
+
+
+def _grad_output(dout: Tensor) -> Tensor:
+    # Autograd may hand over an expanded gradient (stride 0 everywhere after a .sum()): any
+    # strides are fine except a last dim that is not contiguous.
+    return dout.contiguous() if dout.stride(-1) != 1 else dout
+
+
+# --- forward and backward of flash_attn_func (and the SDPA drop-in) -----------------------------
+
+@torch.library.custom_op(f"{_LIB}::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+        attn_bias: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: Optional[float],
+        causal: bool, window_left: int, window_right: int, softcap: float, num_threads: int,
+        impl: str, out_heads_first: bool) -> Tuple[Tensor, Tensor]:
+    """(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq]); out_heads_first: out's memory is
+    [B, Hq, Sq, D] (torch's SDPA layout) and a [B, Sq, Hq, D] view of it is returned."""
+    options = _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
+                       window_left, window_right, softcap, num_threads)
+    return _api._forward_arrays("torch", q, k, v, options, impl, out_heads_first)
+
+
+@fwd.register_fake
+def _(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal, window_left,
+      window_right, softcap, num_threads, impl, out_heads_first):
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if out_heads_first:
+        out = q.new_empty((batch, heads_q, seqlen_q, head_dim)).transpose(1, 2)
+    else:
+        out = q.new_empty((batch, seqlen_q, heads_q, head_dim))
+    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], attn_bias: Optional[Tensor],
+        attn_mask: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+        window_left: int, window_right: int, softcap: float, num_threads: int, impl: str,
+        want_dsinks: bool, want_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks, dbias); dsinks float32 [Hq] and dbias like attn_bias when wanted,
+    else empty tensors (an op returns tensors, not None)."""
+    options = _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
+                       window_left, window_right, softcap, num_threads)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    dsinks = torch.empty(q.shape[2] if want_dsinks else 0, dtype=torch.float32)
+    dbias = _empty_like(attn_bias) if want_dbias else torch.empty(0, dtype=q.dtype)
+    _flashattn.backward(impl, _api._native(_grad_output(dout)), _api._native(q), _api._native(k),
+                        _api._native(v), _api._native(out), lse, dq, dk, dv,
+                        dsinks if want_dsinks else None, dbias if want_dbias else None, **options)
+    return dq, dk, dv, dsinks, dbias
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
+      window_left, window_right, softcap, num_threads, impl, want_dsinks, want_dbias):
+    dsinks = q.new_empty((q.shape[2] if want_dsinks else 0,), dtype=torch.float32)
+    dbias = attn_bias.new_empty(attn_bias.shape) if want_dbias else q.new_empty((0,))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dbias)
+
+
+# Positions of fwd's arguments: the tensors that can take a gradient, and the rest.
+_FWD_NAMES = ("q", "k", "v", "alibi_slopes", "sinks", "attn_bias", "attn_mask", "softmax_scale",
+              "causal", "window_left", "window_right", "softcap", "num_threads", "impl",
+              "out_heads_first")
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    args = dict(zip(_FWD_NAMES, inputs))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["alibi_slopes"],
+                          args["sinks"], args["attn_bias"], args["attn_mask"])
+    ctx.scalars = tuple(args[name] for name in _FWD_NAMES[7:14])
+    ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask = ctx.saved_tensors
+    want_dsinks = sinks is not None and ctx.needs_input_grad[4]
+    want_dbias = attn_bias is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dsinks, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_bias,
+                                    attn_mask, *ctx.scalars, want_dsinks, want_dbias)
+    return (dq, dk, dv, None, dsinks.to(ctx.sinks_dtype) if want_dsinks else None,
+            dbias if want_dbias else None, None, None, None, None, None, None, None, None, None)
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# --- varlen: packed [total, H, D] with cu_seqlens ------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::varlen_fwd", mutates_args=())
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+               softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+               softcap: float, num_threads: int, impl: str) -> Tuple[Tensor, Tensor]:
+    """(out [total_q, Hq, D], lse float32 [Hq, total_q]); cu_seqlens int32 [B + 1]."""
+    options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
+                       window_right, softcap, num_threads)
+    return _api._varlen_forward_arrays("torch", q, k, v, cu_seqlens_q, cu_seqlens_k, options,
+                                       impl)
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale, causal,
+      window_left, window_right, softcap, num_threads, impl):
+    total_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::varlen_bwd", mutates_args=())
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
+               sinks: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+               window_left: int, window_right: int, softcap: float, num_threads: int, impl: str,
+               want_dsinks: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks); dsinks float32 [Hq] when wanted, else empty."""
+    options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
+                       window_right, softcap, num_threads)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
+    dsinks = torch.empty(q.shape[1] if want_dsinks else 0, dtype=torch.float32)
+    _flashattn.varlen_backward(impl, _api._native(_grad_output(dout)), _api._native(q),
+                               _api._native(k), _api._native(v), _api._native(out), lse,
+                               cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+                               dsinks if want_dsinks else None, **options)
+    return dq, dk, dv, dsinks
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale,
+      causal, window_left, window_right, softcap, num_threads, impl, want_dsinks):
+    dsinks = q.new_empty((q.shape[1] if want_dsinks else 0,), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks",
+                 "softmax_scale", "causal", "window_left", "window_right", "softcap",
+                 "num_threads", "impl")
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    args = dict(zip(_VARLEN_NAMES, inputs))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"],
+                          args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"])
+    ctx.scalars = tuple(args[name] for name in _VARLEN_NAMES[7:])
+    ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    want_dsinks = sinks is not None and ctx.needs_input_grad[6]
+    dq, dk, dv, dsinks = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks,
+                                    *ctx.scalars, want_dsinks)
+    return (dq, dk, dv, None, None, None, dsinks.to(ctx.sinks_dtype) if want_dsinks else None,
+            None, None, None, None, None, None, None)
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# --- KV cache: append in place, then attend -----------------------------------------------------
+
+@torch.library.custom_op(f"{_LIB}::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+                block_table: Optional[Tensor], k_new: Optional[Tensor], v_new: Optional[Tensor],
+                alibi_slopes: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+                window_left: int, window_right: int, softcap: float, num_threads: int,
+                impl: str) -> Tuple[Tensor, Tensor]:
+    """(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq]); k_new, v_new are written into the caches
+    at cache_seqlens (int32 [B]) first. No autograd: decoding is inference."""
+    options = _options(alibi_slopes, None, None, None, softmax_scale, causal, window_left,
+                       window_right, softcap, num_threads)
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = _empty_like(q)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    _flashattn.kvcache_forward(
+        impl, _api._native(q), _api._native(k_cache, writable=True, name="k_cache"),
+        _api._native(v_cache, writable=True, name="v_cache"), cache_seqlens, block_table,
+        None if k_new is None else _api._native(k_new),
+        None if v_new is None else _api._native(v_new), out, lse, **options)
+    return out, lse
+
+
+@kvcache_fwd.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes, softmax_scale,
+      causal, window_left, window_right, softcap, num_threads, impl):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+def all_ops() -> List[object]:
+    """Every op of the namespace, for opcheck."""
+    return [fwd, bwd, varlen_fwd, varlen_bwd, kvcache_fwd]
