@@ -34,8 +34,39 @@ void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
                               std::int64_t batch, const TensorView& out, float* lse,
                               const AttentionOptions& options = {});
 
-// Gradients of the same (flashattn/backward.hpp), in the packed layout: dout, out, dq like q;
-// dk, dv like k, v; lse [heads_q, total_q] as the forward wrote it, required.
+// K and V of a varlen batch in a paged cache (as flash_attn_varlen_func's block_table, and as
+// KVCacheView's paged cache in flashattn/kvcache.hpp, only read here):
+//   k, v          [num_pages, page_size, heads_kv, head_dim], page_size >= 1; any element
+//                 strides with the last dim contiguous (a head-major pool, [num_pages, heads_kv,
+//                 page_size, head_dim], passed with dims 1 and 2 swapped in shape and strides)
+//   block_table   int32 [batch, pages_per_sequence] row-major: sequence b's key j is row
+//                 j % page_size of page block_table[b * pages_per_sequence + j / page_size]
+// Only the entries that cover a sequence's keys are read (and must lie in [0, num_pages)); the
+// rest may hold anything. Pages may be shared between sequences (a common prompt prefix).
+struct PagedKVView {
+  ConstTensorView k, v;
+  const std::int32_t* block_table = nullptr;
+  std::int64_t pages_per_sequence = 0;
+};
+
+// The same attention with K and V in pages: q, out, lse, cu_seqlens_q, batch and options as
+// above, and sequence b's keys the first L_b = cu_seqlens_k[b + 1] − cu_seqlens_k[b] rows of its
+// pages (FlashAttention's meaning of cu_seqlens_k with a block table: the offsets count keys,
+// they are not rows of k). cu_seqlens_k: batch + 1 int32 offsets from 0, never decreasing, each
+// L_b at most pages_per_sequence · page_size; block_table non-null unless no sequence has a page
+// (pages_per_sequence 0). k, v, out in q's dtype.
+// The results are those of the packed forward above on the same rows, bit for bit, for any page
+// size and table order: the flash path reads the pages where they lie for up to 32 query rows
+// per KV head (decode), and otherwise gathers one sequence's rows at a time into a contiguous
+// buffer that the dense path reads, as kvcache_attention_forward does.
+// Invalid arguments raise flashattn::Error before anything is written.
+void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q, const PagedKVView& kv,
+                              const std::int32_t* cu_seqlens_q, const std::int32_t* cu_seqlens_k,
+                              std::int64_t batch, const TensorView& out, float* lse,
+                              const AttentionOptions& options = {});
+
+// Gradients of the packed forward (flashattn/backward.hpp), in the packed layout: dout, out, dq
+// like q; dk, dv like k, v; lse [heads_q, total_q] as the forward wrote it, required.
 void varlen_attention_backward(AttentionImpl impl, const ConstTensorView& dout,
                                const ConstTensorView& q, const ConstTensorView& k,
                                const ConstTensorView& v, const ConstTensorView& out,

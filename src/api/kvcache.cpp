@@ -25,11 +25,11 @@ void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cach
     }
     const detail::KVCacheParams params =
         detail::make_kvcache_params(caller, q, cache, cache_seqlens, new_kv, out, lse, options);
-    const std::int64_t needed = detail::kvcache_scratch_bytes(impl, params);
+    const std::int64_t needed = detail::kvcache_scratch_bytes(impl, params.attention);
     detail::check_scratch_fits(caller, impl, params.attention, needed);
     detail::append_to_cache(params);
     try {
-      detail::attend_to_cache(impl, params);
+      detail::attend_to_cache(impl, params.attention);
     } catch (const std::bad_alloc&) {
       throw Error(std::string(caller) +
                   ": out of memory: could not allocate the scratch buffers (" +

@@ -366,38 +366,30 @@ ScoreModifiers checked_modifiers(const char* caller, const AttentionOptions& opt
   return modifiers;
 }
 
-}  // namespace
-
-AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
-                            const ConstTensorView& v, const TensorView& out, float* lse,
-                            const AttentionOptions& options, std::int64_t modifier_batch) {
-  check_view(caller, "q", q);
-  check_view(caller, "k", k);
-  check_view(caller, "v", v);
-  check_view(caller, "out", out);
-
+// k, v and out in q's dtype.
+void check_dtypes_as_q(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
+                       const ConstTensorView& v, const TensorView& out) {
   for (const auto& [name, dtype] : {std::pair{"k", k.dtype}, {"v", v.dtype}, {"out", out.dtype}}) {
     if (dtype != q.dtype) {
       fail(caller, name, ": expected dtype ", dtype_name(q.dtype), " (as q), got ",
            dtype_name(dtype));
     }
   }
+}
 
-  const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
-                     head_dim = q.shape[3];
-  const std::int64_t seqlen_kv = k.shape[1];
-  if (k.shape[0] != batch) fail(caller, "k: expected batch ", batch, " (as q), got ", k.shape[0]);
-  check_operand_shapes(caller, "k", "v", q, k, v, out);
-
-  const float scale = checked_scale(caller, options, head_dim);
-
+// What a forward writes: out, every element at its own address, and lse (heads_q values per
+// query row of q's batch), neither overlapping the other nor q, k or v. Returns their spans.
+std::pair<ByteSpan, ByteSpan> checked_output_spans(const char* caller, const ConstTensorView& q,
+                                                   const ConstTensorView& k,
+                                                   const ConstTensorView& v, const TensorView& out,
+                                                   float* lse) {
   const ByteSpan out_span = byte_span(caller, "out", out);
   if (self_overlapping(out)) {
     fail(caller, "out: expected strides that give every element its own address, got strides ",
          shape_string(out.strides), " for shape ", shape_string(out.shape));
   }
   // B·Hq·Sq <= numel(out), which byte_span bounded; float_span checks the 4-byte elements.
-  const ByteSpan lse_span = float_span(caller, "lse", lse, batch * heads_q * seqlen_q);
+  const ByteSpan lse_span = float_span(caller, "lse", lse, q.shape[0] * q.shape[2] * q.shape[1]);
   if (out_span.overlaps(lse_span)) {
     fail(caller, "lse: expected memory disjoint from out, got overlapping buffers");
   }
@@ -411,6 +403,56 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
       fail(caller, "lse: expected memory disjoint from ", name, ", got overlapping buffers");
     }
   }
+  return {out_span, lse_span};
+}
+
+// Rows per sequence of a paged cache whose `k_name` holds pages of page_size rows (its dim 1).
+std::int64_t paged_capacity(const char* caller, const char* k_name, std::int64_t page_size,
+                            std::int64_t pages_per_sequence) {
+  if (page_size == 0) fail(caller, k_name, ": expected page_size (dim 1) >= 1, got 0");
+  if (pages_per_sequence < 0) {
+    fail(caller, "pages_per_sequence: expected >= 0, got ", pages_per_sequence);
+  }
+  std::int64_t capacity = 0;
+  if (__builtin_mul_overflow(pages_per_sequence, page_size, &capacity) || capacity > kMaxDim) {
+    fail(caller, "pages_per_sequence: ", pages_per_sequence, " pages of ", page_size,
+         " rows exceed 2^61 rows per sequence");
+  }
+  return capacity;
+}
+
+// The first `pages` entries of sequence b's row of the block table: pages in [0, num_pages).
+void check_table_row(const char* caller, const std::int32_t* block_table,
+                     std::int64_t pages_per_sequence, std::int64_t b, std::int64_t pages,
+                     std::int64_t num_pages) {
+  for (std::int64_t i = 0; i < pages; ++i) {
+    const std::int32_t page = block_table[b * pages_per_sequence + i];
+    if (page < 0 || page >= num_pages) {
+      fail(caller, "block_table[", b, ", ", i, "]: expected a page in [0, ", num_pages, "), got ",
+           page);
+    }
+  }
+}
+
+}  // namespace
+
+AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
+                            const ConstTensorView& v, const TensorView& out, float* lse,
+                            const AttentionOptions& options, std::int64_t modifier_batch) {
+  check_view(caller, "q", q);
+  check_view(caller, "k", k);
+  check_view(caller, "v", v);
+  check_view(caller, "out", out);
+  check_dtypes_as_q(caller, q, k, v, out);
+
+  const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
+                     head_dim = q.shape[3];
+  const std::int64_t seqlen_kv = k.shape[1];
+  if (k.shape[0] != batch) fail(caller, "k: expected batch ", batch, " (as q), got ", k.shape[0]);
+  check_operand_shapes(caller, "k", "v", q, k, v, out);
+
+  const float scale = checked_scale(caller, options, head_dim);
+  const auto [out_span, lse_span] = checked_output_spans(caller, q, k, v, out, lse);
 
   AttentionParams params = checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
   // A varlen batch (modifier_batch given) takes no bias or mask: its rows are packed.
@@ -594,15 +636,7 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   std::int64_t capacity = 0;
   const std::int64_t page_size = k_cache.shape[1], num_pages = k_cache.shape[0];
   if (paged) {
-    if (page_size == 0) fail(caller, "k_cache: expected page_size (dim 1) >= 1, got 0");
-    if (cache.pages_per_sequence < 0) {
-      fail(caller, "pages_per_sequence: expected >= 0, got ", cache.pages_per_sequence);
-    }
-    if (__builtin_mul_overflow(cache.pages_per_sequence, page_size, &capacity) ||
-        capacity > kMaxDim) {
-      fail(caller, "pages_per_sequence: ", cache.pages_per_sequence, " pages of ", page_size,
-           " rows exceed 2^61 rows per sequence");
-    }
+    capacity = paged_capacity(caller, "k_cache", page_size, cache.pages_per_sequence);
   } else {
     if (k_cache.shape[0] != batch) {
       fail(caller, "k_cache: expected batch ", batch, " (as q; or a block_table for a paged ",
@@ -665,12 +699,9 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
     for (std::int64_t b = 0; b < batch; ++b) {
       const std::int64_t pages = (kv_lengths[b] + page_size - 1) / page_size;
       const std::int64_t first_written = cache_seqlens[b] / page_size;
+      check_table_row(caller, cache.block_table, cache.pages_per_sequence, b, pages, num_pages);
       for (std::int64_t i = 0; i < pages; ++i) {
         const std::int32_t page = cache.block_table[b * cache.pages_per_sequence + i];
-        if (page < 0 || page >= num_pages) {
-          fail(caller, "block_table[", b, ", ", i, "]: expected a page in [0, ", num_pages,
-               "), got ", page);
-        }
         if (seqlen_new == 0 || i < first_written) continue;
         const auto [writer, inserted] = writers.try_emplace(page, b, i);
         if (!inserted) {
@@ -749,6 +780,45 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   params.seqlen_new = seqlen_new;
   params.k_cache = cache.k.data;
   params.v_cache = cache.v.data;
+  return params;
+}
+
+AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorView& q,
+                                         const PagedKVView& kv, const std::int32_t* cu_seqlens_k,
+                                         std::int64_t batch, const TensorView& out, float* lse,
+                                         const AttentionOptions& options) {
+  const ConstTensorView &k = kv.k, &v = kv.v;
+  check_view(caller, "q", q);
+  check_view(caller, "k", k);
+  check_view(caller, "v", v);
+  check_view(caller, "out", out);
+  check_dtypes_as_q(caller, q, k, v, out);
+  check_operand_shapes(caller, "k", "v", q, k, v, out);
+  const std::int64_t num_pages = k.shape[0], page_size = k.shape[1];
+  const std::int64_t capacity = paged_capacity(caller, "k", page_size, kv.pages_per_sequence);
+  if (batch > 0 && kv.block_table == nullptr) {
+    fail(caller, "block_table: expected int32 pages [batch, pages_per_sequence] = [", batch, ", ",
+         kv.pages_per_sequence, "], got null");
+  }
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int64_t length = std::int64_t{cu_seqlens_k[b + 1]} - cu_seqlens_k[b];
+    if (length > capacity) {
+      fail(caller, "cu_seqlens_k[", b + 1, "] - cu_seqlens_k[", b, "]: expected at most ", capacity,
+           " keys (pages_per_sequence ", kv.pages_per_sequence, " x page_size ", page_size,
+           "), got ", length);
+    }
+    check_table_row(caller, kv.block_table, kv.pages_per_sequence, b,
+                    (length + page_size - 1) / page_size, num_pages);
+  }
+  const float scale = checked_scale(caller, options, q.shape[3]);
+  const auto [out_span, lse_span] = checked_output_spans(caller, q, k, v, out, lse);
+
+  AttentionParams params = checked_params(q, k, v, out, lse, options, scale, capacity);
+  params.modifiers = checked_modifiers(caller, options, batch, params.heads_q,
+                                       {{"out", out_span}, {"lse", lse_span}}, nullptr);
+  params.block_table = kv.block_table;
+  params.block_table_stride = kv.pages_per_sequence;
+  params.page_size = page_size;
   return params;
 }
 

@@ -12,6 +12,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/backward.hpp"
 #include "flashattn/kvcache.hpp"
+#include "flashattn/varlen.hpp"
 
 namespace flashattn::detail {
 
@@ -99,8 +100,9 @@ struct AttentionParams {
   int num_threads = 1;  // resolved: >= 1
   ScoreModifiers modifiers;
 
-  // A serving batch's KV cache (flashattn/kvcache.hpp), which only the decode path
-  // (cpu/flash_decode.cpp) is handed; every other backend sees these at their defaults.
+  // A serving batch's KV cache (flashattn/kvcache.hpp) or one sequence of a paged varlen batch
+  // (flashattn/varlen.hpp, PagedKVView), which only the decode path (cpu/flash_decode.cpp) is
+  // handed; every other backend sees these at their defaults (layers/kv_cache.cpp gathers).
   //   q_dtype       q and out; `dtype` is then that of k and v (f32 q with a 16-bit cache)
   //   kv_lengths    [batch]: batch entry b's keys are its first kv_lengths[b] (<= seqlen_kv)
   //   block_table   [batch, block_table_stride]: key j of entry b is row j % page_size of page
@@ -277,6 +279,16 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
                                   const KVCacheView& cache, const std::int32_t* cache_seqlens,
                                   const NewKeysValues& new_kv, const TensorView& out, float* lse,
                                   const AttentionOptions& options);
+
+// A varlen batch over a paged cache (flashattn/varlen.hpp, PagedKVView): q, out and lse checked
+// as the packed forward's, k and v as pages, each sequence's key count (cu_seqlens_k, whose
+// batch + 1 offsets the caller has checked to start at 0 and never decrease) against the capacity
+// and the block-table entries that cover it. The params of the whole packed call: batch 1,
+// seqlen_kv the capacity, block_table, block_table_stride and page_size the cache's.
+AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorView& q,
+                                         const PagedKVView& kv, const std::int32_t* cu_seqlens_k,
+                                         std::int64_t batch, const TensorView& out, float* lse,
+                                         const AttentionOptions& options);
 
 MergeParams make_merge_params(const char* caller, const ConstTensorView& out_a, const float* lse_a,
                               const ConstTensorView& out_b, const float* lse_b,

@@ -1,7 +1,8 @@
 // Public entry points of varlen attention: validate the packed views once (as one batch entry of
 // total rows) and the sequence offsets, then run each sequence as its own problem on all threads:
 // its rows are a view into the packed tensors, its lse a slice of [heads_q, total_q] whose head
-// stride is total_q.
+// stride is total_q. With K and V in pages (PagedKVView) a sequence's keys are found through its
+// row of the block table, and it runs as a KV cache's batch entry does (layers/kv_cache.cpp).
 
 #include "flashattn/varlen.hpp"
 
@@ -15,6 +16,7 @@
 #include "api/fail.hpp"
 #include "api/memory.hpp"
 #include "api/params.hpp"
+#include "layers/kv_cache.hpp"
 
 namespace flashattn {
 namespace {
@@ -30,7 +32,9 @@ void check_packed(const char* caller, const char* name, const ConstTensorView& v
   }
 }
 
-// cu_seqlens: batch + 1 offsets from 0, never decreasing, ending at `total`.
+// cu_seqlens: batch + 1 offsets from 0, never decreasing, ending at `total` (anywhere when
+// kAnyTotal).
+constexpr std::int64_t kAnyTotal = -1;
 void check_offsets(const char* caller, const char* name, const std::int32_t* offsets,
                    std::int64_t batch, std::int64_t total) {
   if (offsets == nullptr) fail(caller, name, ": expected ", batch + 1, " int32 offsets, got null");
@@ -41,7 +45,7 @@ void check_offsets(const char* caller, const char* name, const std::int32_t* off
            " (offsets never decrease), got ", offsets[b]);
     }
   }
-  if (offsets[batch] != total) {
+  if (total != kAnyTotal && offsets[batch] != total) {
     fail(caller, name, "[", batch, "]: expected ", total, " (the packed rows), got ",
          offsets[batch]);
   }
@@ -68,8 +72,12 @@ AttentionParams sequence(const AttentionParams& whole, const std::int32_t* cu_q,
   s.seqlen_kv = cu_k[b + 1] - k_begin;
   s.q = at_row(whole.q, whole.dtype, q_begin, whole.q_strides.seq);
   s.out = at_row(whole.out, whole.dtype, q_begin, whole.out_strides.seq);
-  s.k = at_row(whole.k, whole.dtype, k_begin, whole.k_strides.seq);
-  s.v = at_row(whole.v, whole.dtype, k_begin, whole.v_strides.seq);
+  if (whole.block_table != nullptr) {
+    s.block_table = whole.block_table + b * whole.block_table_stride;  // k, v: the pages
+  } else {
+    s.k = at_row(whole.k, whole.dtype, k_begin, whole.k_strides.seq);
+    s.v = at_row(whole.v, whole.dtype, k_begin, whole.v_strides.seq);
+  }
   if (whole.lse != nullptr && q_begin > 0) s.lse = whole.lse + q_begin;
   s.lse_head_stride = whole.seqlen_q;
   if (s.modifiers.alibi_slopes) s.modifiers.alibi_slopes += b * whole.modifiers.alibi_batch_stride;
@@ -105,6 +113,27 @@ void (*backward_backend(AttentionImpl impl))(const BackwardParams&) {
        " bytes at most); the outputs may be partly written");
 }
 
+// The forward of every sequence of the checked call `whole`, one after the other: `run` on each
+// sequence with queries, once `scratch` (the bytes `run` allocates for a sequence) fits for all.
+template <class Scratch, class Run>
+void forward_sequences(const char* caller, AttentionImpl impl, const AttentionParams& whole,
+                       const std::int32_t* cu_q, const std::int32_t* cu_k, std::int64_t batch,
+                       const Scratch& scratch, const Run& run) {
+  std::int64_t needed = 0;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    needed = std::max(needed, scratch(sequence(whole, cu_q, cu_k, b)));
+  }
+  detail::check_scratch_fits(caller, impl, whole, needed);
+  try {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const AttentionParams s = sequence(whole, cu_q, cu_k, b);
+      if (s.seqlen_q > 0) run(s);
+    }
+  } catch (const std::bad_alloc&) {
+    out_of_memory(caller, needed);
+  }
+}
+
 }  // namespace
 
 void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
@@ -124,20 +153,32 @@ void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
     const AttentionParams whole = detail::make_params(caller, q, k, v, out, lse, options, batch);
     check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.seqlen_q);
     check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, whole.seqlen_kv);
-    std::int64_t needed = 0;
-    for (std::int64_t b = 0; b < batch; ++b) {
-      needed = std::max(
-          needed, detail::scratch_bytes(impl, sequence(whole, cu_seqlens_q, cu_seqlens_k, b)));
+    forward_sequences(
+        caller, impl, whole, cu_seqlens_q, cu_seqlens_k, batch,
+        [&](const AttentionParams& s) { return detail::scratch_bytes(impl, s); }, backend);
+  });
+}
+
+void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q, const PagedKVView& kv,
+                              const std::int32_t* cu_seqlens_q, const std::int32_t* cu_seqlens_k,
+                              std::int64_t batch, const TensorView& out, float* lse,
+                              const AttentionOptions& options) {
+  constexpr const char* caller = "varlen_attention_forward";
+  detail::out_of_memory_as_error(caller, [&] {
+    if (forward_backend(impl) == nullptr) {
+      fail(caller, "impl: expected flash, standard or reference");
     }
-    detail::check_scratch_fits(caller, impl, whole, needed);
-    try {
-      for (std::int64_t b = 0; b < batch; ++b) {
-        const AttentionParams s = sequence(whole, cu_seqlens_q, cu_seqlens_k, b);
-        if (s.seqlen_q > 0) backend(s);
-      }
-    } catch (const std::bad_alloc&) {
-      out_of_memory(caller, needed);
-    }
+    check_packed(caller, "q", q);
+    check_packed(caller, "out", out);
+    check_batch(caller, batch);
+    check_offsets(caller, "cu_seqlens_k", cu_seqlens_k, batch, kAnyTotal);
+    const AttentionParams whole =
+        detail::make_paged_varlen_params(caller, q, kv, cu_seqlens_k, batch, out, lse, options);
+    check_offsets(caller, "cu_seqlens_q", cu_seqlens_q, batch, whole.seqlen_q);
+    forward_sequences(
+        caller, impl, whole, cu_seqlens_q, cu_seqlens_k, batch,
+        [&](const AttentionParams& s) { return detail::kvcache_scratch_bytes(impl, s); },
+        [&](const AttentionParams& s) { detail::attend_to_cache(impl, s); });
   });
 }
 

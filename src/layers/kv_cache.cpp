@@ -1,5 +1,6 @@
 // kvcache_attention_forward's two steps: append the new rows where each sequence's cache ends,
-// then attend. The flash path reads the cache where it lies for decode-sized calls
+// then attend (the step that varlen_attention_forward over a paged cache takes too, a sequence
+// at a time). The flash path reads the cache where it lies for decode-sized calls
 // (cpu/flash_decode.cpp takes per-sequence lengths and block tables); every other call gathers
 // one sequence at a time into a contiguous [1, L_b, Hkv, D] buffer in q's dtype and runs the
 // dense path on it. The gather costs one pass over the sequence's K/V against at least 32 query
@@ -98,8 +99,7 @@ void run_dense(AttentionImpl impl, const AttentionParams& p) {
 
 }  // namespace
 
-std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const KVCacheParams& params) {
-  const AttentionParams& p = params.attention;
+std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
   if (p.seqlen_q == 0) return 0;
   if (reads_cache_in_place(impl, p)) return scratch_bytes(impl, p);
   std::int64_t most = 0;
@@ -130,8 +130,7 @@ void append_to_cache(const KVCacheParams& params) {
   }
 }
 
-void attend_to_cache(AttentionImpl impl, const KVCacheParams& params) {
-  const AttentionParams& p = params.attention;
+void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
   if (p.seqlen_q == 0) return;
   if (reads_cache_in_place(impl, p)) return cpu::flash_decode(p);
   AlignedVector<std::uint8_t> keys, values;
