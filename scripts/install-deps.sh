@@ -32,13 +32,22 @@ fi
 
 # The python3 first on PATH may not be Debian's (pyenv, venv): install into that one. The
 # Python package builds with nanobind and scikit-build-core; its tests use pytest, ml_dtypes
-# (bf16 numpy arrays) and torch (the tests compare with torch itself). PyPI's torch wheel also
-# pulls CUDA libraries the CPU never uses (~3 GB); it is a test-only dependency.
-python_packages=(numpy nanobind scikit-build-core pytest ml_dtypes torch)
+# (bf16 numpy arrays), torch (the tests compare with torch itself) and transformers (tiny
+# randomly initialised models run with attn_implementation="flashattn"; pinned, as the
+# integration hooks into its attention interfaces). PyPI's torch wheel also pulls CUDA libraries
+# the CPU never uses (~3 GB); torch and transformers are test-only dependencies.
+python_packages=(numpy nanobind scikit-build-core pytest ml_dtypes torch transformers==5.23.0)
 missing_python=()
 for package in "${python_packages[@]}"; do
-  module=${package//-/_}
-  python3 -c "import ${module}" 2>/dev/null || missing_python+=("$package")
+  name=${package%%==*}
+  module=${name//-/_}
+  if [ "$name" != "$package" ]; then
+    # A pinned package: present only at that version.
+    python3 -c "import importlib.metadata as m, sys; sys.exit(m.version('${name}') != '${package#*==}')" \
+      2>/dev/null || missing_python+=("$package")
+  else
+    python3 -c "import ${module}" 2>/dev/null || missing_python+=("$package")
+  fi
 done
 if [ "${#missing_python[@]}" -gt 0 ]; then
   echo "install-deps: pip installing ${missing_python[*]}"
