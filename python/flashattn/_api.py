@@ -278,10 +278,10 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
             _mask(attn_mask, "attn_mask")
         if attn_bias is not None:
             _framework(attn_bias, "attn_bias")
-        out, lse = _torch_ops.fwd(q, k, v, _torch_vector(alibi_slopes, "alibi_slopes"),
-                                  _torch_vector(sinks, "sinks"), attn_bias, attn_mask,
-                                  _scale(softmax_scale), bool(causal), left, right,
-                                  float(softcap), int(num_threads), impl, False)
+        out, lse = _torch_ops.attention(q, k, v, _torch_vector(alibi_slopes, "alibi_slopes"),
+                                        _torch_vector(sinks, "sinks"), attn_bias, attn_mask,
+                                        _scale(softmax_scale), bool(causal), left, right,
+                                        float(softcap), int(num_threads), impl, False)
     else:
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, attn_bias, attn_mask, num_threads)
@@ -330,7 +330,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     if framework == "torch":
         from . import _torch_ops
         left, right = _window(window_size)
-        out, lse = _torch_ops.varlen_fwd(
+        out, lse = _torch_ops.varlen_attention(
             q, k, v, _torch_int32(cu_seqlens_q, "cu_seqlens_q"),
             _torch_int32(cu_seqlens_k, "cu_seqlens_k"),
             _torch_vector(alibi_slopes, "alibi_slopes"), _torch_vector(sinks, "sinks"),
@@ -406,7 +406,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from . import _torch_ops
         left, right = _window(window_size)
         table = None if block_table is None else _torch_int32(block_table, "block_table")
-        out, lse = _torch_ops.kvcache_fwd(
+        out, lse = _torch_ops.kvcache_attention(
             q, k_cache, v_cache, _torch_int32(cache_seqlens, "cache_seqlens"), table, k, v,
             _torch_vector(alibi_slopes, "alibi_slopes"), _scale(softmax_scale), bool(causal),
             left, right, float(softcap), int(num_threads), impl)

@@ -51,8 +51,7 @@ def _grad_output(dout: Tensor) -> Tensor:
 
 # --- forward and backward of flash_attn_func (and the SDPA drop-in) -----------------------------
 
-@torch.library.custom_op(f"{_LIB}::fwd", mutates_args=())
-def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+def _fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
         attn_bias: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: Optional[float],
         causal: bool, window_left: int, window_right: int, softcap: float, num_threads: int,
         impl: str, out_heads_first: bool) -> Tuple[Tensor, Tensor]:
@@ -61,6 +60,9 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: 
     options = _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
                        window_left, window_right, softcap, num_threads)
     return _api._forward_arrays("torch", q, k, v, options, impl, out_heads_first)
+
+
+fwd = torch.library.custom_op(f"{_LIB}::fwd", _fwd, mutates_args=())
 
 
 @fwd.register_fake
@@ -132,8 +134,7 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 # --- varlen: packed [total, H, D] with cu_seqlens ------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::varlen_fwd", mutates_args=())
-def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                softcap: float, num_threads: int, impl: str) -> Tuple[Tensor, Tensor]:
@@ -142,6 +143,9 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
                        window_right, softcap, num_threads)
     return _api._varlen_forward_arrays("torch", q, k, v, cu_seqlens_q, cu_seqlens_k, options,
                                        impl)
+
+
+varlen_fwd = torch.library.custom_op(f"{_LIB}::varlen_fwd", _varlen_fwd, mutates_args=())
 
 
 @varlen_fwd.register_fake
@@ -205,8 +209,7 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 
 # --- KV cache: append in place, then attend -----------------------------------------------------
 
-@torch.library.custom_op(f"{_LIB}::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
-def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
+def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
                 block_table: Optional[Tensor], k_new: Optional[Tensor], v_new: Optional[Tensor],
                 alibi_slopes: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
                 window_left: int, window_right: int, softcap: float, num_threads: int,
@@ -226,11 +229,51 @@ def kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tens
     return out, lse
 
 
+kvcache_fwd = torch.library.custom_op(f"{_LIB}::kvcache_fwd", _kvcache_fwd,
+                                      mutates_args=("k_cache", "v_cache"))
+
+
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes, softmax_scale,
       causal, window_left, window_right, softcap, num_threads, impl):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+# --- the calls the package makes --------------------------------------------------------------
+#
+# An op's dispatch from Python costs tens of microseconds, more than a decode step's attention of
+# a small model computes. So the package calls the op where it is needed, when torch.compile or
+# another tracer sees the call (it is then one node of the graph; tracers hand over tensor
+# subclasses such as FakeTensor) or when autograd must record it, and otherwise the op's own
+# implementation directly: the same function on the same tensors, the same result bit for bit.
+
+def _as_op(tensors) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+            return True
+    return False
+
+
+def attention(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, *scalars):
+    """fwd's (out, lse), as the op or directly (above)."""
+    call = fwd if _as_op((q, k, v, sinks, attn_bias, attn_mask)) else _fwd
+    return call(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, *scalars)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars):
+    """varlen_fwd's (out, lse), as the op or directly (above)."""
+    call = varlen_fwd if _as_op((q, k, v, sinks, cu_seqlens_q)) else _varlen_fwd
+    return call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars)
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, *rest):
+    """kvcache_fwd's (out, lse), as the op or directly (above); it has no gradient."""
+    call = kvcache_fwd if _as_op((q, k_cache, v_cache, k_new)) else _kvcache_fwd
+    return call(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, *rest)
 
 
 def all_ops() -> List[object]:

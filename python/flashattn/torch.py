@@ -81,8 +81,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             mask = full
         else:
             bias = full.to(query.dtype) if full.dtype != query.dtype else full
-    out, _ = _torch_ops.fwd(q, k, v, None, None, bias, mask, None if scale is None else
-                            float(scale), causal, -1, -1, 0.0, 0, "flash", True)
+    out, _ = _torch_ops.attention(q, k, v, None, None, bias, mask,
+                                  None if scale is None else float(scale), causal, -1, -1, 0.0, 0,
+                                  "flash", True)
     return out.transpose(1, 2).reshape(*batch_shape, heads_q, seqlen_q, query.shape[-1])
 
 

@@ -118,7 +118,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return _paged_decode(q, k, v, kwargs, s_aux, scale, is_causal, left, right, softcap), None
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         # Sequences packed along the batch's one row: [1, total, H, D] -> [total, H, D].
-        out, _ = _torch_ops.varlen_fwd(
+        out, _ = _torch_ops.varlen_attention(
             q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
             v.reshape(-1, *v.shape[2:]),
             _api._torch_int32(kwargs["cu_seq_lens_q"], "cu_seq_lens_q"),
@@ -140,8 +140,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(torch.bool)
         mask = attention_mask[:, None, None, :].expand(batch, 1, seqlen_q, length)
-    out, _ = _torch_ops.fwd(q, k, v, None, s_aux, None, mask, scale, bool(is_causal), left, right,
-                            softcap, 0, "flash", False)
+    out, _ = _torch_ops.attention(q, k, v, None, s_aux, None, mask, scale, bool(is_causal), left,
+                                  right, softcap, 0, "flash", False)
     return out, None
 
 
@@ -158,8 +158,9 @@ def _paged_decode(q, k_new, v_new, kwargs, s_aux, scale, is_causal, left, right,
     q, k_new, v_new = (x.reshape(-1, 1, *x.shape[2:]) for x in (q, k_new, v_new))
     sequences = q.shape[0]
     cache_seqlens = cu_k[1:sequences + 1] - cu_k[:sequences] - 1
-    out, _ = _torch_ops.kvcache_fwd(
-        q, kwargs["k_cache"], kwargs["v_cache"], _api._torch_int32(cache_seqlens, "cache_seqlens"),
+    out, _ = _torch_ops.kvcache_attention(
+        q, kwargs["k_cache"], kwargs["v_cache"],
+        _api._torch_int32(cache_seqlens, "cache_seqlens"),
         _api._torch_int32(kwargs["block_table"], "block_table"), k_new, v_new, None, scale,
         bool(is_causal), left, right, softcap, 0, "flash")
     return out.view(1, -1, *out.shape[-2:])
