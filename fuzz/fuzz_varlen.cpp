@@ -9,6 +9,13 @@
 // sequence, bit for bit what the same path gives on that sequence alone (attention_forward and
 // attention_backward on views of the same rows): out, lse (at its [heads_q, total_q] place), dq,
 // dk and dv. Accuracy against the reference is fuzz_attention's and fuzz_backward's.
+//
+// Then the same forward over K and V in pages (PagedKVView): the bytes left choose the page size,
+// the pool's layout, the order in which pages are handed out, spare pages and table columns, and
+// for one input in eight a corruption (a page out of range, a sequence longer than its pages, no
+// table, page size 0) that must raise Error and write nothing. Pages no sequence holds and the
+// rows past a sequence's keys are NaN, unread table entries out of range; a valid call must give
+// the packed forward's out and lse bit for bit.
 
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -17,6 +24,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -169,6 +178,158 @@ bool same_rows(const Problem& p, const Tensor& packed, std::int64_t begin,
   return true;
 }
 
+// The packed K and V of `p` in a pool of pages, and the paged call's arguments.
+struct PagedProblem {
+  std::int64_t page_size = 1, num_pages = 0, pages_per_sequence = 0;
+  Tensor k_pages, v_pages, out;
+  std::vector<std::int32_t> table;
+  std::vector<float> lse;
+
+  flashattn::PagedKVView view(const Problem& p) const {
+    return {{k_pages.buffer.bytes.data(), p.dtype, k_pages.shape, k_pages.strides},
+            {v_pages.buffer.bytes.data(), p.dtype, v_pages.shape, v_pages.strides},
+            table.data(),
+            pages_per_sequence};
+  }
+};
+
+PagedProblem make_paged(FuzzedDataProvider& in, Problem& p) {
+  PagedProblem paged;
+  paged.page_size = in.PickValueInArray({1, 2, 3, 7, 16, 64});
+  std::vector<std::int64_t> pages(static_cast<std::size_t>(p.batch));
+  std::int64_t most = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    pages[b] = (p.cu_k[b + 1] - p.cu_k[b] + paged.page_size - 1) / paged.page_size;
+    most = std::max(most, pages[b]);
+    paged.num_pages += pages[b];
+  }
+  paged.num_pages += in.ConsumeIntegralInRange(0, 2);
+  paged.pages_per_sequence = most + in.ConsumeIntegralInRange(0, 2);
+  const Shape pool{paged.num_pages, paged.page_size, p.heads_kv, p.head_dim};
+  const int order = in.ConsumeIntegralInRange(0, 5);
+  const std::array<int, 4> pad{0, 0, in.ConsumeIntegralInRange(0, 1), 0};
+  paged.k_pages = make_tensor(p.dtype, pool, order, pad, -1);
+  paged.v_pages = make_tensor(p.dtype, pool, order, pad, -1);
+  std::vector<std::int32_t> free_pages(static_cast<std::size_t>(paged.num_pages));
+  std::iota(free_pages.begin(), free_pages.end(), 0);
+  std::shuffle(free_pages.begin(), free_pages.end(),
+               std::minstd_rand(in.ConsumeIntegral<std::uint32_t>()));
+  paged.table.assign(
+      static_cast<std::size_t>(std::max<std::int64_t>(p.batch * paged.pages_per_sequence, 1)), -1);
+  for (std::size_t i = 1; i < paged.table.size(); i += 2) {
+    paged.table[i] = static_cast<std::int32_t>(paged.num_pages);
+  }
+  std::size_t next = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t i = 0; i < pages[b]; ++i) {
+      paged.table[b * paged.pages_per_sequence + i] = free_pages[next++];
+    }
+  }
+  const std::size_t element = flashattn::dtype_size(p.dtype);
+  for (Tensor* t : {&paged.k_pages, &paged.v_pages}) {
+    for_each_index(pool, [&](auto a, auto b, auto c, auto d) {
+      store_f32(t->buffer.bytes.data(), p.dtype, t->offset(a, b, c, d), NAN);
+    });
+  }
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t j = 0; j < p.cu_k[b + 1] - p.cu_k[b]; ++j) {
+      const std::int64_t page = paged.table[b * paged.pages_per_sequence + j / paged.page_size];
+      for (std::int64_t h = 0; h < p.heads_kv; ++h) {
+        for (const auto& [pages_tensor, packed] :
+             {std::pair{&paged.k_pages, &p.k}, std::pair{&paged.v_pages, &p.v}}) {
+          std::memcpy(
+              pages_tensor->buffer.bytes.data() +
+                  pages_tensor->offset(page, j % paged.page_size, h, 0) * element,
+              packed->buffer.bytes.data() + packed->offset(0, p.cu_k[b] + j, h, 0) * element,
+              static_cast<std::size_t>(p.head_dim) * element);
+        }
+      }
+    }
+  }
+  paged.out = fuzzed_layout(in, p.dtype, p.q.shape, false);
+  mark_view(paged.out);
+  paged.lse.assign(p.lse.size(), NAN);
+  return paged;
+}
+
+// A corruption of the paged call that makes it invalid, or false where the problem has none.
+bool corrupt_paged(Problem& p, int kind, PagedProblem& paged, flashattn::PagedKVView& kv,
+                   std::vector<std::int32_t>& cu_k) {
+  std::int64_t b = 0;  // the sequence with the most keys
+  for (std::int64_t i = 1; i < p.batch; ++i) {
+    if (p.cu_k[i + 1] - p.cu_k[i] > p.cu_k[b + 1] - p.cu_k[b]) b = i;
+  }
+  if (p.batch == 0 || p.cu_k[b + 1] == p.cu_k[b]) return false;
+  switch (kind) {
+    case 0:
+      paged.table[b * paged.pages_per_sequence] = static_cast<std::int32_t>(paged.num_pages);
+      return true;
+    case 1:
+      for (std::int64_t i = b + 1; i <= p.batch; ++i) {
+        cu_k[i] += static_cast<std::int32_t>(paged.pages_per_sequence * paged.page_size);
+      }
+      return true;
+    case 2:
+      kv.block_table = nullptr;
+      return true;
+    case 3:
+      kv.k.shape[1] = kv.v.shape[1] = 0;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The paged forward: refused and nothing written when corrupted, else the packed forward's bits.
+void check_paged(FuzzedDataProvider& in, Problem& p) {
+  const int corruption =
+      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 3) : -1;
+  PagedProblem paged = make_paged(in, p);
+  flashattn::PagedKVView kv = paged.view(p);
+  std::vector<std::int32_t> cu_k = p.cu_k;
+  const flashattn::TensorView out = p.view(paged.out);
+  std::ostringstream text;
+  text << " (paged, page_size " << paged.page_size << ", pages_per_sequence "
+       << paged.pages_per_sequence;
+  describe_tensor(text, "pool", paged.k_pages);
+  text << ")";
+  const std::string what = text.str();
+  if (corruption >= 0 && corrupt_paged(p, corruption, paged, kv, cu_k)) {
+    const std::vector<std::uint8_t> before = paged.out.buffer.bytes;
+    try {
+      flashattn::varlen_attention_forward(p.impl, p.view(p.q), kv, p.cu_q.data(), cu_k.data(),
+                                          p.batch, out, paged.lse.data(), p.options);
+    } catch (const flashattn::Error&) {
+      if (paged.out.buffer.bytes != before ||
+          std::any_of(paged.lse.begin(), paged.lse.end(), [](float x) { return !std::isnan(x); })) {
+        finding(p, "an invalid call wrote before raising Error" + what + " corruption " +
+                       std::to_string(corruption));
+      }
+      return;
+    }
+    finding(p, "an invalid call did not raise flashattn::Error" + what + " corruption " +
+                   std::to_string(corruption));
+  }
+  try {
+    flashattn::varlen_attention_forward(p.impl, p.view(p.q), kv, p.cu_q.data(), cu_k.data(),
+                                        p.batch, out, paged.lse.data(), p.options);
+  } catch (const flashattn::Error& error) {
+    finding(p, std::string("a valid call raised Error: ") + error.what() + what);
+  }
+  const std::int64_t written = written_around_view(paged.out, p.dtype);
+  if (written >= 0) finding(p, "wrote padding element " + std::to_string(written) + what);
+  const std::size_t element = flashattn::dtype_size(p.dtype);
+  for_each_index(p.q.shape, [&](auto a, auto s, auto h, auto d) {
+    if (std::memcmp(paged.out.buffer.bytes.data() + paged.out.offset(a, s, h, d) * element,
+                    p.out.buffer.bytes.data() + p.out.offset(a, s, h, d) * element, element) != 0) {
+      finding(p, "out differs from the packed forward's at row " + std::to_string(s) + what);
+    }
+  });
+  if (std::memcmp(paged.lse.data(), p.lse.data(), p.lse.size() * sizeof(float)) != 0) {
+    finding(p, "lse differs from the packed forward's" + what);
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -249,5 +410,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
     }
   }
+  check_paged(in, p);
   return 0;
 }

@@ -233,6 +233,18 @@ TEST_P(FaultInjection, Varlen) {
                                     out.view({1, 37, Hq, D}), lse.data.data(), options);
          },
          {&out, &lse}});
+  // The same forward over K and V in shuffled pages of 7 rows (9, 11 and 50 keys): sequence 0
+  // reads them in place on the flash path, sequence 2 (32 query rows) gathers them.
+  const std::vector<std::int32_t> table = {3,  7,  -1, -1, -1, -1, -1, -1, 1,  10, -1, -1,
+                                           -1, -1, -1, -1, 0,  5,  9,  2,  11, 4,  8,  6};
+  Buffer k_pages(12 * 7 * Hkv * D, 9), v_pages(12 * 7 * Hkv * D, 10);
+  sweep({[&] {
+           const PagedKVView paged{k_pages.view({12, 7, Hkv, D}), v_pages.view({12, 7, Hkv, D}),
+                                   table.data(), 8};
+           varlen_attention_forward(impl, q.view({1, 37, Hq, D}), paged, cu_q.data(), cu_k.data(),
+                                    3, out.view({1, 37, Hq, D}), lse.data.data(), options);
+         },
+         {&out, &lse}});
   sweep({[&] {
            varlen_attention_backward(impl, dout.view({1, 37, Hq, D}), q.view({1, 37, Hq, D}),
                                      k.view({1, 70, Hkv, D}), v.view({1, 70, Hkv, D}),
