@@ -56,3 +56,81 @@ def test_torch_input_gives_torch_output():
     y = layer(x)
     assert isinstance(y, torch.Tensor)
     assert np.array_equal(y.numpy(), layer(x.numpy()))
+
+
+def torch_module_from(layer):
+    """flashattn.nn.MultiHeadAttention with the weights of the C++ layer `layer`."""
+    from flashattn.nn import MultiHeadAttention
+    module = MultiHeadAttention(layer.hidden, layer.num_heads, layer.num_kv_heads, bias=True)
+    with torch.no_grad():
+        for proj, name in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("o_proj", "o")):
+            getattr(module, proj).weight.copy_(torch.from_numpy(getattr(layer, "w_" + name).T))
+            bias = getattr(layer, "b_" + name)
+            getattr(module, proj).bias.copy_(torch.from_numpy(bias) if bias.size else 0.0)
+    return module
+
+
+@requires_torch
+@pytest.mark.parametrize("cross", [False, True])
+def test_nn_module_matches_the_formula(rng, cross):
+    layer = flashattn.MultiHeadAttention(64, 8, num_kv_heads=2, seed=3)
+    module = torch_module_from(layer)
+    x = rng.standard_normal((2, 37, 64), dtype=np.float32)
+    context = rng.standard_normal((2, 53, 64), dtype=np.float32) if cross else None
+    with torch.no_grad():
+        y = module(torch.from_numpy(x), None if context is None else torch.from_numpy(context),
+                   causal=not cross).numpy()
+    ref = layer_fp64(layer, x.astype(np.float64),
+                     None if context is None else context.astype(np.float64), not cross)
+    bound = 256 * U32 * (64 + 53) * np.abs(ref).max()  # as test_layer_matches_the_formula
+    assert np.abs(y - ref).max() <= bound
+
+
+@requires_torch
+def test_nn_module_gradients_match_torch_sdpa_composition():
+    from flashattn.nn import MultiHeadAttention
+    torch.manual_seed(0)
+    module = MultiHeadAttention(48, 6, num_kv_heads=3, bias=True)
+    x = torch.randn(2, 19, 48, requires_grad=True)
+    module(x, causal=True).square().sum().backward()
+    ours = {name: p.grad.clone() for name, p in module.named_parameters()}
+    dx = x.grad.clone()
+    module.zero_grad()
+    x.grad = None
+
+    def plain(x):  # the same layer with torch's SDPA (top-left causal = bottom-right here)
+        b, s, _ = x.shape
+        q = module.q_proj(x).view(b, s, 6, 8).transpose(1, 2)
+        k = module.k_proj(x).view(b, s, 3, 8).transpose(1, 2)
+        v = module.v_proj(x).view(b, s, 3, 8).transpose(1, 2)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True)
+        return module.o_proj(att.transpose(1, 2).reshape(b, s, 48))
+
+    plain(x).square().sum().backward()
+    # Both are fp32 attention backwards over 19 keys of 8 dims fed through the same fp32 Linear
+    # backward: a few hundred roundings of the largest gradient at most. The scale is the
+    # layer's largest gradient, not each parameter's own: k_proj.bias's gradient is 0 in exact
+    # arithmetic (a shift of every key by b_k moves a row's scores by one constant), so both
+    # sides hold rounding noise only.
+    scale = max(parameter.grad.abs().max() for parameter in module.parameters())
+    for name, parameter in module.named_parameters():
+        assert (ours[name] - parameter.grad).abs().max() <= 512 * U32 * scale, name
+    assert (dx - x.grad).abs().max() <= 512 * U32 * x.grad.abs().max()
+
+
+@requires_torch
+def test_nn_module_compiles_fullgraph_and_rejects_bad_shapes():
+    from flashattn.nn import MultiHeadAttention
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 4, num_kv_heads=2)
+    x = torch.randn(1, 9, 32)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(module, fullgraph=True)(x, causal=True),
+                           module(x, causal=True))
+    with pytest.raises(ValueError, match=r"x: expected \[batch, seqlen, hidden = 32\]"):
+        module(torch.randn(1, 9, 16))
+    with pytest.raises(ValueError, match="num_kv_heads: expected a positive divisor"):
+        MultiHeadAttention(32, 4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="num_heads: expected a positive divisor"):
+        MultiHeadAttention(30, 4)
