@@ -237,3 +237,19 @@ def test_paged_decode_call_appends_and_matches_dense_attention():
         scores = torch.einsum("hd,lhd->hl", q[0, :, b], keys) * 0.25
         expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
         assert relative_error(out[0, b], expected) <= 1e-5
+
+
+def test_hf_generate_example_runs_and_agrees(capsys):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "hf_generate.py"
+    spec = importlib.util.spec_from_file_location("hf_generate", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--model", "gemma2", "--hidden", "64", "--heads", "4", "--kv-heads",
+                         "2", "--head-dim", "16", "--vocab", "128", "--sliding-window", "8",
+                         "--prompt-tokens", "20", "--new-tokens", "4", "--dtype", "f32",
+                         "--impl", "flashattn,sdpa,eager"]) == 0
+    printed = capsys.readouterr().out
+    assert "sdpa              refused by transformers" in printed
+    assert "flashattn / eager: prefill" in printed and "greedy tokens identical" in printed
