@@ -311,7 +311,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes=None, deterministic: bool = False,
-                           return_attn_probs: bool = False, *, sinks=None,
+                           return_attn_probs: bool = False, block_table=None, *, sinks=None,
                            return_lse: bool = False, num_threads: int = 0, impl: str = "flash"):
     """Attention over a packed batch of sequences of different lengths.
 
@@ -321,6 +321,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     Returns out [total_q, Hq, D] and, with return_lse, lse float32 [Hq, total_q].
     max_seqlen_q and max_seqlen_k are accepted for FlashAttention compatibility and unused.
     Autograd as flash_attn_func (q, k, v, sinks).
+
+    block_table (int32 [B, pages_per_sequence], FlashAttention >= 2.5): k and v are a paged
+    cache [num_pages, page_size, Hkv, D] and sequence b's keys are the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, in table order. Forward only.
     """
     _unsupported(dropout_p, return_attn_probs)
     framework = _framework(q, "q")
@@ -330,29 +334,52 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     if framework == "torch":
         from . import _torch_ops
         left, right = _window(window_size)
-        out, lse = _torch_ops.varlen_attention(
-            q, k, v, _torch_int32(cu_seqlens_q, "cu_seqlens_q"),
-            _torch_int32(cu_seqlens_k, "cu_seqlens_k"),
-            _torch_vector(alibi_slopes, "alibi_slopes"), _torch_vector(sinks, "sinks"),
-            _scale(softmax_scale), bool(causal), left, right, float(softcap), int(num_threads),
-            impl)
+        scalars = (_scale(softmax_scale), bool(causal), left, right, float(softcap),
+                   int(num_threads), impl)
+        cu_q = _torch_int32(cu_seqlens_q, "cu_seqlens_q")
+        cu_k = _torch_int32(cu_seqlens_k, "cu_seqlens_k")
+        alibi_slopes = _torch_vector(alibi_slopes, "alibi_slopes")
+        sinks = _torch_vector(sinks, "sinks")
+        if block_table is None:
+            out, lse = _torch_ops.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes, sinks,
+                                                   *scalars)
+        else:
+            torch = _torch()
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (q, k, v, sinks)):
+                raise NotImplementedError(
+                    "block_table: the paged varlen call is a forward only (serving); call it "
+                    "under torch.no_grad(), or pass k and v packed for a backward")
+            out, lse = _torch_ops.varlen_paged_attention(
+                q, k, v, _torch_int32(block_table, "block_table"), cu_q, cu_k, alibi_slopes,
+                sinks, *scalars)
     else:
         cu_q = _int32(cu_seqlens_q, "cu_seqlens_q")
         cu_k = _int32(cu_seqlens_k, "cu_seqlens_k")
+        table = None if block_table is None else _int32(block_table, "block_table")
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, None, None, num_threads)
-        out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl)
+        out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, table)
     return (out, lse) if return_lse else out
 
 
-def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl):
+def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_table=None):
+    """The varlen forward's (out, lse); with block_table, k and v are pages."""
     if q.ndim != 3:
         raise ValueError(f"q: expected 3 dims [total_q, heads_q, head_dim], got {q.ndim}")
     total_q, heads_q, _ = q.shape
     out = _empty(framework, q.shape, q.dtype)
     lse = _empty(framework, (heads_q, total_q), _float32(framework))
-    _flashattn.varlen_forward(impl, _native(q), _native(k), _native(v), cu_q, cu_k,
-                              _native(out, writable=True, name="out"), _native(lse), **options)
+    outputs = (_native(out, writable=True, name="out"), _native(lse))
+    if block_table is None:
+        _flashattn.varlen_forward(impl, _native(q), _native(k), _native(v), cu_q, cu_k, *outputs,
+                                  **options)
+    else:
+        if k.ndim != 4:
+            raise ValueError(f"k: expected a paged cache [num_pages, page_size, heads_kv, "
+                             f"head_dim] with block_table, got {k.ndim} dims")
+        _flashattn.varlen_paged_forward(impl, _native(q), _native(k), _native(v), block_table,
+                                        cu_q, cu_k, *outputs, **options)
     return out, lse
 
 

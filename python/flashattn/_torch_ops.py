@@ -207,6 +207,30 @@ def _varlen_backward(ctx, dout, _dlse):
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                      cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
+                      sinks: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+                      window_left: int, window_right: int, softcap: float, num_threads: int,
+                      impl: str) -> Tuple[Tensor, Tensor]:
+    """varlen_fwd with K and V in pages [num_pages, page_size, Hkv, D] read through block_table
+    [B, pages]; cu_seqlens_k counts each sequence's keys. Forward only (serving)."""
+    options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
+                       window_right, softcap, num_threads)
+    return _api._varlen_forward_arrays("torch", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                                       options, impl, block_table)
+
+
+varlen_paged_fwd = torch.library.custom_op(f"{_LIB}::varlen_paged_fwd", _varlen_paged_fwd,
+                                           mutates_args=())
+
+
+@varlen_paged_fwd.register_fake
+def _(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
+      softmax_scale, causal, window_left, window_right, softcap, num_threads, impl):
+    total_q, heads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+
+
 # --- KV cache: append in place, then attend -----------------------------------------------------
 
 def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -270,6 +294,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *
     return call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars)
 
 
+def varlen_paged_attention(q, k_cache, v_cache, block_table, *rest):
+    """varlen_paged_fwd's (out, lse), as the op or directly (above); it has no gradient."""
+    call = varlen_paged_fwd if _as_op((q, k_cache, v_cache)) else _varlen_paged_fwd
+    return call(q, k_cache, v_cache, block_table, *rest)
+
+
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, *rest):
     """kvcache_fwd's (out, lse), as the op or directly (above); it has no gradient."""
     call = kvcache_fwd if _as_op((q, k_cache, v_cache, k_new)) else _kvcache_fwd
@@ -278,4 +308,4 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_
 
 def all_ops() -> List[object]:
     """Every op of the namespace, for opcheck."""
-    return [fwd, bwd, varlen_fwd, varlen_bwd, kvcache_fwd]
+    return [fwd, bwd, varlen_fwd, varlen_bwd, varlen_paged_fwd, kvcache_fwd]

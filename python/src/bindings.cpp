@@ -258,6 +258,36 @@ void varlen_forward(const std::string& impl, const InArray& q, const InArray& k,
   flashattn::varlen_attention_forward(path, qv, kv, vv, cu_q, cu_k, batch, ov, lse_data, o.options);
 }
 
+// K and V in a paged cache [num_pages, page_size, Hkv, D] read through block_table
+// [batch, pages_per_sequence]; cu_seqlens_k counts each sequence's keys.
+void varlen_paged_forward(const std::string& impl, const InArray& q, const InArray& k_cache,
+                          const InArray& v_cache, const InArray& block_table,
+                          const InArray& cu_seqlens_q, const InArray& cu_seqlens_k,
+                          const OutArray& out, const std::optional<OutArray>& lse,
+                          FLASHATTN_OPTION_ARGS) {
+  const Options o = FLASHATTN_OPTIONS;
+  const std::int64_t batch = entries(cu_seqlens_q, "cu_seqlens_q");
+  const auto* cu_q = buffer<const std::int32_t>(cu_seqlens_q, "cu_seqlens_q", batch + 1);
+  const auto* cu_k = buffer<const std::int32_t>(cu_seqlens_k, "cu_seqlens_k", batch + 1);
+  if (block_table.ndim() != 2 || static_cast<std::int64_t>(block_table.shape(0)) != batch) {
+    fail("block_table: expected an int32 array [batch = ", batch, ", pages_per_sequence]");
+  }
+  flashattn::PagedKVView kv{in_view(k_cache, "k"), in_view(v_cache, "v"), nullptr,
+                            static_cast<std::int64_t>(block_table.shape(1))};
+  // The library needs a non-null table even with no page (varlen.hpp): one int32 stands in.
+  static const std::int32_t no_page = 0;
+  kv.block_table = kv.pages_per_sequence == 0
+                       ? &no_page
+                       : buffer<const std::int32_t>(block_table, "block_table",
+                                                    batch * kv.pages_per_sequence);
+  const ConstTensorView qv = in_view(q, "q");
+  const TensorView ov = out_view(out, "out");
+  float* lse_data = lse ? buffer<float>(*lse, "lse", qv.shape[1] * qv.shape[2]) : nullptr;
+  const AttentionImpl path = impl_of(impl);
+  nb::gil_scoped_release release;
+  flashattn::varlen_attention_forward(path, qv, kv, cu_q, cu_k, batch, ov, lse_data, o.options);
+}
+
 void varlen_backward(const std::string& impl, const InArray& dout, const InArray& q,
                      const InArray& k, const InArray& v, const InArray& out, const InArray& lse,
                      const InArray& cu_seqlens_q, const InArray& cu_seqlens_k, const OutArray& dq,
@@ -364,6 +394,11 @@ NB_MODULE(_flashattn, m) {
   m.def("varlen_forward", &varlen_forward, "impl"_a, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a,
         "cu_seqlens_k"_a, "out"_a, "lse"_a.none(), FLASHATTN_OPTION_NAMES,
         "Packed-batch forward: q [total_q, Hq, D], k, v [total_k, Hkv, D], lse [Hq, total_q].");
+  m.def("varlen_paged_forward", &varlen_paged_forward, "impl"_a, "q"_a, "k_cache"_a, "v_cache"_a,
+        "block_table"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a, "lse"_a.none(),
+        FLASHATTN_OPTION_NAMES,
+        "Packed-batch forward with K, V in pages [num_pages, page_size, Hkv, D] read through "
+        "block_table [B, pages]; cu_seqlens_k counts each sequence's keys.");
   m.def("varlen_backward", &varlen_backward, "impl"_a, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a,
         "lse"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "dq"_a, "dk"_a, "dv"_a, "dsinks"_a.none(),
         FLASHATTN_OPTION_NAMES, "Packed-batch backward.");

@@ -35,6 +35,67 @@ def test_varlen_equals_each_sequence_alone(rng):
         assert_close(alone, ref, forward_bound(qs, ks, vs, ref=ref))
 
 
+def paged_copy(rng, k, v, cu_k, page_size, spare_pages=3):
+    """k, v [total_k, Hkv, D] scattered into shuffled pages [num_pages, page_size, Hkv, D] (the
+    unused rows random), and the block table [B, pages_per_sequence] that reads them back."""
+    lengths = np.diff(cu_k)
+    per_sequence = max(1, int(-(-lengths.max() // page_size)))
+    num_pages = len(lengths) * per_sequence + spare_pages
+    k_pages, v_pages = (rng.standard_normal((num_pages, page_size, *k.shape[1:])).astype(k.dtype)
+                        for _ in range(2))
+    table = rng.permutation(num_pages)[:len(lengths) * per_sequence]
+    table = table.reshape(len(lengths), per_sequence)
+    for b, length in enumerate(lengths):
+        for j in range(length):
+            row = (table[b, j // page_size], j % page_size)
+            k_pages[row], v_pages[row] = k[cu_k[b] + j], v[cu_k[b] + j]
+    return k_pages, v_pages, table.astype(np.int32)
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 16])
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_varlen_with_block_table_equals_packed_varlen(rng, page_size, framework):
+    if framework == "torch" and torch is None:
+        pytest.skip("torch is not installed")
+    lengths_q, lengths_k = [3, 0, 40, 1, 5], [7, 5, 45, 0, 33]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], 4, 32), dtype=np.float32)
+    k = rng.standard_normal((cu_k[-1], 2, 32), dtype=np.float32)
+    v = rng.standard_normal((cu_k[-1], 2, 32), dtype=np.float32)
+    k_pages, v_pages, table = paged_copy(rng, k, v, cu_k, page_size)
+    expected, expected_lse = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, causal=True,
+                                                              return_lse=True)
+    args = (q, k_pages, v_pages, cu_q, cu_k, 45, 45)
+    if framework == "torch":
+        args = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in args[:5]) + args[5:]
+        table = torch.from_numpy(table)
+    out, lse = flashattn.flash_attn_varlen_func(*args, causal=True, block_table=table,
+                                                return_lse=True)
+    assert np.array_equal(np.asarray(out), expected)
+    assert np.array_equal(np.asarray(lse), expected_lse)
+
+
+@requires_torch
+def test_varlen_with_block_table_is_forward_only_and_checks_its_table():
+    q = torch.randn(4, 2, 16, requires_grad=True)
+    pages = torch.randn(3, 4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    table = torch.tensor([[2]], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="block_table: the paged varlen call is a "
+                                                  "forward only"):
+        flashattn.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=table)
+    with torch.no_grad():
+        flashattn.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4, block_table=table)
+        with pytest.raises(ValueError, match="block_table"):
+            flashattn.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4,
+                                             block_table=torch.tensor([[3]], dtype=torch.int32))
+        with pytest.raises(ValueError, match="block_table"):
+            flashattn.flash_attn_varlen_func(q, pages, pages, cu, cu, 4, 4,
+                                             block_table=torch.tensor([[0, 1]] * 2,
+                                                                      dtype=torch.int32))
+
+
 def test_varlen_takes_int64_offsets_and_lists(rng):
     q = rng.standard_normal((10, 2, 32), dtype=np.float32)
     a = flashattn.flash_attn_varlen_func(q, q, q, [0, 4, 10], np.array([0, 4, 10]))

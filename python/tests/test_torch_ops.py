@@ -69,6 +69,15 @@ def test_opcheck_varlen_forward_and_backward():
                                                   *SCALARS.values(), False))
 
 
+def test_opcheck_varlen_paged_forward():
+    q, k_pages, v_pages = tensors((9, 4, 16), (6, 4, 2, 16), (6, 4, 2, 16))
+    cu_q = torch.tensor([0, 2, 2, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 14], dtype=torch.int32)  # key counts 5, 2, 7: pages of 4
+    table = torch.tensor([[4, 0], [5, 5], [1, 3]], dtype=torch.int32)
+    torch.library.opcheck(_torch_ops.varlen_paged_fwd, (q, k_pages, v_pages, table, cu_q, cu_k,
+                                                        None, None, *SCALARS.values()))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_opcheck_kvcache_declares_its_append(paged):
     q, k_new, v_new = tensors((2, 1, 4, 16), (2, 1, 2, 16), (2, 1, 2, 16))
@@ -143,6 +152,6 @@ def test_fullgraph_compile_of_a_kvcache_decode_step_appends_in_place():
 def test_every_op_is_in_the_flashattn_namespace():
     names = {op._qualname for op in _torch_ops.all_ops()}
     assert names == {f"flashattn::{n}" for n in ("fwd", "bwd", "varlen_fwd", "varlen_bwd",
-                                                  "kvcache_fwd")}
+                                                  "varlen_paged_fwd", "kvcache_fwd")}
     for name in names:
         assert hasattr(torch.ops.flashattn, name.split("::")[1])
