@@ -469,7 +469,8 @@ TEST_P(PagedVarlenAgainstPacked, SameBitsAsThePackedForwardAndNearTheReference) 
   varlen_attention_forward(c.impl, q.view, kv.view(), cu_q.data(), cu_k.data(), B, out_paged.view,
                            lse_paged.data(), options);
   EXPECT_TRUE(out_paged.bytes == out_packed.bytes) << "out differs from the packed forward's";
-  EXPECT_EQ(0, std::memcmp(lse_paged.data(), lse_packed.data(), lse_paged.size() * sizeof(float)))
+  EXPECT_TRUE(lse_paged.empty() || std::memcmp(lse_paged.data(), lse_packed.data(),
+                                               lse_paged.size() * sizeof(float)) == 0)
       << "lse differs from the packed forward's";
 
   for (std::int64_t b = 0; b < B; ++b) {

@@ -6,7 +6,7 @@
 // cu_seqlens_k[b] .. cu_seqlens_k[b + 1] − 1 of k and v; it attends to its own keys only, with
 // the causal mask and window aligned to its own bottom-right corner (as attention_forward on that
 // sequence alone). A sequence without queries computes nothing; one without keys gives its rows
-// output 0 and lse −inf.
+// output 0 and lse −inf. The forward also takes K and V from a paged cache (PagedKVView below).
 
 #include <cstdint>
 
@@ -53,8 +53,8 @@ struct PagedKVView {
 // above, and sequence b's keys the first L_b = cu_seqlens_k[b + 1] − cu_seqlens_k[b] rows of its
 // pages (FlashAttention's meaning of cu_seqlens_k with a block table: the offsets count keys,
 // they are not rows of k). cu_seqlens_k: batch + 1 int32 offsets from 0, never decreasing, each
-// L_b at most pages_per_sequence · page_size; block_table non-null unless no sequence has a page
-// (pages_per_sequence 0). k, v, out in q's dtype.
+// L_b at most pages_per_sequence · page_size; block_table non-null for any batch > 0, even one
+// whose sequences hold no page yet. k, v, out in q's dtype.
 // The results are those of the packed forward above on the same rows, bit for bit, for any page
 // size and table order: the flash path reads the pages where they lie for up to 32 query rows
 // per KV head (decode), and otherwise gathers one sequence's rows at a time into a contiguous
