@@ -180,9 +180,9 @@ TEST(SizeLimits, HugeWindowsActAsUnbounded) {
 }
 
 // One call per path whose scratch memory passes the up-front check (well below physical memory)
-// but not a 256 MiB cap: flash holds a whole GQA group of 2^19 query heads per task; standard
-// holds a 4096 x 2^17 score matrix (2 GiB) per head in flight, one head (a serial loop) or four
-// (an OpenMP region); the reference holds a row of 2^28 fp64 scores (2 GiB) per thread.
+// but not a 256 MiB cap: flash holds a whole GQA group of 2^20 query heads in its one task;
+// standard holds a 4096 x 2^17 score matrix (2 GiB) per head in flight, one head (a serial loop) or
+// four (an OpenMP region); the reference holds a row of 2^28 fp64 scores (2 GiB) per thread.
 struct AllocationCase {
   const char* name;
   AttentionImpl impl;
@@ -192,7 +192,7 @@ struct AllocationCase {
 void PrintTo(const AllocationCase& c, std::ostream* os) { *os << c.name; }
 
 constexpr AllocationCase kAllocationCases[] = {
-    {"flash", AttentionImpl::flash, 1, 4, std::int64_t{1} << 19},
+    {"flash", AttentionImpl::flash, 1, 4, std::int64_t{1} << 20},
     {"standard_OneHead", AttentionImpl::standard, 4096, 1 << 17, 1},
     {"standard_FourHeads", AttentionImpl::standard, 4096, 1 << 17, 4},
     {"reference", AttentionImpl::reference, 4, std::int64_t{1} << 28, 1},

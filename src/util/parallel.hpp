@@ -2,6 +2,7 @@
 
 // One OpenMP loop over independent tasks, with per-thread scratch, that lets exceptions out.
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -23,7 +24,11 @@ void parallel_tasks(int threads, std::int64_t tasks, MakeScratch&& make_scratch,
     if (!failure) failure = std::current_exception();
     failed.store(true, std::memory_order_relaxed);
   };
-#pragma omp parallel num_threads(threads)
+  // A team larger than the task count only adds threads to wake: a call with one task (a tiny
+  // decode, a single small head) runs on the calling thread without forking.
+  const int team =
+      static_cast<int>(std::min<std::int64_t>(threads, std::max<std::int64_t>(tasks, 1)));
+#pragma omp parallel num_threads(team) if (team > 1)
   {
     std::optional<decltype(make_scratch())> scratch;
     try {
