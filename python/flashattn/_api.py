@@ -9,6 +9,7 @@ numpy arrays. bf16 numpy arrays are those of ``ml_dtypes.bfloat16``.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Optional, Sequence, Tuple
 
@@ -67,8 +68,9 @@ def _last_dim_stride(x: Any) -> int:
 def _native(x: Any, *, writable: bool = False, name: str = "") -> Any:
     """The array the extension reads: torch detached, numpy bf16 seen as uint16."""
     if _is_torch(x):
-        x = x.detach()
-        if _last_dim_stride(x) != 1 and x.numel() > 0:
+        if x.requires_grad:  # DLPack refuses a tensor that autograd tracks
+            x = x.detach()
+        if x.dim() > 0 and x.stride(-1) != 1 and x.numel() > 0:
             if writable:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), "
                                  f"got stride {x.stride(-1)}")
@@ -86,10 +88,24 @@ def _native(x: Any, *, writable: bool = False, name: str = "") -> Any:
     return x
 
 
+# Outputs of this many bytes or more are allocated by numpy, also for torch callers.
+_NUMPY_ALLOCATED_BYTES = 4 << 20
+
+
 def _empty(framework: str, shape: Sequence[int], dtype: Any) -> Any:
-    if framework == "torch":
-        return _torch().empty(tuple(shape), dtype=dtype)
-    return np.empty(tuple(shape), dtype=dtype)
+    """An uninitialised output. A large torch output is numpy's memory seen as a tensor: numpy
+    offers its large arrays to the kernel for transparent huge pages (madvise), torch.empty does
+    not, and the first write into fresh 4 KiB pages costs the seed shape's 32 MiB output ~8 ms of
+    page faults against ~2 ms (bench/RESULTS.md, "Inside a PyTorch process")."""
+    shape = tuple(shape)
+    if framework != "torch":
+        return np.empty(shape, dtype=dtype)
+    torch = _torch()
+    if dtype.itemsize * math.prod(shape) < _NUMPY_ALLOCATED_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    # bf16 as uint16, which numpy has: the same bytes, viewed as bf16.
+    numpy_dtype = {torch.float32: np.float32, torch.float16: np.float16}.get(dtype, np.uint16)
+    return torch.from_numpy(np.empty(shape, dtype=numpy_dtype)).view(dtype)
 
 
 def _float32(framework: str) -> Any:

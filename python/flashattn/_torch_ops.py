@@ -40,7 +40,7 @@ def _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal, w
 
 
 def _empty_like(x: Tensor) -> Tensor:
-    return torch.empty(x.shape, dtype=x.dtype)
+    return _api._empty("torch", x.shape, x.dtype)
 
 
 def _grad_output(dout: Tensor) -> Tensor:
@@ -244,7 +244,7 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
                        window_right, softcap, num_threads)
     batch, seqlen_q, heads_q, _ = q.shape
     out = _empty_like(q)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    lse = _api._empty("torch", (batch, heads_q, seqlen_q), torch.float32)
     _flashattn.kvcache_forward(
         impl, _api._native(q), _api._native(k_cache, writable=True, name="k_cache"),
         _api._native(v_cache, writable=True, name="v_cache"), cache_seqlens, block_table,
