@@ -35,7 +35,7 @@ def _is_torch(x: Any) -> bool:
 def _framework(x: Any, name: str) -> str:
     if _is_torch(x):
         torch = _torch()
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(
                 f"{name}: expected a CPU tensor, got one on {x.device} "
                 "(flashattn has no GPU backend yet)")
@@ -66,10 +66,9 @@ def _last_dim_stride(x: Any) -> int:
 
 
 def _native(x: Any, *, writable: bool = False, name: str = "") -> Any:
-    """The array the extension reads: torch detached, numpy bf16 seen as uint16."""
-    if _is_torch(x):
-        if x.requires_grad:  # DLPack refuses a tensor that autograd tracks
-            x = x.detach()
+    """The array the extension reads (numpy arrays and torch tensors, both read in place):
+    a copy of an input whose last dim is not contiguous, numpy bf16 seen as uint16."""
+    if not isinstance(x, np.ndarray):  # a torch tensor, read through its attributes
         if x.dim() > 0 and x.stride(-1) != 1 and x.numel() > 0:
             if writable:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), "
@@ -127,7 +126,7 @@ def _int32(x: Any, name: str) -> Any:
     """cu_seqlens, cache_seqlens, block_table: int32, contiguous; other integers converted."""
     if _is_torch(x):
         torch = _torch()
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise ValueError(f"{name}: expected a CPU tensor, got one on {x.device}")
         if x.dtype.is_floating_point or x.dtype == torch.bool:
             raise ValueError(f"{name}: expected an int32 tensor, got {x.dtype}")
@@ -235,10 +234,10 @@ def _options(framework: str, softmax_scale, causal, window_size, softcap, alibi_
     )
 
 
-def _forward_arrays(framework, q, k, v, options, impl, out_heads_first=False):
-    """Runs the forward; returns (out, lse) in the framework of q. out_heads_first: out is
-    stored [B, H, S, D] (torch's layout, for the SDPA drop-in) and returned as a [B, S, H, D]
-    view of it."""
+def _forward_arrays(framework, q, k, v, options, impl, out_heads_first=False, want_lse=True):
+    """Runs the forward; returns (out, lse) in the framework of q, lse None unless wanted.
+    out_heads_first: out is stored [B, H, S, D] (torch's layout, for the SDPA drop-in) and
+    returned as a [B, S, H, D] view of it."""
     if q.ndim != 4:
         raise ValueError(f"q: expected 4 dims [batch, seqlen_q, heads_q, head_dim], got {q.ndim}")
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -246,10 +245,9 @@ def _forward_arrays(framework, q, k, v, options, impl, out_heads_first=False):
         out = _empty(framework, (batch, heads_q, seqlen_q, head_dim), q.dtype).transpose(1, 2)
     else:
         out = _empty(framework, q.shape, q.dtype)
-    lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
-    _flashattn.forward(impl, _native(q), _native(k), _native(v), _native(out, writable=True,
-                                                                          name="out"),
-                       _native(lse), **options)
+    lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework)) if want_lse else None
+    _flashattn.forward(impl, _native(q), _native(k), _native(v),
+                       _native(out, writable=True, name="out"), lse, **options)
     return out, lse
 
 
@@ -297,11 +295,12 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
         out, lse = _torch_ops.attention(q, k, v, _torch_vector(alibi_slopes, "alibi_slopes"),
                                         _torch_vector(sinks, "sinks"), attn_bias, attn_mask,
                                         _scale(softmax_scale), bool(causal), left, right,
-                                        float(softcap), int(num_threads), impl, False)
+                                        float(softcap), int(num_threads), impl, False,
+                                        want_lse=return_lse)
     else:
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, attn_bias, attn_mask, num_threads)
-        out, lse = _forward_arrays(framework, q, k, v, options, impl)
+        out, lse = _forward_arrays(framework, q, k, v, options, impl, want_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

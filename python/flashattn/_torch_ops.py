@@ -282,10 +282,16 @@ def _as_op(tensors) -> bool:
     return False
 
 
-def attention(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, *scalars):
-    """fwd's (out, lse), as the op or directly (above)."""
-    call = fwd if _as_op((q, k, v, sinks, attn_bias, attn_mask)) else _fwd
-    return call(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, *scalars)
+def attention(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
+              window_left, window_right, softcap, num_threads, impl, out_heads_first,
+              want_lse=True):
+    """fwd's (out, lse), as the op or directly (above); directly, lse is None unless wanted."""
+    scalars = (softmax_scale, causal, window_left, window_right, softcap, num_threads)
+    if _as_op((q, k, v, sinks, attn_bias, attn_mask)):
+        return fwd(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, *scalars, impl,
+                   out_heads_first)
+    options = _options(alibi_slopes, sinks, attn_bias, attn_mask, *scalars)
+    return _api._forward_arrays("torch", q, k, v, options, impl, out_heads_first, want_lse)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars):

@@ -1,13 +1,13 @@
 // flashattn._flashattn: the C++ library seen from Python through nanobind.
 //
 // This layer only turns arrays into views and back: every array (numpy through the buffer
-// protocol, torch through DLPack) is read where it lies, with its own strides, and outputs are
-// arrays the caller allocated (python/flashattn/_api.py allocates them in the input's
-// framework). The GIL is released while the library computes. The library validates everything
+// protocol or DLPack, torch through its own attributes: array_arg.hpp) is read where it lies,
+// with its own strides, and outputs are arrays the caller allocated (python/flashattn/_api.py
+// allocates them in the input's framework). The GIL is released while the library computes. The library validates everything
 // else and raises flashattn::Error, which becomes ValueError with the same message.
 //
 // Arrays of fewer than 4 dims (varlen's [total, heads, dim]) are seen as 4-d views with leading
-// dims of 1. bf16 arrays arrive either as DLPack bfloat16 (torch) or as uint16 (numpy arrays of
+// dims of 1. bf16 arrays arrive either as bfloat16 (torch) or as uint16 (numpy arrays of
 // ml_dtypes.bfloat16, which the buffer protocol cannot describe, viewed as uint16 by the Python
 // layer): both read as bf16.
 
@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "array_arg.hpp"
 #include "ceilings.hpp"
 #include "flashattn/flashattn.hpp"
 
@@ -39,8 +40,8 @@ using flashattn::Error;
 using flashattn::MaskView;
 using flashattn::TensorView;
 
-using InArray = nb::ndarray<nb::ro, nb::device::cpu>;
-using OutArray = nb::ndarray<nb::device::cpu>;
+using flashattn::python::InArray;
+using flashattn::python::OutArray;
 
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
@@ -276,10 +277,10 @@ void varlen_paged_forward(const std::string& impl, const InArray& q, const InArr
                             static_cast<std::int64_t>(block_table.shape(1))};
   // The library needs a non-null table even with no page (varlen.hpp): one int32 stands in.
   static const std::int32_t no_page = 0;
-  kv.block_table = kv.pages_per_sequence == 0
-                       ? &no_page
-                       : buffer<const std::int32_t>(block_table, "block_table",
-                                                    batch * kv.pages_per_sequence);
+  kv.block_table =
+      kv.pages_per_sequence == 0
+          ? &no_page
+          : buffer<const std::int32_t>(block_table, "block_table", batch * kv.pages_per_sequence);
   const ConstTensorView qv = in_view(q, "q");
   const TensorView ov = out_view(out, "out");
   float* lse_data = lse ? buffer<float>(*lse, "lse", qv.shape[1] * qv.shape[2]) : nullptr;
