@@ -5,8 +5,11 @@ The functions take numpy arrays or torch CPU tensors and return results in the s
     from flashattn import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)          # q, k, v: [batch, seqlen, heads, dim]
 
-flashattn.torch.scaled_dot_product_attention is a drop-in for torch's. Errors from the library
-raise ValueError with its message (the argument, what was expected, what was given).
+flashattn.torch.scaled_dot_product_attention is a drop-in for torch's; flashattn.nn has the
+attention layer as a torch.nn.Module; importing flashattn.transformers registers
+attn_implementation="flashattn" with Hugging Face transformers. torch calls go through custom ops
+(torch.ops.flashattn.*), so they take autograd and torch.compile(fullgraph=True). Errors from the
+library raise ValueError with its message (the argument, what was expected, what was given).
 """
 
 from ._api import (MultiHeadAttention, attention_reference, flash_attn_func,
