@@ -253,3 +253,21 @@ def test_hf_generate_example_runs_and_agrees(capsys):
     printed = capsys.readouterr().out
     assert "sdpa              refused by transformers" in printed
     assert "flashattn / eager: prefill" in printed and "greedy tokens identical" in printed
+
+
+def test_a_transformers_without_the_attention_interfaces_gets_a_clear_import_error(tmp_path):
+    import subprocess
+    import sys
+    # A transformers 4.30 stand-in, first on the path: no AttentionInterface in it.
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("__version__ = '4.30.0'\n")
+    (tmp_path / "transformers-4.30.0.dist-info").mkdir()
+    (tmp_path / "transformers-4.30.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: transformers\nVersion: 4.30.0\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import flashattn\n"
+            "try:\n    import flashattn.transformers\nexcept ImportError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert ("flashattn.transformers needs transformers >= 4.56 (AttentionInterface and "
+            "AttentionMaskInterface); found 4.30.0") in result.stdout
