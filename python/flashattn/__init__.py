@@ -13,14 +13,20 @@ library raise ValueError with its message (the argument, what was expected, what
 """
 
 from ._api import (MultiHeadAttention, attention_reference, flash_attn_func,
-                   flash_attn_varlen_func, flash_attn_with_kvcache, merge_attention_states)
+                   flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                   flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
+                   flash_attn_with_kvcache, merge_attention_states)
 from ._flashattn import visible_pairs
 
 __all__ = [
     "MultiHeadAttention",
     "attention_reference",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "merge_attention_states",
     "visible_pairs",

@@ -207,14 +207,19 @@ def _impl(impl: str) -> str:
     return impl
 
 
-def _unsupported(dropout_p: float, return_attn_probs: bool) -> None:
+def _no_dropout(dropout_p: float) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError(
             f"dropout_p: flashattn computes attention without dropout, got {dropout_p}")
+
+
+def _results(out, lse, return_lse: bool, return_attn_probs: bool):
+    """What FlashAttention returns: out, or with return_attn_probs (out, softmax_lse, S_dmask),
+    S_dmask None as FlashAttention's without dropout (it only encodes a dropout pattern); with
+    return_lse (ours), (out, lse)."""
     if return_attn_probs:
-        raise NotImplementedError(
-            "return_attn_probs: the probabilities are never formed (FlashAttention); "
-            "use return_lse=True for the log-sum-exp")
+        return out, lse, None
+    return (out, lse) if return_lse else out
 
 
 def _options(framework: str, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks,
@@ -271,8 +276,10 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     - softcap, alibi_slopes ([Hq] or [B, Hq], float32), sinks ([Hq]), attn_bias
       ([B|1, Hq|1, Sq, Skv], float), attn_mask (same shape, bool, True = keep): the score
       modifiers of docs/semantics.md.
-    - dropout_p must be 0 and return_attn_probs False; deterministic is accepted and moot
+    - dropout_p must be 0 (flashattn has no dropout yet); deterministic is accepted and moot
       (results never depend on the thread count).
+    - return_attn_probs=True returns (out, lse, S_dmask) as FlashAttention does, S_dmask None
+      (FlashAttention's is empty without dropout, and flashattn never forms P).
     - num_threads: 0 = all OpenMP threads.
     - impl: "flash" (default), "standard" (full score matrix, OpenBLAS) or "reference" (fp64).
 
@@ -280,7 +287,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     autograd: backward runs the flash backward with the saved lse, and gives gradients for q,
     k, v, sinks and attn_bias.
     """
-    _unsupported(dropout_p, return_attn_probs)
+    _no_dropout(dropout_p)
+    want_lse = return_lse or return_attn_probs
     framework = _framework(q, "q")
     _same_framework(k, "k", framework)
     _same_framework(v, "v", framework)
@@ -296,12 +304,12 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
                                         _torch_vector(sinks, "sinks"), attn_bias, attn_mask,
                                         _scale(softmax_scale), bool(causal), left, right,
                                         float(softcap), int(num_threads), impl, False,
-                                        want_lse=return_lse)
+                                        want_lse=want_lse)
     else:
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, attn_bias, attn_mask, num_threads)
-        out, lse = _forward_arrays(framework, q, k, v, options, impl, want_lse=return_lse)
-    return (out, lse) if return_lse else out
+        out, lse = _forward_arrays(framework, q, k, v, options, impl, want_lse=want_lse)
+    return _results(out, lse, return_lse, return_attn_probs)
 
 
 def attention_reference(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
@@ -333,7 +341,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     q [total_q, Hq, D], k, v [total_k, Hkv, D]: the sequences one after the other;
     cu_seqlens_q, cu_seqlens_k [B + 1] int32 offsets (0, then running totals). Each sequence
     attends to its own keys, causal mask and window aligned to its own bottom-right corner.
-    Returns out [total_q, Hq, D] and, with return_lse, lse float32 [Hq, total_q].
+    Returns out [total_q, Hq, D] and, with return_lse, lse float32 [Hq, total_q]; with
+    return_attn_probs, (out, lse, None) as flash_attn_func.
     max_seqlen_q and max_seqlen_k are accepted for FlashAttention compatibility and unused.
     Autograd as flash_attn_func (q, k, v, sinks).
 
@@ -341,7 +350,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     cache [num_pages, page_size, Hkv, D] and sequence b's keys are the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, in table order. Forward only.
     """
-    _unsupported(dropout_p, return_attn_probs)
+    _no_dropout(dropout_p)
     framework = _framework(q, "q")
     _same_framework(k, "k", framework)
     _same_framework(v, "v", framework)
@@ -375,7 +384,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, None, None, num_threads)
         out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, table)
-    return (out, lse) if return_lse else out
+    return _results(out, lse, return_lse, return_attn_probs)
 
 
 def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_table=None):
@@ -396,6 +405,75 @@ def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_
         _flashattn.varlen_paged_forward(impl, _native(q), _native(k), _native(v), block_table,
                                         cu_q, cu_k, *outputs, **options)
     return out, lse
+
+
+def _unpacked(packed: Any, name: str, ndim: int, count: int) -> Tuple[Any, ...]:
+    """The `count` tensors stacked along dim ndim - 3 of `packed`, as views (no copy)."""
+    framework = _framework(packed, name)
+    shape = tuple(packed.shape)
+    if len(shape) != ndim or shape[-3] != count:
+        layout = {(5, 3): "[batch, seqlen, 3, heads, head_dim]",
+                  (5, 2): "[batch, seqlen_k, 2, heads_k, head_dim]",
+                  (4, 3): "[total, 3, heads, head_dim]",
+                  (4, 2): "[total_k, 2, heads_k, head_dim]"}[(ndim, count)]
+        raise ValueError(f"{name}: expected {layout}, got shape {list(shape)}")
+    axis = ndim - 3
+    if framework == "torch":
+        return tuple(packed.select(axis, i) for i in range(count))
+    return tuple(packed[(slice(None),) * axis + (i,)] for i in range(count))
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                              causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                              softcap: float = 0.0, alibi_slopes=None,
+                              deterministic: bool = False, return_attn_probs: bool = False,
+                              **kwargs):
+    """flash_attn_func on q, k, v stacked in one qkv [B, S, 3, H, D], as FlashAttention's: the
+    three are read in place (views of qkv, no copy), and with autograd the gradient arrives in
+    one tensor, qkv.grad. kwargs: flash_attn_func's keyword-only options (sinks, return_lse,
+    num_threads, impl, ...)."""
+    q, k, v = _unpacked(qkv, "qkv", 5, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, **kwargs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                             causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                             softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                             return_attn_probs: bool = False, **kwargs):
+    """flash_attn_func with k, v stacked in one kv [B, Skv, 2, Hkv, D] (GQA: Hq % Hkv == 0), read
+    in place; with autograd the gradient of both arrives in kv.grad."""
+    k, v = _unpacked(kv, "kv", 5, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, **kwargs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, dropout_p: float = 0.0,
+                                     softmax_scale: Optional[float] = None, causal: bool = False,
+                                     window_size: Tuple[int, int] = (-1, -1),
+                                     softcap: float = 0.0, alibi_slopes=None,
+                                     deterministic: bool = False,
+                                     return_attn_probs: bool = False, **kwargs):
+    """flash_attn_varlen_func on qkv [total, 3, H, D] (the sequences packed one after the other,
+    cu_seqlens [B + 1] for queries and keys alike), read in place."""
+    q, k, v = _unpacked(qkv, "qkv", 4, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs, **kwargs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                                    max_seqlen_k=None, dropout_p: float = 0.0,
+                                    softmax_scale: Optional[float] = None, causal: bool = False,
+                                    window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes=None, deterministic: bool = False,
+                                    return_attn_probs: bool = False, **kwargs):
+    """flash_attn_varlen_func with k, v stacked in one kv [total_k, 2, Hkv, D], read in place."""
+    k, v = _unpacked(kv, "kv", 4, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  **kwargs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,

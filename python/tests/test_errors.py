@@ -91,8 +91,6 @@ def test_unsupported_features_say_so():
     q = arrays(1, 4, 1, 8)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flashattn.flash_attn_func(q, q, q, 0.1)
-    with pytest.raises(NotImplementedError, match="return_attn_probs"):
-        flashattn.flash_attn_func(q, q, q, return_attn_probs=True)
     with pytest.raises(ValueError, match="impl"):
         flashattn.flash_attn_func(q, q, q, impl="cuda")
 
