@@ -32,14 +32,20 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+_torch_floats: Tuple[Any, ...] = ()
+
+
 def _framework(x: Any, name: str) -> str:
     if _is_torch(x):
-        torch = _torch()
+        global _torch_floats
+        if not _torch_floats:
+            torch = _torch()
+            _torch_floats = (torch.float32, torch.float16, torch.bfloat16)
         if not x.is_cpu:
             raise ValueError(
                 f"{name}: expected a CPU tensor, got one on {x.device} "
                 "(flashattn has no GPU backend yet)")
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if x.dtype not in _torch_floats:
             raise ValueError(
                 f"{name}: expected dtype float32, float16 or bfloat16, got {x.dtype}")
         return "torch"
