@@ -17,6 +17,9 @@ training step carry the same roundings through the backward: 1e-4 relative per p
 from __future__ import annotations
 
 import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing is fetched, nothing may be
 
 import pytest
 
