@@ -1,15 +1,18 @@
 // libFuzzer target: kvcache_attention_forward (flashattn/kvcache.hpp). The input bytes choose
 // the path, the (q, cache, new rows) dtypes, a ragged batch (each sequence's cached length), the
 // rows to append, the page size and the order of the pages, each tensor's memory layout, the
-// options, the data (NaN, ±inf and denormals included) and, for one input in eight, a corruption
-// that makes the call invalid.
+// options, the data (NaN, ±inf and denormals included), for one input in four a rotary table
+// (KVCacheOptions) and, for one input in eight, a corruption that makes the call invalid (a
+// rotary table too short or of odd width, a cache_leftpad or cache_batch_idx out of range among
+// them).
 //
 // Every call runs twice, on a dense cache and on a paged cache holding the same rows. Invalid
 // calls must raise flashattn::Error and leave out, lse and both caches untouched. Valid calls
 // must not throw, and:
 //  * dense and paged give the same out and lse bit for bit;
-//  * each cache afterwards is its old bytes with the new rows, rounded to the cache's dtype,
-//    at each sequence's cached length, and nothing else changed (padding and spare pages too);
+//  * each cache afterwards is its old bytes with the new rows, rounded to the cache's dtype
+//    (the keys rotated first, in fp64, when a rotary table is given), at each sequence's cached
+//    length, and nothing else changed (padding and spare pages too);
 //  * nothing around out's view is written;
 //  * a row that sees no key has out 0 and lse −inf; a finite output lies within the values
 //    its row sees: |out| <= Vmax·(1 + (2·L + 16)·u + u_p + u_out) + floor, Vmax the largest
@@ -49,6 +52,9 @@ struct Problem {
   Tensor q, out, k_new, v_new, dense_k, dense_v, paged_k, paged_v;
   std::vector<std::uint8_t> lse_bytes;  // empty: lse = nullptr
   flashattn::AttentionOptions options;
+  std::vector<float> cos, sin;                   // [positions, rotary_dim / 2], or empty: no rotary
+  std::vector<std::int32_t> leftpad, batch_idx;  // for the corruptions
+  flashattn::KVCacheOptions cache_options;
   std::string description;
 
   std::int64_t heads_q() const { return heads_kv * group; }
@@ -159,6 +165,21 @@ Problem make_problem(FuzzedDataProvider& in) {
     store_f32(p.paged_v.buffer.bytes.data(), p.cache_dtype, p.paged_v.offset(page, row, h, d), v);
   });
 
+  // A rotary table for one input in four: every position the call rotates at and a few more.
+  if (p.head_dim >= 2 && in.ConsumeIntegralInRange(0, 3) == 0) {
+    const std::int64_t rotary_dim = 2 * in.ConsumeIntegralInRange<std::int64_t>(1, p.head_dim / 2);
+    const bool advance =
+        p.options.causal || p.options.window_left >= 0 || p.options.window_right >= 0;
+    const std::int64_t rows = std::max(p.seqlen_new, advance ? p.seqlen_q : 1);
+    const std::int64_t positions = longest + rows + in.ConsumeIntegralInRange(0, 3);
+    for (std::int64_t i = 0; i < positions * rotary_dim / 2; ++i) {
+      const double angle = in.ConsumeIntegral<std::uint8_t>() * (2.0 * M_PI / 256.0);
+      p.cos.push_back(static_cast<float>(std::cos(angle)));
+      p.sin.push_back(static_cast<float>(std::sin(angle)));
+    }
+    p.cache_options.rotary = {p.cos.data(), p.sin.data(), positions, rotary_dim, in.ConsumeBool()};
+  }
+
   std::ostringstream text;
   text << flashattn::impl_name(p.impl) << " q " << flashattn::dtype_name(p.q_dtype) << " cache "
        << flashattn::dtype_name(p.cache_dtype) << " new " << flashattn::dtype_name(p.new_dtype)
@@ -172,6 +193,11 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "paged_k", p.paged_k);
   describe_options(text, p.options);
   text << " lse " << !p.lse_bytes.empty() << " specials " << specials;
+  if (!p.cos.empty()) {
+    text << " rotary positions " << p.cache_options.rotary.positions << " dim "
+         << p.cache_options.rotary.rotary_dim << " interleaved "
+         << p.cache_options.rotary.interleaved;
+  }
   p.description = text.str();
   return p;
 }
@@ -182,6 +208,7 @@ struct Call {
   flashattn::KVCacheView cache;
   const std::int32_t* cache_seqlens;
   flashattn::NewKeysValues new_kv;
+  flashattn::KVCacheOptions cache_options;
   flashattn::TensorView out;
   float* lse;
 };
@@ -200,6 +227,7 @@ Call make_call(Problem& p, bool paged) {
   call.cache_seqlens = p.cached.data();
   // Passed even with Snew = 0: a [B, 0, Hkv, D] append is valid and appends nothing.
   call.new_kv = {view(p.k_new, p.new_dtype), view(p.v_new, p.new_dtype)};
+  call.cache_options = p.cache_options;
   call.out = view(p.out, p.q_dtype);
   call.lse = p.lse();
   return call;
@@ -272,6 +300,43 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
       if (p.batch == 0) return false;
       call.cache_seqlens = nullptr;
       return true;
+    case 11: {
+      // A rotary table one position short: the rule of kvcache.hpp for the rows q rotates at.
+      if (p.cos.empty() || p.batch == 0) return false;
+      const std::int64_t capacity = paged ? p.pages_per_sequence * p.page_size : p.capacity;
+      const auto side = [&](std::int64_t w) { return w >= 0 && w < capacity; };
+      const bool advance =
+          p.options.causal || side(p.options.window_left) || side(p.options.window_right);
+      const std::int64_t q_rows = p.seqlen_q == 0 ? 0 : (advance ? p.seqlen_q : 1);
+      const std::int64_t rows = std::max(p.seqlen_new, q_rows);
+      if (rows == 0) return false;
+      call.cache_options.rotary.positions =
+          *std::max_element(p.cached.begin(), p.cached.end()) + rows - 1;
+      return true;
+    }
+    case 12:
+      if (p.cos.empty()) return false;
+      call.cache_options.rotary.rotary_dim += 1;
+      return true;
+    case 13:
+      // A sequence whose keys would start past its end.
+      if (p.batch == 0) return false;
+      paged = false;
+      call = make_call(p, false);
+      p.leftpad.assign(static_cast<std::size_t>(p.batch), 0);
+      p.leftpad[p.batch - 1] = p.cached[p.batch - 1] + 1;
+      call.cache_options.cache_leftpad = p.leftpad.data();
+      return true;
+    case 14:
+      // A batch index out of the cache's rows.
+      if (p.batch == 0) return false;
+      paged = false;
+      call = make_call(p, false);
+      p.batch_idx.resize(static_cast<std::size_t>(p.batch));
+      std::iota(p.batch_idx.begin(), p.batch_idx.end(), 0);
+      p.batch_idx[0] = static_cast<std::int32_t>(p.cached[0] % 2 ? -1 : p.batch);
+      call.cache_options.cache_batch_idx = p.batch_idx.data();
+      return true;
     default:
       return false;
   }
@@ -281,13 +346,29 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
 // sequence's cached length (through `row_of` for a paged cache).
 template <class RowOf>
 std::vector<std::uint8_t> appended(const Problem& p, const Tensor& cache, const Tensor& rows,
-                                   RowOf&& row_of) {
+                                   bool rotate, RowOf&& row_of) {
   std::vector<std::uint8_t> bytes = cache.buffer.bytes;
   for_each_index(
       {p.batch, p.seqlen_new, p.heads_kv, p.head_dim}, [&](auto b, auto i, auto h, auto d) {
         const auto [outer, row] = row_of(b, p.cached[b] + i);
+        const auto load = [&](std::int64_t dim) {
+          return static_cast<double>(
+              load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, dim)));
+        };
+        double value = load(d);
+        const flashattn::RotaryEmbedding& r = p.cache_options.rotary;
+        if (rotate && d < r.rotary_dim) {
+          // kvcache.hpp's rotation at position cached + i, in fp64.
+          const std::int64_t half = r.rotary_dim / 2, pair = r.interleaved ? d / 2 : d % half;
+          const bool first = r.interleaved ? d % 2 == 0 : d < half;
+          const std::int64_t partner =
+              r.interleaved ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
+          const double c = r.cos[(p.cached[b] + i) * half + pair];
+          const double s = r.sin[(p.cached[b] + i) * half + pair];
+          value = first ? value * c - load(partner) * s : value * c + load(partner) * s;
+        }
         store_f32(bytes.data(), p.cache_dtype, cache.offset(outer, row, h, d),
-                  load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, d)));
+                  static_cast<float>(value));
       });
   return bytes;
 }
@@ -348,11 +429,11 @@ __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider in(data, size);
   const int corruption =
-      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 10) : -1;
+      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 14) : -1;
   Problem p = make_problem(in);
   auto run = [&](const Call& call) {
     flashattn::kvcache_attention_forward(call.q, call.cache, call.cache_seqlens, call.new_kv,
-                                         call.out, call.lse, p.options, p.impl);
+                                         call.cache_options, call.out, call.lse, p.options, p.impl);
   };
 
   if (corruption >= 0) {
@@ -381,10 +462,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   const auto dense_row = [](std::int64_t b, std::int64_t j) { return std::pair{b, j}; };
   const auto paged_row = [&](std::int64_t b, std::int64_t j) { return p.page_row(b, j); };
-  const std::vector<std::uint8_t> dense_k_want = appended(p, p.dense_k, p.k_new, dense_row);
-  const std::vector<std::uint8_t> dense_v_want = appended(p, p.dense_v, p.v_new, dense_row);
-  const std::vector<std::uint8_t> paged_k_want = appended(p, p.paged_k, p.k_new, paged_row);
-  const std::vector<std::uint8_t> paged_v_want = appended(p, p.paged_v, p.v_new, paged_row);
+  const bool rotary = !p.cos.empty();
+  const std::vector<std::uint8_t> dense_k_want = appended(p, p.dense_k, p.k_new, rotary, dense_row);
+  const std::vector<std::uint8_t> dense_v_want = appended(p, p.dense_v, p.v_new, false, dense_row);
+  const std::vector<std::uint8_t> paged_k_want = appended(p, p.paged_k, p.k_new, rotary, paged_row);
+  const std::vector<std::uint8_t> paged_v_want = appended(p, p.paged_v, p.v_new, false, paged_row);
 
   std::vector<std::uint8_t> paged_out, paged_lse;
   try {

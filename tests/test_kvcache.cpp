@@ -132,6 +132,50 @@ bool same_bits(const Outputs& a, const Outputs& b) {
          std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
 }
 
+// Batch entry b of a call's outputs (q's dtype) against the fp64 reference of q[b] over rows
+// [first, first + L) of row `cache_row` of a dense cache.
+void expect_sequence_matches_reference(const Tensor& q, std::int64_t b, const Tensor& k_cache,
+                                       const Tensor& v_cache, std::int64_t cache_row,
+                                       std::int64_t first, std::int64_t L, const Outputs& got,
+                                       const AttentionOptions& options) {
+  const std::int64_t seqlen_q = q.view.shape[1], heads_q = q.view.shape[2], D = q.view.shape[3];
+  const std::int64_t Hkv = k_cache.view.shape[2];
+  const DType q_dtype = q.view.dtype;
+  Tensor q_b(DType::f32, {1, seqlen_q, heads_q, D}), out_b(q_dtype, q_b.view.shape);
+  Tensor k_b(DType::f32, {1, L, Hkv, D}), v_b(DType::f32, {1, L, Hkv, D});
+  q_b.for_each_index([&](auto, auto i, auto h, auto d) {
+    q_b.set(0, i, h, d, q.at(b, i, h, d));
+    out_b.set(0, i, h, d, got.out.at(b, i, h, d));
+  });
+  k_b.for_each_index([&](auto, auto j, auto h, auto d) {
+    k_b.set(0, j, h, d, k_cache.at(cache_row, first + j, h, d));
+    v_b.set(0, j, h, d, v_cache.at(cache_row, first + j, h, d));
+  });
+  const ReferenceResult want = reference(q_b, k_b, v_b, options);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double max_q = max_abs(q_b), max_k = max_abs(k_b), max_v = max_abs(v_b);
+  const double scores = scale * static_cast<double>(D) * max_q * max_k;
+  const double out_tolerance = kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(L) + 16.0) +
+                               unit_roundoff(q_dtype) * max_v +
+                               probability_rounding_bound(q_dtype, max_v) + 1e-30;
+  const MaxError error = max_error(out_b, want.out);
+  EXPECT_LE(error.value, out_tolerance)
+      << "out index " << error.index << ": got " << error.got << ", want " << error.want;
+  const double lse_tolerance =
+      kU32 * (4.0 * scores + 2.0 * static_cast<double>(L) + 4.0 * max_abs_finite(want.lse));
+  for (std::int64_t h = 0; h < heads_q; ++h) {
+    for (std::int64_t i = 0; i < seqlen_q; ++i) {
+      const double wanted = want.lse[h * seqlen_q + i];
+      const float lse = got.lse[(b * heads_q + h) * seqlen_q + i];
+      if (std::isinf(wanted)) {
+        EXPECT_EQ(lse, -INFINITY) << "lse head " << h << " row " << i;
+      } else {
+        EXPECT_NEAR(lse, wanted, lse_tolerance) << "lse head " << h << " row " << i;
+      }
+    }
+  }
+}
+
 void PrintTo(const CacheCase& c, std::ostream* os) { *os << case_name(c); }
 
 class KVCacheAgainstReference : public ::testing::TestWithParam<CacheCase> {};
@@ -201,40 +245,8 @@ TEST_P(KVCacheAgainstReference, DenseAndPagedMatchTheReferenceAndEachOther) {
   options.window_right = c.window_right;
   for (std::int64_t b = 0; b < B; ++b) {
     SCOPED_TRACE("sequence " + std::to_string(b));
-    const std::int64_t L = no_append.cached[b];
-    Tensor q_b(DType::f32, {1, c.seqlen_q, c.heads_q, D}), out_b(c.q_dtype, q_b.view.shape);
-    Tensor k_b(DType::f32, {1, L, Hkv, D}), v_b(DType::f32, {1, L, Hkv, D});
-    q_b.for_each_index([&](auto, auto i, auto h, auto d) {
-      q_b.set(0, i, h, d, q.at(b, i, h, d));
-      out_b.set(0, i, h, d, from_dense.out.at(b, i, h, d));
-    });
-    k_b.for_each_index([&](auto, auto j, auto h, auto d) {
-      k_b.set(0, j, h, d, cache.dense_k.at(b, j, h, d));
-      v_b.set(0, j, h, d, cache.dense_v.at(b, j, h, d));
-    });
-    const ReferenceResult want = reference(q_b, k_b, v_b, options);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    const double max_q = max_abs(q_b), max_k = max_abs(k_b), max_v = max_abs(v_b);
-    const double scores = scale * static_cast<double>(D) * max_q * max_k;
-    const double out_tolerance =
-        kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(L) + 16.0) +
-        unit_roundoff(c.q_dtype) * max_v + probability_rounding_bound(c.q_dtype, max_v) + 1e-30;
-    const MaxError error = max_error(out_b, want.out);
-    EXPECT_LE(error.value, out_tolerance)
-        << "out index " << error.index << ": got " << error.got << ", want " << error.want;
-    const double lse_tolerance =
-        kU32 * (4.0 * scores + 2.0 * static_cast<double>(L) + 4.0 * max_abs_finite(want.lse));
-    for (std::int64_t h = 0; h < c.heads_q; ++h) {
-      for (std::int64_t i = 0; i < c.seqlen_q; ++i) {
-        const double wanted = want.lse[h * c.seqlen_q + i];
-        const float got = from_dense.lse[(b * c.heads_q + h) * c.seqlen_q + i];
-        if (std::isinf(wanted)) {
-          EXPECT_EQ(got, -INFINITY) << "lse head " << h << " row " << i;
-        } else {
-          EXPECT_NEAR(got, wanted, lse_tolerance) << "lse head " << h << " row " << i;
-        }
-      }
-    }
+    expect_sequence_matches_reference(q, b, cache.dense_k, cache.dense_v, b, 0, no_append.cached[b],
+                                      from_dense, options);
   }
 }
 
@@ -373,6 +385,257 @@ TEST(KVCache, HeadMajorCachesMatchRowMajorCaches) {
   }
 }
 
+// --- Rotary embedding, left padding, batch index (KVCacheOptions) --------------------------------
+
+// A random rotary table: `positions` rows of rotary_dim / 2 angles.
+struct RotaryTable {
+  std::vector<float> cos, sin;
+  RotaryEmbedding embedding;
+
+  RotaryTable(std::int64_t positions, std::int64_t rotary_dim, bool interleaved,
+              std::mt19937_64& rng) {
+    std::uniform_real_distribution<double> angle(0.0, 2.0 * M_PI);
+    for (std::int64_t i = 0; i < positions * rotary_dim / 2; ++i) {
+      const double a = angle(rng);
+      cos.push_back(static_cast<float>(std::cos(a)));
+      sin.push_back(static_cast<float>(std::sin(a)));
+    }
+    embedding = {cos.data(), sin.data(), positions, rotary_dim, interleaved};
+  }
+};
+
+// Row (b, i) of x, every head, rotated at `position` as kvcache.hpp defines it: in fp64, rounded
+// once to x's dtype (through fp32); dims from rotary_dim on untouched.
+void rotate_row_in_place(Tensor& x, std::int64_t b, std::int64_t i, std::int64_t position,
+                         const RotaryEmbedding& r) {
+  const std::int64_t half = r.rotary_dim / 2;
+  for (std::int64_t h = 0; h < x.view.shape[2]; ++h) {
+    for (std::int64_t p = 0; p < half; ++p) {
+      const std::int64_t first = r.interleaved ? 2 * p : p;
+      const std::int64_t second = r.interleaved ? 2 * p + 1 : p + half;
+      const double x1 = x.at(b, i, h, first), x2 = x.at(b, i, h, second);
+      const double c = r.cos[position * half + p], s = r.sin[position * half + p];
+      x.set(b, i, h, first, static_cast<float>(x1 * c - x2 * s));
+      x.set(b, i, h, second, static_cast<float>(x2 * c + x1 * s));
+    }
+  }
+}
+
+// A dense cache [batch_cache, capacity, Hkv, D]: row r holds values in [first[r], cached[r]) and
+// NaN elsewhere, so that a read of a key outside a sequence shows in the output.
+Tensor sparse_cache(DType dtype, std::int64_t batch_cache, std::int64_t capacity, std::int64_t Hkv,
+                    std::int64_t D, const std::vector<std::int64_t>& first,
+                    const std::vector<std::int64_t>& cached, std::mt19937_64& rng) {
+  Tensor t(dtype, {batch_cache, capacity, Hkv, D});
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  t.for_each_index([&](auto r, auto j, auto h, auto d) {
+    const bool held = j >= first[r] && j < cached[r];
+    t.set(r, j, h, d, held ? normal(rng) : std::numeric_limits<float>::quiet_NaN());
+  });
+  return t;
+}
+
+Outputs run_kvcache(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                    const std::vector<std::int32_t>& cached, const Tensor* k_new,
+                    const Tensor* v_new, const KVCacheOptions& cache_options,
+                    const AttentionOptions& options, AttentionImpl impl) {
+  const auto& s = q.view.shape;
+  Outputs result{Tensor(q.view.dtype, s),
+                 std::vector<float>(static_cast<std::size_t>(s[0] * s[2] * s[1]), NAN)};
+  result.out.poison();
+  NewKeysValues new_kv;
+  if (k_new != nullptr) new_kv = {k_new->view, v_new->view};
+  kvcache_attention_forward(q.view, {k_cache.view, v_cache.view}, cached.data(), new_kv,
+                            cache_options, result.out.view, result.lse.data(), options, impl);
+  return result;
+}
+
+struct RotaryCase {
+  const char* name;
+  std::int64_t seqlen_q, seqlen_new;
+  bool causal;
+  std::int64_t window_left;
+  DType cache_dtype;
+  AttentionImpl impl;
+};
+
+// The rotary call against the plain call on q and k_new rotated in the test: the same cache bit
+// for bit and the same outputs bit for bit; and each sequence against the fp64 reference over the
+// rotated keys. GPT-J and NeoX pairs, rotary_dim the whole head or half of it; with left padding
+// and a batch index, whose positions stay the cache's rows.
+TEST(KVCache, RotaryEmbeddingIsRotateThenAttend) {
+  std::mt19937_64 rng(test_seed());
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  const std::int64_t Hq = 4, Hkv = 2, D = 32, capacity = 96;
+  const RotaryCase cases[] = {
+      {"decode_noncausal", 2, 1, false, -1, DType::f32, AttentionImpl::flash},
+      {"speculative_causal", 3, 3, true, -1, DType::bf16, AttentionImpl::flash},
+      {"window", 3, 3, false, 8, DType::f32, AttentionImpl::flash},
+      {"prefill_gathered", 40, 40, true, -1, DType::f32, AttentionImpl::flash},
+      {"reference", 3, 2, true, -1, DType::f32, AttentionImpl::reference},
+  };
+  for (const RotaryCase& c : cases) {
+    for (const bool interleaved : {true, false}) {
+      for (const std::int64_t rotary_dim : {D, D / 2}) {
+        for (const bool padded : {false, true}) {
+          SCOPED_TRACE(std::string(c.name) + (interleaved ? " interleaved" : " neox") +
+                       " rotary_dim " + std::to_string(rotary_dim) +
+                       (padded ? " leftpad+batch_idx" : ""));
+          // Two sequences in rows 2 and 0 of a 3-row cache when padded, else rows 0 and 1.
+          const std::vector<std::int32_t> cached = {13, 37};
+          const std::vector<std::int32_t> leftpad = {4, 0}, batch_idx = {2, 0};
+          const std::int64_t batch_cache = padded ? 3 : 2;
+          std::vector<std::int64_t> first(static_cast<std::size_t>(batch_cache), 0),
+              held(static_cast<std::size_t>(batch_cache), 0);
+          for (std::size_t b = 0; b < 2; ++b) {
+            const std::size_t row = padded ? static_cast<std::size_t>(batch_idx[b]) : b;
+            first[row] = padded ? leftpad[b] : 0;
+            held[row] = cached[b];
+          }
+          const Tensor k_cache =
+              sparse_cache(c.cache_dtype, batch_cache, capacity, Hkv, D, first, held, rng);
+          const Tensor v_cache =
+              sparse_cache(c.cache_dtype, batch_cache, capacity, Hkv, D, first, held, rng);
+          Tensor k_a = copy_of(k_cache), v_a = copy_of(v_cache), k_b = copy_of(k_cache),
+                 v_b = copy_of(v_cache);
+          Tensor q(DType::f32, {2, c.seqlen_q, Hq, D}),
+              k_new(DType::f32, {2, c.seqlen_new, Hkv, D}),
+              v_new(DType::f32, {2, c.seqlen_new, Hkv, D});
+          q.fill_normal(rng);
+          k_new.fill_normal(rng);
+          v_new.fill_normal(rng);
+          const RotaryTable table(cached[1] + c.seqlen_q, rotary_dim, interleaved, rng);
+
+          AttentionOptions options;
+          options.causal = c.causal;
+          options.window_left = c.window_left;
+          options.num_threads = 2;
+          KVCacheOptions plain;
+          if (padded) {
+            plain.cache_leftpad = leftpad.data();
+            plain.cache_batch_idx = batch_idx.data();
+          }
+          KVCacheOptions rotary = plain;
+          rotary.rotary = table.embedding;
+          const Outputs got =
+              run_kvcache(q, k_a, v_a, cached, &k_new, &v_new, rotary, options, c.impl);
+
+          // The test's rotation: keys at cached[b] + i, queries there too when causal or
+          // windowed, else all at cached[b].
+          Tensor q_rot = copy_of(q), k_rot = copy_of(k_new);
+          const bool advance = c.causal || c.window_left >= 0;
+          for (std::int64_t b = 0; b < 2; ++b) {
+            for (std::int64_t i = 0; i < c.seqlen_q; ++i) {
+              rotate_row_in_place(q_rot, b, i, cached[b] + (advance ? i : 0), table.embedding);
+            }
+            for (std::int64_t i = 0; i < c.seqlen_new; ++i) {
+              rotate_row_in_place(k_rot, b, i, cached[b] + i, table.embedding);
+            }
+          }
+          const Outputs want =
+              run_kvcache(q_rot, k_b, v_b, cached, &k_rot, &v_new, plain, options, c.impl);
+          EXPECT_TRUE(same_values(k_a, k_b) && same_values(v_a, v_b))
+              << "the cache differs from the one of rotate-then-append";
+          EXPECT_TRUE(same_bits(got, want)) << "out or lse differs from rotate-then-attend";
+          for (std::int64_t b = 0; b < 2; ++b) {
+            SCOPED_TRACE("sequence " + std::to_string(b));
+            const std::int64_t row = padded ? batch_idx[b] : b, start = padded ? leftpad[b] : 0;
+            expect_sequence_matches_reference(q_rot, b, k_b, v_b, row, start,
+                                              cached[b] + c.seqlen_new - start, got, options);
+          }
+        }
+      }
+    }
+  }
+}
+
+// cache_leftpad and cache_batch_idx against the same sequences sliced out of the cache by the
+// test into a cache of their own: the same outputs bit for bit (ALiBi and the causal mask count
+// from each sequence's first key), the new rows in the right cache rows, every other row as it
+// was (an unused cache row included).
+TEST(KVCache, LeftPaddingAndBatchIndexMatchASlicedCache) {
+  std::mt19937_64 rng(test_seed());
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  const std::int64_t Hq = 4, Hkv = 2, D = 32, capacity = 48, Snew = 2;
+  const std::vector<std::int32_t> cached = {20, 9, 17}, leftpad = {5, 0, 17}, batch_idx = {2, 0, 3};
+  const std::vector<std::int64_t> first = {0, 3, 5, 17}, held = {9, 30, 20, 17};
+  const std::vector<float> slopes = {0.5f, 0.25f, 0.125f, 0.0625f};
+  for (const auto& [seqlen_q, impl] : {std::pair{std::int64_t{2}, AttentionImpl::flash},
+                                       {std::int64_t{40}, AttentionImpl::flash},
+                                       {std::int64_t{2}, AttentionImpl::reference}}) {
+    SCOPED_TRACE("Sq " + std::to_string(seqlen_q) + " " + impl_name(impl));
+    Tensor k_cache = sparse_cache(DType::f32, 4, capacity, Hkv, D, first, held, rng);
+    Tensor v_cache = sparse_cache(DType::f32, 4, capacity, Hkv, D, first, held, rng);
+    const Tensor k_before = copy_of(k_cache), v_before = copy_of(v_cache);
+    // The sliced cache: sequence b's keys from row 0 of its own row b.
+    Tensor k_sliced(DType::f32, {3, capacity, Hkv, D}), v_sliced(DType::f32, {3, capacity, Hkv, D});
+    std::vector<std::int32_t> sliced_cached(3);
+    k_sliced.for_each_index([&](auto b, auto j, auto h, auto d) {
+      const std::int64_t length = cached[b] - leftpad[b];
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      k_sliced.set(b, j, h, d, j < length ? k_cache.at(batch_idx[b], leftpad[b] + j, h, d) : nan);
+      v_sliced.set(b, j, h, d, j < length ? v_cache.at(batch_idx[b], leftpad[b] + j, h, d) : nan);
+    });
+    for (std::size_t b = 0; b < 3; ++b) sliced_cached[b] = cached[b] - leftpad[b];
+    Tensor q(DType::f32, {3, seqlen_q, Hq, D}), k_new(DType::f32, {3, Snew, Hkv, D}),
+        v_new(DType::f32, {3, Snew, Hkv, D});
+    q.fill_normal(rng);
+    k_new.fill_normal(rng);
+    v_new.fill_normal(rng);
+    AttentionOptions options;
+    options.causal = true;
+    options.alibi_slopes = slopes;
+    options.num_threads = 2;
+    KVCacheOptions cache_options;
+    cache_options.cache_leftpad = leftpad.data();
+    cache_options.cache_batch_idx = batch_idx.data();
+    const Outputs got =
+        run_kvcache(q, k_cache, v_cache, cached, &k_new, &v_new, cache_options, options, impl);
+    const Outputs want =
+        run_kvcache(q, k_sliced, v_sliced, sliced_cached, &k_new, &v_new, {}, options, impl);
+    EXPECT_TRUE(same_bits(got, want)) << "out or lse differs from the sliced cache's";
+    bool as_expected = true;
+    k_cache.for_each_index([&](auto r, auto j, auto h, auto d) {
+      const auto entry = std::find(batch_idx.begin(), batch_idx.end(), r) - batch_idx.begin();
+      const bool appended = entry < 3 && j >= cached[entry] && j < cached[entry] + Snew;
+      const auto same = [](float x, float y) {
+        return std::memcmp(&x, &y, sizeof x) == 0 || (std::isnan(x) && std::isnan(y));
+      };
+      const float k_want =
+          appended ? k_new.at(entry, j - cached[entry], h, d) : k_before.at(r, j, h, d);
+      const float v_want =
+          appended ? v_new.at(entry, j - cached[entry], h, d) : v_before.at(r, j, h, d);
+      if (!same(k_cache.at(r, j, h, d), k_want) || !same(v_cache.at(r, j, h, d), v_want)) {
+        if (as_expected)
+          ADD_FAILURE() << "cache row " << r << " key " << j << " head " << h << " dim " << d;
+        as_expected = false;
+      }
+    });
+  }
+}
+
+// Without new rows, batch entries may share a cache row.
+TEST(KVCache, BatchEntriesMayShareACacheRowWhenNotAppending) {
+  std::mt19937_64 rng(test_seed());
+  const std::vector<std::int32_t> cached = {11, 11}, batch_idx = {1, 1};
+  const std::vector<std::int64_t> first = {0, 0}, held = {0, 11};
+  const Tensor k_cache = sparse_cache(DType::f32, 2, 16, 1, 16, first, held, rng);
+  const Tensor v_cache = sparse_cache(DType::f32, 2, 16, 1, 16, first, held, rng);
+  Tensor one(DType::f32, {1, 1, 2, 16});
+  one.fill_normal(rng);
+  Tensor q(DType::f32, {2, 1, 2, 16});
+  q.for_each_index([&](auto, auto, auto h, auto d) { q.set(0, 0, h, d, one.at(0, 0, h, d)); });
+  q.for_each_index([&](auto, auto, auto h, auto d) { q.set(1, 0, h, d, one.at(0, 0, h, d)); });
+  KVCacheOptions cache_options;
+  cache_options.cache_batch_idx = batch_idx.data();
+  const Outputs got = run_kvcache(q, k_cache, v_cache, cached, nullptr, nullptr, cache_options, {},
+                                  AttentionImpl::flash);
+  for (std::int64_t d = 0; d < 16; ++d) {
+    ASSERT_EQ(got.out.at(0, 0, 1, d), got.out.at(1, 0, 1, d));
+    ASSERT_FALSE(std::isnan(got.out.at(0, 0, 1, d)));
+  }
+}
+
 // Bad input: one corruption of a valid decode call each, with the start of the message it must
 // raise; nothing may be written, neither out nor lse nor the cache.
 struct Call {
@@ -388,6 +651,19 @@ struct Call {
   const std::int32_t* seqlens_ptr = seqlens.data();
   float* lse_ptr = lse.data();
   AttentionOptions options;
+  // For the KVCacheOptions corruptions: a table of 16 positions, rotary_dim 16, and an index and
+  // left padding for a dense cache (`dense` makes the cache [6, 4, 2, 16] dense).
+  std::vector<float> cos = std::vector<float>(16 * 8, 1.0f), sin = std::vector<float>(16 * 8, 0.0f);
+  std::vector<std::int32_t> leftpad = {0, 0}, batch_idx = {4, 1};
+  KVCacheOptions cache_options;
+
+  void rotary() { cache_options.rotary = {cos.data(), sin.data(), 16, 16, true}; }
+  void dense() {
+    cache.block_table = nullptr;
+    cache.pages_per_sequence = 0;
+    seqlens = {1, 2};
+    cache_options.cache_batch_idx = batch_idx.data();
+  }
 
   Call() {
     out.fill(2.0f);
@@ -413,8 +689,8 @@ TEST_P(KVCacheBadInput, RaisesANamedErrorAndWritesNothing) {
                                   v_before = call.v_cache.bytes;
   const std::vector<float> lse_before = call.lse;
   try {
-    kvcache_attention_forward(call.q_view, call.cache, call.seqlens_ptr, call.new_kv, call.out_view,
-                              call.lse_ptr, call.options);
+    kvcache_attention_forward(call.q_view, call.cache, call.seqlens_ptr, call.new_kv,
+                              call.cache_options, call.out_view, call.lse_ptr, call.options);
     FAIL() << "no error raised";
   } catch (const Error& error) {
     const std::string what = error.what();
@@ -486,13 +762,105 @@ std::vector<BadCall> bad_calls() {
       {"k_new_overlaps_cache", [](Call& c) { c.new_kv.k.data = c.k_cache.view.data; },
        "k_cache: expected memory disjoint from k_new"},
       {"window", [](Call& c) { c.options.window_left = -2; }, "window_left: expected >= -1"},
+      {"rotary_cos_too_short",
+       [](Call& c) {
+         c.rotary();
+         c.cache_options.rotary.positions = 9;  // sequence 1 rotates at cache_seqlens[1] = 9
+       },
+       "rotary_cos: expected more than 9 positions (sequence 1"},
+      {"rotary_causal_q_past_the_table",
+       [](Call& c) {
+         c.rotary();
+         c.q_view.shape[1] = c.out_view.shape[1] = 2;  // q rows at 9 and 10 under the mask
+         c.q_view.shape[0] = c.out_view.shape[0] = 1;
+         c.new_kv.k.shape[0] = c.new_kv.v.shape[0] = 1;
+         c.seqlens = {9, 0};
+         c.cache_options.rotary.positions = 10;
+         c.options.causal = true;
+       },
+       "rotary_cos: expected more than 10 positions (sequence 0"},
+      {"rotary_dim_odd",
+       [](Call& c) {
+         c.rotary();
+         c.cache_options.rotary.rotary_dim = 5;
+       },
+       "rotary_dim (2 · rotary_cos's columns): expected an even number in [2, head_dim = 16], "
+       "got 5"},
+      {"rotary_dim_past_head_dim",
+       [](Call& c) {
+         c.rotary();
+         c.cache_options.rotary.rotary_dim = 18;
+       },
+       "rotary_dim (2 · rotary_cos's columns): expected an even number in [2, head_dim = 16], "
+       "got 18"},
+      {"rotary_sin_null",
+       [](Call& c) {
+         c.rotary();
+         c.cache_options.rotary.sin = nullptr;
+       },
+       "rotary_sin: expected a table with rotary_cos, got null"},
+      {"rotary_without_new_rows",
+       [](Call& c) {
+         c.rotary();
+         c.new_kv = {};
+       },
+       "rotary_cos: expected new rows k_new, v_new to rotate"},
+      {"rotary_overlaps_out",
+       [](Call& c) {
+         c.rotary();
+         c.out_view.data = c.cos.data();
+       },
+       "out: expected memory disjoint from rotary_cos"},
+      {"leftpad_past_the_length",
+       [](Call& c) {
+         c.dense();
+         c.leftpad = {0, 3};
+         c.cache_options.cache_leftpad = c.leftpad.data();
+       },
+       "cache_leftpad[1]: expected in [0, cache_seqlens[1] = 2], got 3"},
+      {"leftpad_negative",
+       [](Call& c) {
+         c.dense();
+         c.leftpad = {-1, 0};
+         c.cache_options.cache_leftpad = c.leftpad.data();
+       },
+       "cache_leftpad[0]: expected in [0, cache_seqlens[0] = 1], got -1"},
+      {"leftpad_paged", [](Call& c) { c.cache_options.cache_leftpad = c.leftpad.data(); },
+       "cache_leftpad: expected null with a block_table"},
+      {"batch_idx_out_of_range",
+       [](Call& c) {
+         c.dense();
+         c.batch_idx = {0, 6};
+       },
+       "cache_batch_idx[1]: expected a cache row in [0, 6), got 6"},
+      {"batch_idx_negative",
+       [](Call& c) {
+         c.dense();
+         c.batch_idx = {-1, 0};
+       },
+       "cache_batch_idx[0]: expected a cache row in [0, 6), got -1"},
+      {"batch_idx_repeated_when_appending",
+       [](Call& c) {
+         c.dense();
+         c.batch_idx = {3, 3};
+       },
+       "cache_batch_idx[1]: expected distinct rows when appending, got 3 as cache_batch_idx[0] "
+       "too"},
+      {"batch_idx_paged", [](Call& c) { c.cache_options.cache_batch_idx = c.batch_idx.data(); },
+       "cache_batch_idx: expected null with a block_table"},
+      {"dense_batch_without_index",
+       [](Call& c) {
+         c.dense();
+         c.cache_options.cache_batch_idx = nullptr;
+       },
+       "k_cache: expected batch 2"},
   };
 }
 
 INSTANTIATE_TEST_SUITE_P(Calls, KVCacheBadInput, ::testing::ValuesIn(bad_calls()),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// The valid call the bad ones corrupt runs, and appends.
+// The valid call the bad ones corrupt runs, and appends; so do its rotary and dense variants.
 TEST(KVCache, TheBadInputBaselineIsValid) {
   Call call;
   kvcache_attention_forward(call.q_view, call.cache, call.seqlens.data(), call.new_kv,
@@ -500,6 +868,19 @@ TEST(KVCache, TheBadInputBaselineIsValid) {
   EXPECT_EQ(call.k_cache.at(1, 1, 0, 0), 0.0f);  // sequence 0's row 5: page 1, row 1
   EXPECT_EQ(call.k_cache.at(5, 1, 1, 3), 0.0f);  // sequence 1's row 9: page 5, row 1
   EXPECT_EQ(call.k_cache.at(1, 2, 0, 0), 3.0f);  // untouched
+
+  Call rotary;
+  rotary.rotary();
+  kvcache_attention_forward(rotary.q_view, rotary.cache, rotary.seqlens.data(), rotary.new_kv,
+                            rotary.cache_options, rotary.out_view, rotary.lse_ptr, rotary.options);
+  Call dense;
+  dense.dense();
+  dense.cache_options.cache_leftpad = dense.leftpad.data();
+  kvcache_attention_forward(dense.q_view, dense.cache, dense.seqlens.data(), dense.new_kv,
+                            dense.cache_options, dense.out_view, dense.lse_ptr, dense.options);
+  EXPECT_EQ(dense.k_cache.at(4, 1, 0, 0), 0.0f);  // entry 0's row 1 in cache row 4
+  EXPECT_EQ(dense.k_cache.at(1, 2, 1, 3), 0.0f);  // entry 1's row 2 in cache row 1
+  EXPECT_EQ(dense.k_cache.at(0, 1, 0, 0), 3.0f);  // untouched
 }
 
 }  // namespace

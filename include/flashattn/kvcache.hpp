@@ -49,6 +49,43 @@ struct NewKeysValues {
   ConstTensorView k, v;
 };
 
+// Rotary position embedding (RoPE) of the new keys and of q, as FlashAttention 2.8's
+// flash_attn_with_kvcache applies it. cos and sin: fp32 row-major [positions, rotary_dim / 2],
+// row p holding cos(p·θ_i), sin(p·θ_i); rotary_dim even, in [2, head_dim]. Each pair of dims
+// (x1, x2) of a row at position p becomes (x1·cos − x2·sin, x2·cos + x1·sin), computed in fp64
+// and rounded once to the destination's dtype; dims from rotary_dim on are left as they are.
+//   interleaved (GPT-J):      pairs (2i, 2i + 1)
+//   not interleaved (NeoX):   pairs (i, i + rotary_dim / 2)
+// The new key row i of sequence b is rotated at position cache_seqlens[b] + i before it is
+// written, so the cache holds rotated keys. q row i is rotated at cache_seqlens[b] + i when
+// the call is causal or windowed, and every q row at cache_seqlens[b] otherwise (FlashAttention
+// counts as windowed a window_left or window_right in [0, capacity)). Positions are cache rows:
+// cache_leftpad does not shift them. Rotary needs new rows to append (as FlashAttention), and
+// every position must be below `positions`.
+struct RotaryEmbedding {
+  const float* cos = nullptr;  // null: no rotary embedding
+  const float* sin = nullptr;
+  std::int64_t positions = 0;   // rows of cos and sin (FlashAttention's seqlen_ro)
+  std::int64_t rotary_dim = 0;  // dims rotated, 2 · the columns of cos and sin
+  bool interleaved = true;
+};
+
+// The rest of flash_attn_with_kvcache's arguments, all off by default.
+//   rotary           above
+//   cache_leftpad    int32 [batch], or null: sequence b's keys are rows cache_leftpad[b] ..
+//                    cache_seqlens[b] + Snew − 1 of its cache, L_b = cache_seqlens[b] + Snew −
+//                    cache_leftpad[b] of them, and the masks and ALiBi count from the first
+//                    (0 <= cache_leftpad[b] <= cache_seqlens[b]). Dense caches only.
+//   cache_batch_idx  int32 [batch], or null: batch entry b reads and appends to row
+//                    cache_batch_idx[b] of a dense cache [batch_cache, capacity, heads_kv,
+//                    head_dim] (any batch_cache; entries in [0, batch_cache), and distinct
+//                    when rows are appended). Dense caches only.
+struct KVCacheOptions {
+  RotaryEmbedding rotary;
+  const std::int32_t* cache_leftpad = nullptr;
+  const std::int32_t* cache_batch_idx = nullptr;
+};
+
 // q    [batch, Sq, heads_q, head_dim]: Sq = 1 decodes, a few speculate, more prefill a chunk,
 //      0 only appends
 // out  [batch, Sq, heads_q, head_dim] in q's dtype; must not overlap any other argument
@@ -66,6 +103,14 @@ void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cach
                                const std::int32_t* cache_seqlens, const NewKeysValues& new_kv,
                                const TensorView& out, float* lse,
                                const AttentionOptions& options = {},
+                               AttentionImpl impl = AttentionImpl::flash);
+
+// The same with rotary embedding, left padding or a batch index (KVCacheOptions); the call
+// above is this one with cache_options at their defaults.
+void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cache,
+                               const std::int32_t* cache_seqlens, const NewKeysValues& new_kv,
+                               const KVCacheOptions& cache_options, const TensorView& out,
+                               float* lse, const AttentionOptions& options = {},
                                AttentionImpl impl = AttentionImpl::flash);
 
 }  // namespace flashattn

@@ -604,7 +604,8 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
 
 KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
                                   const KVCacheView& cache, const std::int32_t* cache_seqlens,
-                                  const NewKeysValues& new_kv, const TensorView& out, float* lse,
+                                  const NewKeysValues& new_kv, const KVCacheOptions& cache_options,
+                                  const TensorView& out, float* lse,
                                   const AttentionOptions& options) {
   const ConstTensorView k_cache = cache.k, v_cache = cache.v;
   check_view(caller, "q", q);
@@ -638,9 +639,9 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   if (paged) {
     capacity = paged_capacity(caller, "k_cache", page_size, cache.pages_per_sequence);
   } else {
-    if (k_cache.shape[0] != batch) {
+    if (k_cache.shape[0] != batch && cache_options.cache_batch_idx == nullptr) {
       fail(caller, "k_cache: expected batch ", batch, " (as q; or a block_table for a paged ",
-           "cache), got ", k_cache.shape[0]);
+           "cache, or a cache_batch_idx), got ", k_cache.shape[0]);
     }
     if (cache.pages_per_sequence != 0) {
       fail(caller, "pages_per_sequence: expected 0 without a block_table, got ",
@@ -683,6 +684,16 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   if (batch > 0 && cache_seqlens == nullptr) {
     fail(caller, "cache_seqlens: expected ", batch, " int32 lengths, got null");
   }
+  const std::int32_t* leftpad = cache_options.cache_leftpad;
+  const std::int32_t* batch_index = cache_options.cache_batch_idx;
+  if (paged && leftpad != nullptr) {
+    fail(caller, "cache_leftpad: expected null with a block_table (FlashAttention has no left ",
+         "padding in a paged cache), got an array");
+  }
+  if (paged && batch_index != nullptr) {
+    fail(caller, "cache_batch_idx: expected null with a block_table (the table maps each ",
+         "sequence to its pages), got an array");
+  }
   std::vector<std::int64_t> kv_lengths(static_cast<std::size_t>(batch));
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t cached = cache_seqlens[b];
@@ -691,7 +702,70 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
       fail(caller, "cache_seqlens[", b, "]: expected at most ", capacity - seqlen_new,
            " (capacity ", capacity, " minus ", seqlen_new, " new rows), got ", cached);
     }
-    kv_lengths[b] = cached + seqlen_new;
+    const std::int64_t first = leftpad == nullptr ? 0 : leftpad[b];
+    if (first < 0 || first > cached) {
+      fail(caller, "cache_leftpad[", b, "]: expected in [0, cache_seqlens[", b, "] = ", cached,
+           "], got ", first);
+    }
+    kv_lengths[b] = cached + seqlen_new - first;
+  }
+  if (batch_index != nullptr) {
+    // The cache row of each batch entry, and the entry that appends to it.
+    const std::int64_t batch_cache = k_cache.shape[0];
+    std::unordered_map<std::int32_t, std::int64_t> writers;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int32_t row = batch_index[b];
+      if (row < 0 || row >= batch_cache) {
+        fail(caller, "cache_batch_idx[", b, "]: expected a cache row in [0, ", batch_cache,
+             "), got ", row);
+      }
+      if (seqlen_new == 0) continue;
+      const auto [writer, inserted] = writers.try_emplace(row, b);
+      if (!inserted) {
+        fail(caller, "cache_batch_idx[", b, "]: expected distinct rows when appending, got ", row,
+             " as cache_batch_idx[", writer->second, "] too");
+      }
+    }
+  }
+
+  // Rotary embedding: the table, and the last position each sequence rotates at.
+  const RotaryEmbedding& rotary = cache_options.rotary;
+  const bool rotating = rotary.cos != nullptr || rotary.sin != nullptr;
+  // FlashAttention's rule: q rows advance with the keys under a causal mask or a window, a side
+  // of which counts when it is in [0, capacity) (flash_api.cpp turns wider ones into -1).
+  const auto window_side = [&](std::int64_t w) { return w >= 0 && w < capacity; };
+  const bool q_positions_advance =
+      options.causal || window_side(options.window_left) || window_side(options.window_right);
+  if (rotating) {
+    if (rotary.cos == nullptr) {
+      fail(caller, "rotary_cos: expected a table with rotary_sin, got null");
+    }
+    if (rotary.sin == nullptr) {
+      fail(caller, "rotary_sin: expected a table with rotary_cos, got null");
+    }
+    if (!appending) {
+      fail(caller, "rotary_cos: expected new rows k_new, v_new to rotate (FlashAttention rotates ",
+           "only when appending), got none");
+    }
+    if (rotary.rotary_dim < 2 || rotary.rotary_dim % 2 != 0 || rotary.rotary_dim > head_dim) {
+      fail(caller, "rotary_dim (2 · rotary_cos's columns): expected an even number in [2, ",
+           "head_dim = ", head_dim, "], got ", rotary.rotary_dim);
+    }
+    if (rotary.positions < 0 ||
+        rotary.positions > std::numeric_limits<std::int64_t>::max() / rotary.rotary_dim) {
+      fail(caller, "rotary_cos: expected a count of positions in [0, 2^63 / rotary_dim), got ",
+           rotary.positions);
+    }
+    const std::int64_t q_rows = seqlen_q == 0 ? 0 : (q_positions_advance ? seqlen_q : 1);
+    const std::int64_t rows = std::max(seqlen_new, q_rows);
+    for (std::int64_t b = 0; b < batch && rows > 0; ++b) {
+      const std::int64_t last = cache_seqlens[b] + rows - 1;
+      if (last >= rotary.positions) {
+        fail(caller, "rotary_cos: expected more than ", last, " positions (sequence ", b,
+             " rotates at cache_seqlens[", b, "] = ", cache_seqlens[b], " to ", last, "), got ",
+             rotary.positions);
+      }
+    }
   }
   if (paged) {
     // Written pages and the (sequence, table column) that writes each.
@@ -725,10 +799,13 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   const ByteSpan k_new_span = appending ? byte_span(caller, "k_new", new_kv.k) : ByteSpan{};
   const ByteSpan v_new_span = appending ? byte_span(caller, "v_new", new_kv.v) : ByteSpan{};
   const ByteSpan lse_span = float_span(caller, "lse", lse, batch * heads_q * seqlen_q);
+  const std::int64_t rotary_values = rotating ? rotary.positions * (rotary.rotary_dim / 2) : 0;
+  const ByteSpan cos_span = float_span(caller, "rotary_cos", rotary.cos, rotary_values);
+  const ByteSpan sin_span = float_span(caller, "rotary_sin", rotary.sin, rotary_values);
   const std::pair<const char*, ByteSpan> spans[] = {
       {"q", q_span},         {"k_cache", k_cache_span}, {"v_cache", v_cache_span},
       {"k_new", k_new_span}, {"v_new", v_new_span},     {"out", out_span},
-      {"lse", lse_span}};
+      {"lse", lse_span},     {"rotary_cos", cos_span},  {"rotary_sin", sin_span}};
   auto refuse_overlaps = [&](const char* name, const ByteSpan& span,
                              std::initializer_list<std::string_view> allowed) {
     for (const auto& [other, other_span] : spans) {
@@ -769,6 +846,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
     a.block_table_stride = cache.pages_per_sequence;
     a.page_size = page_size;
   }
+  a.kv_batch_index = batch_index;
+  a.kv_first_row = leftpad;
   params.kv_lengths = std::move(kv_lengths);
   a.kv_lengths = params.kv_lengths.data();
   params.cache_seqlens = cache_seqlens;
@@ -780,6 +859,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   params.seqlen_new = seqlen_new;
   params.k_cache = cache.k.data;
   params.v_cache = cache.v.data;
+  if (rotating) params.rotary = rotary;
+  params.q_positions_advance = q_positions_advance;
   return params;
 }
 

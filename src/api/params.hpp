@@ -107,10 +107,15 @@ struct AttentionParams {
   //   kv_lengths    [batch]: batch entry b's keys are its first kv_lengths[b] (<= seqlen_kv)
   //   block_table   [batch, block_table_stride]: key j of entry b is row j % page_size of page
   //                 block_table[b, j / page_size], the page being k's (v's) batch index
+  //   kv_batch_index, kv_first_row   [batch] each, or null, without a block table: key j of
+  //                 entry b is row kv_first_row[b] + j of k's batch kv_batch_index[b]
+  //                 (KVCacheOptions' cache_leftpad and cache_batch_idx)
   DType q_dtype = DType::f32;
   const std::int64_t* kv_lengths = nullptr;
   const std::int32_t* block_table = nullptr;
   std::int64_t block_table_stride = 0, page_size = 0;
+  const std::int32_t* kv_batch_index = nullptr;
+  const std::int32_t* kv_first_row = nullptr;
 
   std::int64_t group_size() const { return heads_q / heads_kv; }
   // The scale the softmax steps apply to a score tile: 1 once modify_scores made it logits.
@@ -128,7 +133,10 @@ struct AttentionParams {
 
   // Element offset of key j of batch entry b, KV head h, in k or v (strides s).
   std::int64_t kv_offset(const Strides& s, std::int64_t b, std::int64_t j, std::int64_t h) const {
-    if (block_table == nullptr) return s.offset(b, j, h);
+    if (block_table == nullptr) {
+      return s.offset(kv_batch_index ? kv_batch_index[b] : b,
+                      kv_first_row ? kv_first_row[b] + j : j, h);
+    }
     return s.offset(block_table[b * block_table_stride + j / page_size], j % page_size, h);
   }
 
@@ -240,6 +248,10 @@ struct KVCacheParams {
   std::int64_t seqlen_new = 0;
   void* k_cache = nullptr;
   void* v_cache = nullptr;
+  // Rotary embedding (flashattn/kvcache.hpp, RotaryEmbedding): off when rotary.cos is null.
+  // q_positions_advance: q row i sits at cache_seqlens[b] + i, else every row at cache_seqlens[b].
+  RotaryEmbedding rotary;
+  bool q_positions_advance = false;
 
   KVCacheParams() = default;
   KVCacheParams(const KVCacheParams&) = delete;
@@ -258,6 +270,8 @@ struct KVCacheParams {
     seqlen_new = other.seqlen_new;
     k_cache = other.k_cache;
     v_cache = other.v_cache;
+    rotary = other.rotary;
+    q_positions_advance = other.q_positions_advance;
     return *this;
   }
 };
@@ -277,7 +291,8 @@ void place_block(const char* caller, AttentionParams& params, const AttentionOpt
 
 KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
                                   const KVCacheView& cache, const std::int32_t* cache_seqlens,
-                                  const NewKeysValues& new_kv, const TensorView& out, float* lse,
+                                  const NewKeysValues& new_kv, const KVCacheOptions& cache_options,
+                                  const TensorView& out, float* lse,
                                   const AttentionOptions& options);
 
 // A varlen batch over a paged cache (flashattn/varlen.hpp, PagedKVView): q, out and lse checked

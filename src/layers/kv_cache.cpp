@@ -42,6 +42,28 @@ void copy_row(void* dst, DType dst_dtype, std::int64_t dst_offset, const void* s
   }
 }
 
+// One row as copy_row, its first rotary_dim dims rotated at `position` (kvcache.hpp,
+// RotaryEmbedding): in fp64, where the products of fp32 values are exact, so the result does not
+// depend on how the compiler contracts them; rounded once to dst_dtype through fp32.
+void rotate_row(void* dst, DType dst_dtype, std::int64_t dst_offset, const void* src,
+                DType src_dtype, std::int64_t src_offset, std::int64_t n,
+                const RotaryEmbedding& rotary, std::int64_t position) {
+  const std::int64_t half = rotary.rotary_dim / 2;
+  const float* cos = rotary.cos + position * half;
+  const float* sin = rotary.sin + position * half;
+  for (std::int64_t i = 0; i < half; ++i) {
+    const std::int64_t first = rotary.interleaved ? 2 * i : i;
+    const std::int64_t second = rotary.interleaved ? 2 * i + 1 : i + half;
+    const double x1 = load_f32(src, src_dtype, src_offset + first);
+    const double x2 = load_f32(src, src_dtype, src_offset + second);
+    const double c = cos[i], s = sin[i];
+    store_f32(dst, dst_dtype, dst_offset + first, static_cast<float>(x1 * c - x2 * s));
+    store_f32(dst, dst_dtype, dst_offset + second, static_cast<float>(x2 * c + x1 * s));
+  }
+  copy_row(dst, dst_dtype, dst_offset + rotary.rotary_dim, src, src_dtype,
+           src_offset + rotary.rotary_dim, n - rotary.rotary_dim);
+}
+
 // The dense problem of sequence b, its K and V gathered into `keys` and `values`.
 AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void* keys,
                                  void* values) {
@@ -59,6 +81,7 @@ AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void*
   s.k_strides =
       s.v_strides = {length * p.heads_kv * p.head_dim, p.heads_kv * p.head_dim, p.head_dim};
   s.kv_lengths = nullptr;
+  s.kv_batch_index = s.kv_first_row = nullptr;
   s.block_table = nullptr;
   s.block_table_stride = s.page_size = 0;
   if (s.modifiers.alibi_slopes) s.modifiers.alibi_slopes += b * p.modifiers.alibi_batch_stride;
@@ -117,17 +140,52 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
 void append_to_cache(const KVCacheParams& params) {
   const AttentionParams& p = params.attention;
   const std::int64_t D = p.head_dim;
+  const bool rotating = params.rotary.cos != nullptr;
   for (std::int64_t b = 0; b < p.batch; ++b) {
+    // kv_offset counts keys from the sequence's first row (cache_leftpad), rotary from row 0.
+    const std::int64_t first_key = p.kv_length(b) - params.seqlen_new;
     for (std::int64_t i = 0; i < params.seqlen_new; ++i) {
-      const std::int64_t position = params.cache_seqlens[b] + i;
+      const std::int64_t key = first_key + i, position = params.cache_seqlens[b] + i;
       for (std::int64_t h = 0; h < p.heads_kv; ++h) {
-        copy_row(params.k_cache, p.dtype, p.kv_offset(p.k_strides, b, position, h), params.k_new,
-                 params.new_dtype, params.k_new_strides.offset(b, i, h), D);
-        copy_row(params.v_cache, p.dtype, p.kv_offset(p.v_strides, b, position, h), params.v_new,
+        const std::int64_t k_offset = p.kv_offset(p.k_strides, b, key, h);
+        const std::int64_t k_new_offset = params.k_new_strides.offset(b, i, h);
+        if (rotating) {
+          rotate_row(params.k_cache, p.dtype, k_offset, params.k_new, params.new_dtype,
+                     k_new_offset, D, params.rotary, position);
+        } else {
+          copy_row(params.k_cache, p.dtype, k_offset, params.k_new, params.new_dtype, k_new_offset,
+                   D);
+        }
+        copy_row(params.v_cache, p.dtype, p.kv_offset(p.v_strides, b, key, h), params.v_new,
                  params.new_dtype, params.v_new_strides.offset(b, i, h), D);
       }
     }
   }
+}
+
+std::int64_t rotated_q_bytes(const KVCacheParams& params) {
+  const AttentionParams& p = params.attention;
+  if (params.rotary.cos == nullptr) return 0;
+  return p.batch * p.seqlen_q * p.heads_q * p.head_dim *
+         static_cast<std::int64_t>(dtype_size(p.q_dtype));
+}
+
+void rotate_queries(KVCacheParams& params, void* rotated) {
+  AttentionParams& p = params.attention;
+  if (params.rotary.cos == nullptr) return;
+  const std::int64_t D = p.head_dim;
+  const Strides strides{p.seqlen_q * p.heads_q * D, p.heads_q * D, D};
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    for (std::int64_t i = 0; i < p.seqlen_q; ++i) {
+      const std::int64_t position = params.cache_seqlens[b] + (params.q_positions_advance ? i : 0);
+      for (std::int64_t h = 0; h < p.heads_q; ++h) {
+        rotate_row(rotated, p.q_dtype, strides.offset(b, i, h), p.q, p.q_dtype,
+                   p.q_strides.offset(b, i, h), D, params.rotary, position);
+      }
+    }
+  }
+  p.q = rotated;
+  p.q_strides = strides;
 }
 
 void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
