@@ -482,6 +482,31 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                   **kwargs)
 
 
+def _kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
+                    cache_batch_idx) -> dict:
+    """kvcache_forward's rotary and cache-index keywords: tables as contiguous float32 (a 16-bit
+    table widens exactly), indices as contiguous int32."""
+    def table(x, name):
+        if x is None:
+            return None
+        if _is_torch(x):
+            return x.detach().to(_torch().float32).contiguous()
+        return np.ascontiguousarray(np.asarray(x).astype(np.float32, copy=False))
+
+    def index(x, name):
+        if x is None:
+            return None
+        if _is_torch(x):
+            return _torch_int32(x, name).contiguous()
+        return _int32(x, name)
+
+    return dict(rotary_cos=table(rotary_cos, "rotary_cos"),
+                rotary_sin=table(rotary_sin, "rotary_sin"),
+                rotary_interleaved=bool(rotary_interleaved),
+                cache_leftpad=index(cache_leftpad, "cache_leftpad"),
+                cache_batch_idx=index(cache_batch_idx, "cache_batch_idx"))
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None,
@@ -501,13 +526,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     append). Caches: float32, float16 or bfloat16, and q may be float32 with a 16-bit cache;
     they must be writable and have a contiguous last dim (they are written in place, never
     copied). Returns out [B, Sq, Hq, D] in q's dtype, and lse [B, Hq, Sq] with
-    return_softmax_lse. Rotary embeddings, cache_batch_idx and cache_leftpad are not supported;
+    return_softmax_lse.
+
+    As FlashAttention 2.8:
+    rotary_cos, rotary_sin [seqlen_ro, rotary_dim / 2] (any float dtype, read as float32;
+    rotary_dim even, <= D): with k, v given, the new keys are rotated at positions
+    cache_seqlens[b] + i before they are written (the cache holds rotated keys), and q at the
+    same positions when causal or windowed, else every q row at cache_seqlens[b].
+    rotary_interleaved=True pairs dims (2i, 2i + 1) (GPT-J), False pairs (i, i + rotary_dim / 2)
+    (GPT-NeoX); dims past rotary_dim are left as they are. Every position must be < seqlen_ro.
+    cache_leftpad int32 [B] (dense caches): sequence b's keys start at row cache_leftpad[b] of
+    its cache (<= cache_seqlens[b]); the masks and ALiBi count from there, rotary positions do
+    not. cache_batch_idx int32 [B] (dense caches): batch entry b uses row cache_batch_idx[b] of
+    k_cache, v_cache [B_cache, capacity, Hkv, D]; distinct entries when appending.
     num_splits is accepted and unused (the split follows from the shape).
     """
-    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                        ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if value is not None:
-            raise NotImplementedError(f"{name}: not supported by flashattn")
     framework = _framework(q, "q")
     _same_framework(k_cache, "k_cache", framework)
     _same_framework(v_cache, "v_cache", framework)
@@ -535,7 +568,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out, lse = _torch_ops.kvcache_attention(
             q, k_cache, v_cache, _torch_int32(cache_seqlens, "cache_seqlens"), table, k, v,
             _torch_vector(alibi_slopes, "alibi_slopes"), _scale(softmax_scale), bool(causal),
-            left, right, float(softcap), int(num_threads), impl)
+            left, right, float(softcap), int(num_threads), impl,
+            _torch_vector(rotary_cos, "rotary_cos"), _torch_vector(rotary_sin, "rotary_sin"),
+            None if cache_leftpad is None else _torch_int32(cache_leftpad, "cache_leftpad"),
+            None if cache_batch_idx is None else _torch_int32(cache_batch_idx, "cache_batch_idx"),
+            bool(rotary_interleaved))
     else:
         lengths = _int32(cache_seqlens, "cache_seqlens")
         table = None if block_table is None else _int32(block_table, "block_table")
@@ -547,7 +584,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             impl, _native(q), _native(k_cache, writable=True, name="k_cache"),
             _native(v_cache, writable=True, name="v_cache"), lengths, table,
             None if k is None else _native(k), None if v is None else _native(v),
-            _native(out, writable=True, name="out"), _native(lse), **options)
+            _native(out, writable=True, name="out"), _native(lse),
+            **_kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
+                              cache_batch_idx), **options)
     return (out, lse) if return_softmax_lse else out
 
 

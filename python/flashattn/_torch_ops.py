@@ -237,9 +237,14 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
                 block_table: Optional[Tensor], k_new: Optional[Tensor], v_new: Optional[Tensor],
                 alibi_slopes: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
                 window_left: int, window_right: int, softcap: float, num_threads: int,
-                impl: str) -> Tuple[Tensor, Tensor]:
+                impl: str, rotary_cos: Optional[Tensor] = None,
+                rotary_sin: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                cache_batch_idx: Optional[Tensor] = None,
+                rotary_interleaved: bool = True) -> Tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq]); k_new, v_new are written into the caches
-    at cache_seqlens (int32 [B]) first. No autograd: decoding is inference."""
+    at cache_seqlens (int32 [B]) first, rotated by rotary_cos, rotary_sin [seqlen_ro,
+    rotary_dim / 2] when given; cache_leftpad, cache_batch_idx int32 [B] (_api's
+    flash_attn_with_kvcache). No autograd: decoding is inference."""
     options = _options(alibi_slopes, None, None, None, softmax_scale, causal, window_left,
                        window_right, softcap, num_threads)
     batch, seqlen_q, heads_q, _ = q.shape
@@ -249,7 +254,9 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
         impl, _api._native(q), _api._native(k_cache, writable=True, name="k_cache"),
         _api._native(v_cache, writable=True, name="v_cache"), cache_seqlens, block_table,
         None if k_new is None else _api._native(k_new),
-        None if v_new is None else _api._native(v_new), out, lse, **options)
+        None if v_new is None else _api._native(v_new), out, lse,
+        **_api._kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
+                               cache_batch_idx), **options)
     return out, lse
 
 
@@ -259,7 +266,8 @@ kvcache_fwd = torch.library.custom_op(f"{_LIB}::kvcache_fwd", _kvcache_fwd,
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes, softmax_scale,
-      causal, window_left, window_right, softcap, num_threads, impl):
+      causal, window_left, window_right, softcap, num_threads, impl, rotary_cos=None,
+      rotary_sin=None, cache_leftpad=None, cache_batch_idx=None, rotary_interleaved=True):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 

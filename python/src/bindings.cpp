@@ -3,8 +3,9 @@
 // This layer only turns arrays into views and back: every array (numpy through the buffer
 // protocol or DLPack, torch through its own attributes: array_arg.hpp) is read where it lies,
 // with its own strides, and outputs are arrays the caller allocated (python/flashattn/_api.py
-// allocates them in the input's framework). The GIL is released while the library computes. The library validates everything
-// else and raises flashattn::Error, which becomes ValueError with the same message.
+// allocates them in the input's framework). The GIL is released while the library computes. The
+// library validates everything else and raises flashattn::Error, which becomes ValueError with the
+// same message.
 //
 // Arrays of fewer than 4 dims (varlen's [total, heads, dim]) are seen as 4-d views with leading
 // dims of 1. bf16 arrays arrive either as bfloat16 (torch) or as uint16 (numpy arrays of
@@ -314,10 +315,45 @@ void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& 
                      const OutArray& v_cache, const InArray& cache_seqlens,
                      const std::optional<InArray>& block_table, const std::optional<InArray>& k_new,
                      const std::optional<InArray>& v_new, const OutArray& out,
-                     const std::optional<OutArray>& lse, FLASHATTN_OPTION_ARGS) {
+                     const std::optional<OutArray>& lse, const std::optional<InArray>& rotary_cos,
+                     const std::optional<InArray>& rotary_sin, bool rotary_interleaved,
+                     const std::optional<InArray>& cache_leftpad,
+                     const std::optional<InArray>& cache_batch_idx, FLASHATTN_OPTION_ARGS) {
   const Options o = FLASHATTN_OPTIONS;
   const ConstTensorView qv = in_view(q, "q");
   const std::int64_t batch = qv.shape[0];
+  // The rest of flash_attn_with_kvcache's arguments (flashattn::KVCacheOptions): a rotary table
+  // float32 [positions, rotary_dim / 2] each, int32 [batch] vectors.
+  flashattn::KVCacheOptions cache_options;
+  if (rotary_cos || rotary_sin) {
+    if (!rotary_cos || !rotary_sin)
+      fail("rotary_cos, rotary_sin: expected both tables, or neither");
+    for (const auto& [name, table] :
+         {std::pair{"rotary_cos", &*rotary_cos}, {"rotary_sin", &*rotary_sin}}) {
+      if (table->ndim() != 2) {
+        fail(name, ": expected a float32 array [seqlen_ro, rotary_dim / 2], got ", table->ndim(),
+             " dims");
+      }
+    }
+    if (rotary_sin->shape(0) != rotary_cos->shape(0) ||
+        rotary_sin->shape(1) != rotary_cos->shape(1)) {
+      fail("rotary_sin: expected shape [", rotary_cos->shape(0), ", ", rotary_cos->shape(1),
+           "] (as rotary_cos), got [", rotary_sin->shape(0), ", ", rotary_sin->shape(1), "]");
+    }
+    const auto positions = static_cast<std::int64_t>(rotary_cos->shape(0));
+    const auto half = static_cast<std::int64_t>(rotary_cos->shape(1));
+    cache_options.rotary = {buffer<const float>(*rotary_cos, "rotary_cos", positions * half),
+                            buffer<const float>(*rotary_sin, "rotary_sin", positions * half),
+                            positions, 2 * half, rotary_interleaved};
+  }
+  if (cache_leftpad) {
+    cache_options.cache_leftpad =
+        buffer<const std::int32_t>(*cache_leftpad, "cache_leftpad", batch);
+  }
+  if (cache_batch_idx) {
+    cache_options.cache_batch_idx =
+        buffer<const std::int32_t>(*cache_batch_idx, "cache_batch_idx", batch);
+  }
   flashattn::KVCacheView cache{out_view(k_cache, "k_cache"), out_view(v_cache, "v_cache"), nullptr,
                                0};
   if (block_table) {
@@ -338,7 +374,8 @@ void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& 
   float* lse_data = lse ? buffer<float>(*lse, "lse", batch * qv.shape[2] * qv.shape[1]) : nullptr;
   const AttentionImpl path = impl_of(impl);
   nb::gil_scoped_release release;
-  flashattn::kvcache_attention_forward(qv, cache, lengths, new_kv, ov, lse_data, o.options, path);
+  flashattn::kvcache_attention_forward(qv, cache, lengths, new_kv, cache_options, ov, lse_data,
+                                       o.options, path);
 }
 
 void merge_states(const InArray& out_a, const InArray& lse_a, const InArray& out_b,
@@ -405,8 +442,10 @@ NB_MODULE(_flashattn, m) {
         FLASHATTN_OPTION_NAMES, "Packed-batch backward.");
   m.def("kvcache_forward", &kvcache_forward, "impl"_a, "q"_a, "k_cache"_a, "v_cache"_a,
         "cache_seqlens"_a, "block_table"_a.none(), "k_new"_a.none(), "v_new"_a.none(), "out"_a,
-        "lse"_a.none(), FLASHATTN_OPTION_NAMES,
-        "Appends k_new, v_new into the (dense or paged) cache in place, then attends.");
+        "lse"_a.none(), "rotary_cos"_a.none(), "rotary_sin"_a.none(), "rotary_interleaved"_a,
+        "cache_leftpad"_a.none(), "cache_batch_idx"_a.none(), FLASHATTN_OPTION_NAMES,
+        "Appends k_new, v_new into the (dense or paged) cache in place (rotated by rotary_cos, "
+        "rotary_sin when given), then attends.");
   m.def("merge_states", &merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
         "lse"_a.none(), "num_threads"_a, "Exact merge of two attention states over disjoint keys.");
   m.def(

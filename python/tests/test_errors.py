@@ -75,7 +75,7 @@ def test_kvcache_bad_lengths_and_tables_write_nothing():
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=[8],
                                           block_table=np.array([[0, 1]], np.int32))
     assert np.all(k_cache == 0) and np.all(v_cache == 0)
-    with pytest.raises(NotImplementedError, match="rotary_cos"):
+    with pytest.raises(ValueError, match="rotary_cos"):
         flashattn.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=q)
 
 

@@ -92,6 +92,18 @@ def test_opcheck_kvcache_declares_its_append(paged):
                                                    v_new, None, *SCALARS.values()))
 
 
+def test_opcheck_kvcache_with_rotary_leftpad_and_batch_idx():
+    q, k_new, v_new = tensors((2, 1, 4, 16), (2, 1, 2, 16), (2, 1, 2, 16))
+    k_cache, v_cache = tensors((3, 12, 2, 16), (3, 12, 2, 16), seed=1)
+    angles = torch.rand(12, 4) * 6.28
+    lengths = torch.tensor([3, 9], dtype=torch.int32)
+    leftpad = torch.tensor([1, 0], dtype=torch.int32)
+    batch_idx = torch.tensor([2, 0], dtype=torch.int32)
+    torch.library.opcheck(_torch_ops.kvcache_fwd, (q, k_cache, v_cache, lengths, None, k_new,
+                                                   v_new, None, *SCALARS.values(), angles.cos(),
+                                                   angles.sin(), leftpad, batch_idx, False))
+
+
 def test_fullgraph_compile_of_flash_attn_func_with_autograd():
     q, k, v = tensors((2, 33, 4, 32), (2, 40, 2, 32), (2, 40, 2, 32), requires_grad=True)
     sinks = torch.randn(4, requires_grad=True)
