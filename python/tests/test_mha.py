@@ -126,8 +126,11 @@ def test_nn_module_compiles_fullgraph_and_rejects_bad_shapes():
     module = MultiHeadAttention(32, 4, num_kv_heads=2)
     x = torch.randn(1, 9, 32)
     with torch.no_grad():
-        assert torch.equal(torch.compile(module, fullgraph=True)(x, causal=True),
-                           module(x, causal=True))
+        compiled = torch.compile(module, fullgraph=True)(x, causal=True)
+        expected = module(x, causal=True)
+    # The attention op is the same call; inductor may fuse a projection's bias into its matmul,
+    # which moves a result by a rounding or two of the output.
+    assert (compiled - expected).abs().max() <= 4 * U32 * expected.abs().max()
     with pytest.raises(ValueError, match=r"x: expected \[batch, seqlen, hidden = 32\]"):
         module(torch.randn(1, 9, 16))
     with pytest.raises(ValueError, match="num_kv_heads: expected a positive divisor"):

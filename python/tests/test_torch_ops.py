@@ -105,19 +105,21 @@ def test_opcheck_kvcache_with_rotary_leftpad_and_batch_idx():
 
 
 def test_fullgraph_compile_of_flash_attn_func_with_autograd():
-    q, k, v = tensors((2, 33, 4, 32), (2, 40, 2, 32), (2, 40, 2, 32), requires_grad=True)
-    sinks = torch.randn(4, requires_grad=True)
+    q, k, v, sinks = tensors((2, 33, 4, 32), (2, 40, 2, 32), (2, 40, 2, 32), (4,),
+                             requires_grad=True)
 
-    def loss(q, k, v, sinks):
-        out = flashattn.flash_attn_func(q, k, v, causal=True, softcap=20.0, window_size=(16, 0),
-                                        sinks=sinks)
-        return (out * out).sum()
+    def attend(q, k, v, sinks):
+        return 2.0 * flashattn.flash_attn_func(q, k, v, causal=True, softcap=20.0,
+                                               window_size=(16, 0), sinks=sinks)
 
-    expected = loss(q, k, v, sinks)
-    expected_grads = torch.autograd.grad(expected, (q, k, v, sinks))
-    compiled = torch.compile(loss, fullgraph=True)
-    actual = compiled(q, k, v, sinks)
-    grads = torch.autograd.grad(actual, (q, k, v, sinks))
+    # The loss is summed outside the compiled function: inductor's own reduction order would
+    # move its last bit, while the graph's ops (the forward op, an exact doubling, the backward
+    # op) must give eager mode's results bit for bit.
+    dout = tensors((2, 33, 4, 32), seed=5)[0]
+    expected = attend(q, k, v, sinks)
+    expected_grads = torch.autograd.grad(expected, (q, k, v, sinks), dout)
+    actual = torch.compile(attend, fullgraph=True)(q, k, v, sinks)
+    grads = torch.autograd.grad(actual, (q, k, v, sinks), dout)
     assert torch.equal(actual, expected)
     for grad, expected_grad in zip(grads, expected_grads):
         assert torch.equal(grad, expected_grad)
