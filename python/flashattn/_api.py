@@ -486,7 +486,7 @@ def _kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
                     cache_batch_idx) -> dict:
     """kvcache_forward's rotary and cache-index keywords: tables as contiguous float32 (a 16-bit
     table widens exactly), indices as contiguous int32."""
-    def table(x, name):
+    def table(x):
         if x is None:
             return None
         if _is_torch(x):
@@ -500,8 +500,7 @@ def _kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
             return _torch_int32(x, name).contiguous()
         return _int32(x, name)
 
-    return dict(rotary_cos=table(rotary_cos, "rotary_cos"),
-                rotary_sin=table(rotary_sin, "rotary_sin"),
+    return dict(rotary_cos=table(rotary_cos), rotary_sin=table(rotary_sin),
                 rotary_interleaved=bool(rotary_interleaved),
                 cache_leftpad=index(cache_leftpad, "cache_leftpad"),
                 cache_batch_idx=index(cache_batch_idx, "cache_batch_idx"))

@@ -65,8 +65,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
-    # A mask without padding is dropped; the test reads the values, so not while compiling
-    # (the kernel then reads the all-True mask, with the same result).
+    # A mask without padding is dropped. Telling so reads the mask's values, which a traced
+    # graph cannot branch on: while compiling the all-True mask is kept (the same result).
     if (attention_mask.shape[1] == kv_length and not torch.compiler.is_compiling()
             and bool(attention_mask.all())):
         return None
