@@ -65,12 +65,6 @@ def _same_framework(x: Any, name: str, framework: str) -> None:
         raise TypeError(f"{name}: expected a {kind}, as q is, got {type(x).__name__}")
 
 
-def _last_dim_stride(x: Any) -> int:
-    if _is_torch(x):
-        return x.stride(-1) if x.dim() > 0 else 1
-    return x.strides[-1] // x.itemsize if x.ndim > 0 else 1
-
-
 def _native(x: Any, *, writable: bool = False, name: str = "") -> Any:
     """The array the extension reads (numpy arrays and torch tensors, both read in place):
     a copy of an input whose last dim is not contiguous, numpy bf16 seen as uint16."""
@@ -83,7 +77,7 @@ def _native(x: Any, *, writable: bool = False, name: str = "") -> Any:
         return x
     if writable and not x.flags.writeable:
         raise ValueError(f"{name}: expected a writable array, got a read-only one")
-    if _last_dim_stride(x) != 1 and x.size > 0:
+    if x.ndim > 0 and x.strides[-1] != x.itemsize and x.size > 0:
         if writable:
             raise ValueError(f"{name}: expected a contiguous last dim, got stride "
                              f"{x.strides[-1]} bytes")
