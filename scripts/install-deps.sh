@@ -11,6 +11,7 @@ packages=(
   libhwy-dev              # Highway: SIMD with runtime dispatch
   libopenblas-openmp-dev  # OpenBLAS (OpenMP build) for sgemm
   libcli11-dev            # CLI parsing
+  librandom123-dev        # Random123's Philox: attention dropout's counter-based mask
   libgtest-dev            # tests
   python3 python3-numpy   # .npy interoperability test
   python3-dev python3-venv python3-pip  # the Python package: headers, and its test in a fresh venv
