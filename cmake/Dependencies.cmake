@@ -14,11 +14,14 @@ if(NOT FLASHATTN_CBLAS_INCLUDE_DIR)
 endif()
 add_library(flashattn_openblas INTERFACE)
 target_include_directories(flashattn_openblas INTERFACE "${FLASHATTN_CBLAS_INCLUDE_DIR}")
+# Which BLAS the sources are compiled against, for flashattn::blas() (src/api/version.cpp).
 if(FLASHATTN_PLAIN_BLAS)
   # The library carries its own instrumented sgemm (src/reference/plain_blas.cpp); only the
   # header comes from OpenBLAS.
+  target_compile_definitions(flashattn_openblas INTERFACE FLASHATTN_BLAS_PLAIN)
   message(STATUS "flashattn: plain-loop sgemm instead of OpenBLAS (FLASHATTN_PLAIN_BLAS)")
 else()
+  target_compile_definitions(flashattn_openblas INTERFACE FLASHATTN_BLAS_SOURCE="system")
   find_library(FLASHATTN_OPENBLAS_LIBRARY openblas
     HINTS /usr/lib/x86_64-linux-gnu/openblas-openmp
     NO_CACHE)

@@ -21,10 +21,16 @@ install(TARGETS ${FLASHATTN_INSTALL_TARGETS} EXPORT flashattnTargets
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(DIRECTORY include/flashattn DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   ${FLASHATTN_HEADERS_EXCLUDED})
+install(FILES ${PROJECT_BINARY_DIR}/include/flashattn/version.hpp
+  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flashattn)
 install(EXPORT flashattnTargets NAMESPACE flashattn::
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)
 install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR})
 if(TARGET flashattn_cli)
+  # The installed CLI finds the installed library wherever the prefix is, and OpenBLAS where it
+  # was linked from.
+  set_target_properties(flashattn_cli PROPERTIES
+    INSTALL_RPATH "$ORIGIN/../${CMAKE_INSTALL_LIBDIR}" INSTALL_RPATH_USE_LINK_PATH ON)
   install(TARGETS flashattn_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 

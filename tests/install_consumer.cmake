@@ -2,12 +2,14 @@
 # configures examples/ against that prefix only (find_package(flashattn)), builds `minimal` and
 # runs it. Run as
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DCXX_COMPILER=...
-#         -DCONFIG=... [-DCXX_FLAGS=...] -P install_consumer.cmake
+#         -DCONFIG=... -DVERSION=... -DLIBDIR=... [-DCXX_FLAGS=...] -P install_consumer.cmake
+# VERSION is CMake's project version: the installed package files and CLI must all say it;
+# LIBDIR is CMAKE_INSTALL_LIBDIR.
 # CXX_FLAGS are the build's own CMAKE_CXX_FLAGS: a sanitizer build's library needs its runtime
 # linked into the consumer too.
 # Any failing step stops the script with a FATAL_ERROR, which ctest reports as a failure.
 
-foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER CONFIG)
+foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER CONFIG VERSION LIBDIR)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "install_consumer.cmake: expected -D${var}=..., got nothing")
   endif()
@@ -28,6 +30,22 @@ endfunction()
 
 run_step("install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${prefix}"
   --config "${CONFIG}")
+
+# The one version (issue 53): the package version file and the installed CLI say VERSION.
+set(PACKAGE_FIND_VERSION "${VERSION}")
+include("${prefix}/${LIBDIR}/cmake/flashattn/flashattnConfigVersion.cmake")
+if(NOT PACKAGE_VERSION STREQUAL VERSION OR NOT PACKAGE_VERSION_EXACT)
+  message(FATAL_ERROR "flashattnConfigVersion.cmake: expected version ${VERSION}, got "
+    "'${PACKAGE_VERSION}'")
+endif()
+if(EXISTS "${prefix}/bin/flashattn")
+  run_step("flashattn --version" "${prefix}/bin/flashattn" --version)
+  if(NOT step_output MATCHES "^flashattn ([^\n]*)\nSIMD target [A-Z0-9_]+\nBLAS [^\n]+\n$"
+     OR NOT CMAKE_MATCH_1 STREQUAL VERSION)
+    message(FATAL_ERROR "flashattn --version: expected 'flashattn ${VERSION}', its SIMD target "
+      "and its BLAS on three lines, got:\n${step_output}")
+  endif()
+endif()
 
 # The package registry and system paths are switched off so that only the fresh prefix can
 # satisfy find_package(flashattn).

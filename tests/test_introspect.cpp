@@ -12,6 +12,7 @@
 #include "flashattn/backward.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/introspect.hpp"
+#include "flashattn/version.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -131,6 +132,18 @@ TEST(Introspect, CpuQueriesNameKnownPaths) {
   if (!amx_supported()) {
     EXPECT_NE(products, "amx");
   }
+}
+
+TEST(Introspect, VersionAndBlasDescribeThisBuild) {
+  // The library's version is the one its headers were generated with: CMake's project version.
+  EXPECT_STREQ(version(), FLASHATTN_VERSION_STRING);
+  EXPECT_EQ(std::string(version()), std::to_string(FLASHATTN_VERSION_MAJOR) + "." +
+                                        std::to_string(FLASHATTN_VERSION_MINOR) + "." +
+                                        std::to_string(FLASHATTN_VERSION_PATCH));
+  const std::string name = blas();
+  EXPECT_TRUE(name.starts_with("OpenBLAS ") || name == "plain-loop sgemm (FLASHATTN_PLAIN_BLAS)")
+      << name;
+  EXPECT_EQ(std::string(blas()), name) << "the same text on every call";
 }
 
 }  // namespace

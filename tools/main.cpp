@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cli_common.hpp"
+#include "flashattn/introspect.hpp"
 
 namespace {
 
@@ -24,7 +25,10 @@ int main(int argc, char** argv) {
   using namespace flashattn::cli;
   CLI::App app{"Exact multi-head attention, computed the standard way and the FlashAttention way.",
                "flashattn"};
-  app.set_version_flag("--version", std::string("flashattn ") + FLASHATTN_VERSION);
+  app.set_version_flag("--version", [] {
+    return std::string("flashattn ") + flashattn::version() + "\nSIMD target " +
+           flashattn::simd_target() + "\nBLAS " + flashattn::blas();
+  });
   // At most one here; "none" is reported after parsing, so that a mistyped subcommand is named
   // in the error instead of being hidden behind "a subcommand is required".
   app.require_subcommand(0, 1);

@@ -11,3 +11,4 @@
 #include "flashattn/options.hpp"
 #include "flashattn/tensor.hpp"
 #include "flashattn/varlen.hpp"
+#include "flashattn/version.hpp"

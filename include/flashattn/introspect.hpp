@@ -2,7 +2,8 @@
 
 // What a call will need and what this machine offers, for a caller that plans before it calls:
 // the scratch memory of a forward or backward call, the memory limit above which a call is
-// refused, and the CPU paths the kernels run on (as `flashattn bench` reports them).
+// refused, the CPU paths the kernels run on (as `flashattn bench` reports them), the library's
+// version and its BLAS.
 
 #include <cstdint>
 
@@ -34,6 +35,15 @@ std::int64_t memory_limit_bytes();
 // The Highway target the kernels dispatch to on this CPU, e.g. "AVX2", "AVX3" or "AVX3_ZEN4";
 // "none" if no compiled target runs here. A static string, the same for the whole process.
 const char* simd_target();
+
+// The library's version, "MAJOR.MINOR.PATCH": the project version it was built as (the one
+// FLASHATTN_VERSION_STRING of flashattn/version.hpp names for the headers). A static string.
+const char* version();
+
+// The BLAS behind the standard path's and the MHA layer's sgemm, as this process runs it: e.g.
+// "OpenBLAS 0.3.21 (system, Haswell kernel)", "OpenBLAS 0.3.34.481.3 (scipy-openblas, SkylakeX
+// kernel)", or "plain-loop sgemm (FLASHATTN_PLAIN_BLAS)" in the sanitizer builds. A static string.
+const char* blas();
 
 // How the tile products of bf16 inputs run now: "widened" (converted to fp32, any CPU),
 // "avx512_bf16" (vdpbf16ps) or "amx" (AMX tiles). The environment variable

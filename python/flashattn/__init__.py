@@ -16,7 +16,7 @@ from ._api import (MultiHeadAttention, attention_reference, flash_attn_func,
                    flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                    flash_attn_with_kvcache, merge_attention_states)
-from ._flashattn import visible_pairs
+from ._flashattn import __version__, visible_pairs
 
 __all__ = [
     "MultiHeadAttention",
@@ -31,4 +31,3 @@ __all__ = [
     "merge_attention_states",
     "visible_pairs",
 ]
-__version__ = "0.2.0"

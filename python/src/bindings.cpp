@@ -415,6 +415,10 @@ auto* activations(const Array& x, const char* name, std::int64_t hidden, std::in
 
 NB_MODULE(_flashattn, m) {
   m.doc() = "flashattn's C++ library; call it through the flashattn package, not directly.";
+  // The library's own version (CMake's project version), which flashattn.__version__ is.
+  m.attr("__version__") = flashattn::version();
+  m.def("simd_target", &flashattn::simd_target, "The Highway target the kernels run on here.");
+  m.def("blas", &flashattn::blas, "The BLAS behind the standard path and the projections.");
   nb::register_exception_translator([](const std::exception_ptr& error, void*) {
     try {
       std::rethrow_exception(error);
