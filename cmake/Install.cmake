@@ -26,6 +26,18 @@ install(FILES ${PROJECT_BINARY_DIR}/include/flashattn/version.hpp
 install(EXPORT flashattnTargets NAMESPACE flashattn::
   DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/flashattn)
 install(FILES LICENSE DESTINATION ${CMAKE_INSTALL_DOCDIR})
+
+# flashattn.pc for pkg-config users, its prefix relative to its own directory (${pcfiledir}), so
+# that it is right for any `cmake --install --prefix`.
+if(IS_ABSOLUTE "${CMAKE_INSTALL_LIBDIR}" OR IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDEDIR}")
+  message(FATAL_ERROR "flashattn.pc needs CMAKE_INSTALL_LIBDIR and CMAKE_INSTALL_INCLUDEDIR "
+    "relative to the prefix, got ${CMAKE_INSTALL_LIBDIR} and ${CMAKE_INSTALL_INCLUDEDIR}")
+endif()
+file(RELATIVE_PATH FLASHATTN_PC_PREFIX "/prefix/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/prefix")
+string(REGEX REPLACE "/$" "" FLASHATTN_PC_PREFIX "${FLASHATTN_PC_PREFIX}")
+configure_file(cmake/flashattn.pc.in ${CMAKE_CURRENT_BINARY_DIR}/flashattn.pc @ONLY)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/flashattn.pc
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 if(TARGET flashattn_cli)
   # The installed CLI finds the installed library wherever the prefix is, and OpenBLAS where it
   # was linked from.

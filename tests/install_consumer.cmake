@@ -1,6 +1,7 @@
 # Proves that an installed flashattn is usable: installs the build tree into a fresh prefix,
 # configures examples/ against that prefix only (find_package(flashattn)), builds `minimal` and
-# runs it. Run as
+# runs it; then builds the same example with nothing but the flags of the installed flashattn.pc
+# (pkg-config) and runs that too. Run as
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -DGENERATOR=... -DCXX_COMPILER=...
 #         -DCONFIG=... -DVERSION=... -DLIBDIR=... [-DCXX_FLAGS=...] -P install_consumer.cmake
 # VERSION is CMake's project version: the installed package files and CLI must all say it;
@@ -14,19 +15,11 @@ foreach(var BUILD_DIR SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER CONFIG VERSION 
     message(FATAL_ERROR "install_consumer.cmake: expected -D${var}=..., got nothing")
   endif()
 endforeach()
+include("${CMAKE_CURRENT_LIST_DIR}/consumer_support.cmake")
 
 set(prefix "${WORK_DIR}/prefix")
 set(consumer "${WORK_DIR}/consumer")
 file(REMOVE_RECURSE "${WORK_DIR}")
-
-function(run_step name)
-  execute_process(COMMAND ${ARGN}
-    RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE output)
-  if(NOT result EQUAL 0)
-    message(FATAL_ERROR "${name} failed (${result}):\n${output}")
-  endif()
-  set(step_output "${output}" PARENT_SCOPE)
-endfunction()
 
 run_step("install" "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${prefix}"
   --config "${CONFIG}")
@@ -64,13 +57,27 @@ run_step("build minimal" "${CMAKE_COMMAND}" --build "${consumer}" --config "${CO
 
 find_program(minimal minimal PATHS "${consumer}" "${consumer}/${CONFIG}" NO_DEFAULT_PATH
   NO_CACHE REQUIRED)
-run_step("run minimal" "${minimal}")
-string(STRIP "${step_output}" step_output)
-if(NOT step_output MATCHES "max \\|flash - standard\\| = ")
-  message(FATAL_ERROR "minimal: expected a line 'max |flash - standard| = ...', got:\n"
-    "${step_output}")
+run_minimal("find_package" "${minimal}")
+
+# pkg-config: only the fresh prefix's flashattn.pc is visible (PKG_CONFIG_LIBDIR replaces the
+# system's directories). It says VERSION, and its flags alone build the example; the loader finds
+# the installed library through LD_LIBRARY_PATH, as it would in any prefix outside its defaults.
+find_program(pkg_config pkg-config NO_CACHE REQUIRED)
+set(ENV{PKG_CONFIG_LIBDIR} "${prefix}/${LIBDIR}/pkgconfig")
+unset(ENV{PKG_CONFIG_PATH})
+run_step("pkg-config --modversion flashattn" "${pkg_config}" --modversion flashattn)
+string(STRIP "${step_output}" pc_version)
+if(NOT pc_version STREQUAL VERSION)
+  message(FATAL_ERROR "flashattn.pc: expected Version ${VERSION}, got '${pc_version}'")
 endif()
-message(STATUS "installed flashattn works from ${prefix}: ${step_output}")
+run_step("pkg-config --cflags --libs flashattn" "${pkg_config}" --cflags --libs flashattn)
+separate_arguments(pc_flags UNIX_COMMAND "${step_output}")
+separate_arguments(cxx_flags UNIX_COMMAND "${CXX_FLAGS}")
+set(pc_minimal "${WORK_DIR}/minimal-pkg-config")
+run_step("build minimal with pkg-config" "${CXX_COMPILER}" ${cxx_flags} -std=c++20
+  "${SOURCE_DIR}/examples/minimal.cpp" ${pc_flags} -o "${pc_minimal}")
+run_minimal("pkg-config" "${pc_minimal}"
+  "${CMAKE_COMMAND}" -E env "LD_LIBRARY_PATH=${prefix}/${LIBDIR}")
 
 # The README shows examples/minimal.cpp as its usage example: keep the two identical, so the
 # example a reader copies is the one this test compiled and ran.
