@@ -2,6 +2,11 @@
 
 find_package(OpenMP REQUIRED)
 find_package(hwy REQUIRED)
+# Random123 (header-only): the Philox generator of the dropout mask (src/util/dropout.hpp).
+find_path(FLASHATTN_RANDOM123_INCLUDE_DIR Random123/philox.h NO_CACHE)
+if(NOT FLASHATTN_RANDOM123_INCLUDE_DIR)
+  message(FATAL_ERROR "Random123/philox.h not found: install librandom123-dev (Debian)")
+endif()
 
 # OpenBLAS: prefer Debian's OpenMP build. Its sgemm, called from inside one of our OpenMP
 # parallel regions, runs on the calling thread instead of starting a second thread pool that

@@ -3,10 +3,10 @@
 // (causal, window, scale, GQA group, threads, lse or not), the data (including NaN, ±inf and
 // denormals), the score modifiers (softcap, ALiBi slopes of either length, sinks, a bias and a
 // mask of any broadcast shape and layout; each sometimes a value, length or shape the API must
-// refuse), for one input in four without a bias, mask or sinks an offset that makes the call a
-// block of a longer sequence (api/block_attention.hpp: the diagonal moved, the largest shift
-// included, one past it refused) and, for one input in eight, a corruption that makes the call
-// invalid.
+// refuse), dropout (its seed from the input, or a p it must refuse), for one input in four
+// without a bias, mask, sinks or dropout an offset that makes the call a block of a longer
+// sequence (api/block_attention.hpp: the diagonal moved, the largest shift included, one past it
+// refused) and, for one input in eight, a corruption that makes the call invalid.
 //
 // Invalid calls must raise flashattn::Error and leave out and lse untouched. Valid calls must
 // not throw, must write every element of out (and lse) and nothing around them, and must match
@@ -167,6 +167,18 @@ void fuzzed_modifiers(FuzzedDataProvider& in, Problem& p, const FuzzedShape& sha
     p.refused_modifier = p.refused_modifier || refused;
     p.options.sinks = p.sinks;
   }
+
+  // Dropout for three inputs in sixteen that reach it, its seed and offset from the input; a
+  // p outside [0, 1) for one in sixteen, refused.
+  const int dropout = in.ConsumeIntegralInRange(0, 15);
+  if (dropout >= 12 && dropout <= 14) {
+    p.options.dropout_p = in.PickValueInArray({0.1f, 0.5f, 0.9f});
+    p.options.dropout_seed = in.ConsumeIntegral<std::uint64_t>();
+    p.options.dropout_offset = in.ConsumeIntegral<std::uint32_t>();
+  } else if (dropout == 15) {
+    p.options.dropout_p = in.PickValueInArray({1.0f, -0.5f, NAN});
+    p.refused_modifier = true;
+  }
 }
 
 void describe_modifiers(std::ostream& text, const Problem& p) {
@@ -174,7 +186,8 @@ void describe_modifiers(std::ostream& text, const Problem& p) {
   for (float slope : p.alibi_slopes) text << " " << slope;
   text << " ] sinks [";
   for (float sink : p.sinks) text << " " << sink;
-  text << " ]";
+  text << " ] dropout " << p.options.dropout_p << " seed " << p.options.dropout_seed << " offset "
+       << p.options.dropout_offset;
 }
 
 Problem make_problem(FuzzedDataProvider& in) {
@@ -397,6 +410,9 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
         if (sinks && !keys.empty()) {
           delta += 2 * kU32 * (std::abs(static_cast<double>(modifiers.sinks[h])) + logit_max);
         }
+        // Dropout scales the kept weights by 1 / (1 − p), both sides by the same mask: the
+        // output stays within that multiple of the visible values' hull.
+        if (params.dropout.on()) v_max *= params.dropout.scale;
         const double lse_want = ref_lse[static_cast<std::size_t>(params.lse_index(b, h, row))];
         // Both got and want lie in the hull, so 2·hull bounds their distance whatever Δ is.
         const double hull = v_max * (1.0 + mixing) + floor;
@@ -444,7 +460,7 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
 // refused.
 void choose_block_offset(FuzzedDataProvider& in, Problem& p) {
   const AttentionOptions& o = p.options;
-  if (o.bias.data != nullptr || o.mask.data != nullptr || !o.sinks.empty() ||
+  if (o.bias.data != nullptr || o.mask.data != nullptr || !o.sinks.empty() || o.dropout_p != 0.0f ||
       in.ConsumeIntegralInRange(0, 3) != 0) {
     return;
   }

@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -163,6 +164,67 @@ TEST_F(CliModifiersTest, RunWithEveryModifierMatchesTheLibrary) {
   expect_file("dv.npy", data(dv), dv.bytes.size() / 4);
   expect_file("dsinks.npy", dsinks.data(), dsinks.size());
   EXPECT_EQ(npy::read_npy(path("dsinks.npy")).shape, (std::vector<std::int64_t>{4}));
+}
+
+// --dropout P --seed N: the library's dropout with that seed (offset 0), bit for bit, forward
+// and backward; another seed another output.
+TEST_F(CliModifiersTest, RunWithDropoutMatchesTheLibrary) {
+  const Shape q_shape{2, 40, 4, 16}, kv_shape{2, 50, 2, 16};
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, q_shape), k(DType::f32, kv_shape), v(DType::f32, kv_shape),
+      dout(DType::f32, q_shape);
+  for (Tensor* t : {&q, &k, &v, &dout}) t->fill_normal(rng);
+  save(q, "q.npy");
+  save(k, "k.npy");
+  save(v, "v.npy");
+  save(dout, "do.npy");
+  auto run_with_seed = [&](const std::string& seed, const std::string& out) {
+    return run({"run",          "--q",    path("q.npy"),  "--k",      path("k.npy"),  "--v",
+                path("v.npy"),  "--out",  path(out),      "--dout",   path("do.npy"), "--dq",
+                path("dq.npy"), "--dk",   path("dk.npy"), "--dv",     path("dv.npy"), "--dropout",
+                "0.25",         "--seed", seed,           "--causal", "--repeat",     "1"});
+  };
+  const Completed completed = run_with_seed("18446744073709551615", "out.npy");
+  ASSERT_EQ(completed.exit_code, 0) << completed.err;
+  const auto json = parse_json_line(completed.out.substr(0, completed.out.size() - 1));
+  EXPECT_EQ(json.at("dropout"), "0.25");
+  EXPECT_EQ(json.at("seed"), "18446744073709551615");
+
+  AttentionOptions options;
+  options.causal = true;
+  options.dropout_p = 0.25f;
+  options.dropout_seed = ~std::uint64_t{0};
+  Tensor out(DType::f32, q_shape), dq(DType::f32, q_shape), dk(DType::f32, kv_shape),
+      dv(DType::f32, kv_shape);
+  std::vector<float> lse(2 * 4 * 40);
+  flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
+  flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse.data(), dq.view,
+                           dk.view, dv.view, options);
+  auto expect_file = [&](const std::string& name, const Tensor& want) {
+    const npy::Array array = npy::read_npy(path(name));
+    ASSERT_EQ(array.f32.size() * 4, want.bytes.size()) << name;
+    EXPECT_EQ(std::memcmp(array.f32.data(), want.bytes.data(), want.bytes.size()), 0) << name;
+  };
+  expect_file("out.npy", out);
+  expect_file("dq.npy", dq);
+  expect_file("dk.npy", dk);
+  expect_file("dv.npy", dv);
+
+  ASSERT_EQ(run_with_seed("5", "out5.npy").exit_code, 0);
+  EXPECT_NE(npy::read_npy(path("out5.npy")).f32, npy::read_npy(path("out.npy")).f32);
+}
+
+TEST_F(CliModifiersTest, BadDropoutFailsCleanly) {
+  save_bad_case_inputs();
+  const std::vector<std::string> inputs = bad_case_inputs();
+  const std::vector<std::string> before = entries();
+  const BadCase cases[] = {
+      {{"--dropout", "1"}, 2, "--dropout"},
+      {{"--dropout", "-0.1"}, 2, "--dropout"},
+      {{"--dropout", "nan"}, 2, "--dropout"},
+      {{"--seed", "abc"}, 2, "--seed"},
+  };
+  for (const BadCase& bad : cases) expect_bad_case(inputs, bad, before);
 }
 
 // A numpy bool array ('|b1') of `shape` from bytes.

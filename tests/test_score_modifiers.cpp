@@ -56,6 +56,7 @@ struct ModifierCase {
   DType bias_dtype = DType::f32;
   bool infinite_bias = false;  // −inf in about 1 bias entry of 8
   Mask mask = Mask::off;
+  float dropout = 0.0f;  // dropout_p, with a seed and offset drawn from the case's seed
 };
 
 std::string describe(const ModifierCase& c) {
@@ -76,6 +77,7 @@ std::string describe(const ModifierCase& c) {
   text << bias[static_cast<int>(c.bias)];
   if (c.bias != Bias::off && c.bias_dtype != DType::f32) text << dtype_name(c.bias_dtype);
   text << (c.infinite_bias ? "inf" : "") << mask[static_cast<int>(c.mask)];
+  if (c.dropout > 0.0f) text << "_drop" << c.dropout;
   text << "_" << dtype_name(c.dtype) << "_t" << c.threads << (c.head_major ? "_bhsd" : "");
   std::string name = text.str();
   std::replace_if(
@@ -146,6 +148,9 @@ struct Problem {
     options.window_left = c.window_left;
     options.window_right = c.window_right;
     options.num_threads = c.threads;
+    options.dropout_p = c.dropout;
+    options.dropout_seed = rng();
+    options.dropout_offset = static_cast<std::uint32_t>(rng());
     flash_attention_forward(q.view, k.view, v.view, out.view, lse.data(), options);
   }
   Problem(const Problem&) = delete;
@@ -221,6 +226,9 @@ struct Problem {
     return 4.0 * alibi_extent() + 8.0 * c.softcap + 4.0 * max_finite_bias();
   }
   double scale() const { return 1.0 / std::sqrt(static_cast<double>(c.head_dim)); }
+  // max|v| as the bounds see it: dropout scales the kept probabilities by 1 / (1 − p), so each
+  // term of P·V (and of Pᵀ·dO, dO·Vᵀ) is at most that much larger.
+  double max_value() const { return max_abs(v) / (1.0 - c.dropout); }
 };
 
 MaxError max_lse_error(const std::vector<float>& lse, const std::vector<double>& want) {
@@ -257,7 +265,7 @@ ForwardErrors expect_forward_matches_reference(const Problem& p, const std::stri
   const Tensor flash_out = run(AttentionImpl::flash, flash_lse);
 
   const double u32 = unit_roundoff(DType::f32), u_out = unit_roundoff(c.dtype);
-  const double qk = max_abs(p.q) * max_abs(p.k), max_v = max_abs(p.v);
+  const double qk = max_abs(p.q) * max_abs(p.k), max_v = p.max_value();
   const double max_out = max_abs_finite(ref.out), max_lse = max_abs_finite(ref.lse);
   const double standard_bound = u32 * max_v *
                                     (4.0 * p.scale() * c.head_dim * qk + p.modifier_terms() +
@@ -375,7 +383,7 @@ void expect_backward_matches_reference(const Problem& p, const ForwardErrors& fo
       c.dtype == DType::f32
           ? 0.0
           : unit_roundoff(c.dtype) * static_cast<double>(std::max(c.seqlen_q, c.seqlen_kv)) *
-                std::max(max_dout, 2.0 * p.scale() * max_dout * max_abs(p.v) *
+                std::max(max_dout, 2.0 * p.scale() * max_dout * p.max_value() *
                                        std::max(max_abs(p.q), max_abs(p.k)));
   const std::pair<const char*, std::tuple<const Tensor*, const Tensor*, const std::vector<double>*>>
       gradients[] = {{"dq", {&standard.dq, &flash.dq, &ref.dq}},
@@ -384,7 +392,7 @@ void expect_backward_matches_reference(const Problem& p, const ForwardErrors& fo
   for (const auto& gradient : gradients) {
     const char* name = gradient.first;
     const auto& [standard_grad, flash_grad, ref_grad] = gradient.second;
-    const double magnitude = max_abs_finite(*ref_grad) + max_dout * max_abs(p.v);
+    const double magnitude = max_abs_finite(*ref_grad) + max_dout * p.max_value();
     const double standard_bound = u32 * first_order * magnitude + u_out * magnitude;
     const MaxError standard_error = max_error(*standard_grad, *ref_grad);
     const MaxError flash_error = max_error(*flash_grad, *ref_grad);
@@ -400,7 +408,7 @@ void expect_backward_matches_reference(const Problem& p, const ForwardErrors& fo
   }
   if (p.c.bias != Bias::off) {
     // dbias (header): n terms, each within 2 first-order bounds of P times 2·D·max|dO|·max|v|.
-    const double per_term = 2.0 * u32 * first_order * 2.0 * c.head_dim * max_dout * max_abs(p.v);
+    const double per_term = 2.0 * u32 * first_order * 2.0 * c.head_dim * max_dout * p.max_value();
     const double max_dbias = max_abs_finite(ref.dbias);
     const double standard_bound =
         ref.dbias_terms * per_term + unit_roundoff(c.bias_dtype) * max_dbias;
@@ -541,6 +549,26 @@ std::vector<ModifierCase> modifier_grid() {
       c.threads = 1 + m % 3;
       if (m % 3 == 1) c.bias = Bias::shared, c.infinite_bias = true;
       if (m % 4 == 2) c.sinks = true, c.softcap = 4.0f;
+      grid.push_back(c);
+      ++m;
+    }
+  }
+  // Dropout (FlashAttention's 0.17 and a heavy 0.5) over shapes that break tiling, with the
+  // causal mask, windows, GQA, every modifier, a bias for dbias, f16 and bf16, the decode shape
+  // (which dropout sends to the tiled path) and 1 to 3 threads.
+  const std::array<std::int64_t, 6> dropout_shapes[] = {
+      {1, 1, 1, 1, 1, 32},     {2, 7, 9, 2, 2, 40},      {1, 113, 203, 4, 2, 59},
+      {1, 203, 113, 2, 1, 64}, {2, 130, 130, 2, 2, 128}, {2, 1, 700, 8, 2, 64}};
+  for (const auto& s : dropout_shapes) {
+    for (int variant = 0; variant < 3; ++variant) {
+      ModifierCase c{s[0], s[1], s[2], s[3], s[4], s[5]};
+      c.dropout = variant == 2 ? 0.5f : 0.17f;
+      c.causal = m % 2 == 0;
+      c.threads = 1 + m % 3;
+      c.head_major = m % 5 == 0;
+      if (variant == 1) c.softcap = 5.0f, c.alibi = Alibi::per_entry, c.sinks = true;
+      if (variant == 2) c.bias = Bias::per_head, c.window_left = 50, c.window_right = 3;
+      if (m % 4 == 3) c.dtype = m % 8 == 3 ? DType::f16 : DType::bf16;
       grid.push_back(c);
       ++m;
     }

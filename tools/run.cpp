@@ -42,7 +42,15 @@ struct RunOptions {
   std::string device = "cpu";
   int threads = 0;
   int repeat = 3;
+  std::string dropout = "0";  // dropout_p, with the mask's seed
+  std::uint64_t seed = 0;
 };
+
+std::optional<float> parse_dropout(const std::string& text) {
+  float p = 0.0f;
+  if (!parse_number(std::string_view(text), p) || !(p >= 0.0f && p < 1.0f)) return std::nullopt;
+  return p;
+}
 
 std::optional<float> parse_scale(const std::string& text) {
   float scale = 0.0f;
@@ -270,6 +278,8 @@ int run_attention(const RunOptions& options) {
   attention.window_left = window[0];
   attention.window_right = window[1];
   attention.num_threads = options.threads;
+  attention.dropout_p = *parse_dropout(options.dropout);  // checked when parsed
+  attention.dropout_seed = options.seed;
 
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
                      head_dim = q.shape[3], seqlen_kv = k.shape[1], heads_kv = k.shape[2];
@@ -355,7 +365,7 @@ int run_attention(const RunOptions& options) {
       "\"seqlen_q\": %lld, "
       "\"seqlen_kv\": %lld, \"heads_q\": %lld, \"heads_kv\": %lld, \"head_dim\": %lld, "
       "\"causal\": %s, \"window\": [%lld, %lld], \"scale\": %.9g, \"threads\": %d, "
-      "\"softcap\": %.9g, \"modifiers\": [%s], "
+      "\"softcap\": %.9g, \"modifiers\": [%s], \"dropout\": %.9g, \"seed\": %llu, "
       "\"repeat\": %d, \"seconds\": %.9g, \"flops\": %.17g, \"gflops\": %.6g",
       impl_name(impl), options.device.c_str(), dtype_name(q.dtype), static_cast<long long>(batch),
       static_cast<long long>(seqlen_q), static_cast<long long>(seqlen_kv),
@@ -363,8 +373,9 @@ int run_attention(const RunOptions& options) {
       static_cast<long long>(head_dim), options.causal ? "true" : "false",
       static_cast<long long>(window[0]), static_cast<long long>(window[1]),
       static_cast<double>(scale), resolved_threads(options.threads),
-      static_cast<double>(attention.softcap), modifier_names(attention).c_str(), options.repeat,
-      seconds, flops, gflops);
+      static_cast<double>(attention.softcap), modifier_names(attention).c_str(),
+      static_cast<double>(attention.dropout_p), static_cast<unsigned long long>(options.seed),
+      options.repeat, seconds, flops, gflops);
   if (backward) {
     const double backward_flops =
         attention_backward_flops(batch, heads_q, seqlen_q, seqlen_kv, head_dim, attention);
@@ -397,7 +408,9 @@ Action add_run_command(CLI::App& app) {
       "with the backward --dsinks OUT.npy writes its gradient; --bias BIAS.npy (float32 or "
       "float16, [seqlen_q, seqlen_kv] or [batch | 1, heads_q | 1, seqlen_q, seqlen_kv]) is added "
       "to the logits, and with the backward --dbias OUT.npy writes its gradient in its shape; "
-      "--mask MASK.npy (numpy bool, the same shapes) keeps the keys that are true. Nothing is "
+      "--mask MASK.npy (numpy bool, the same shapes) keeps the keys that are true. --dropout P "
+      "drops each probability with probability P and scales the rest by 1/(1 - P), the mask "
+      "drawn from --seed N (the same seed, the same mask, forward and backward). Nothing is "
       "written unless the run succeeds."
       "\nExit codes: 0 success, 1 invalid input or file error, 2 bad command line.");
   command->add_option("--q", options->q_path, "Queries .npy")->required();
@@ -426,6 +439,13 @@ Action add_run_command(CLI::App& app) {
                       "Gradient of the bias output .npy (float32, the bias's shape); with --bias "
                       "and the backward");
   command->add_flag("--causal", options->causal, "Causal mask, aligned to the bottom-right corner");
+  command->add_option("--dropout", options->dropout, "Attention dropout probability, in [0, 1)")
+      ->capture_default_str()
+      ->check([](const std::string& text) -> std::string {
+        return parse_dropout(text) ? "" : "expected a number in [0, 1), got '" + text + "'";
+      });
+  command->add_option("--seed", options->seed, "Seed of the dropout mask (any 64-bit integer)")
+      ->capture_default_str();
   add_window_option(command, &options->window);
   command->add_option("--scale", options->scale, "Softmax scale (default 1/sqrt(head_dim))")
       ->check([](const std::string& text) -> std::string {

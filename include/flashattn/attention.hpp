@@ -63,6 +63,15 @@ void attention_forward(AttentionImpl impl, const ConstTensorView& q, const Const
 std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::int64_t seqlen_kv,
                                 std::int64_t head_dim, const AttentionOptions& options = {});
 
+// The dropout mask that a call with `options` (dropout_p, dropout_seed, dropout_offset) applies
+// to batch entry `batch_index` (a varlen batch's sequence index) of `heads_q` query heads:
+// keep[(h · seqlen_q + i) · seqlen_kv + j] = 1 where P_ij is kept (and scaled by
+// 1 / (1 − dropout_p)), 0 where it is dropped, for every pair whether the mask hides it or not.
+// For tests and debugging (FlashAttention's S_dmask): the attention calls never form it.
+// dropout_p 0 keeps everything. Bad input raises flashattn::Error naming the argument.
+void dropout_mask(const AttentionOptions& options, std::int64_t batch_index, std::int64_t heads_q,
+                  std::int64_t seqlen_q, std::int64_t seqlen_kv, std::uint8_t* keep);
+
 // Number of (query, key) pairs that the mask leaves visible, summed over all rows of one
 // (batch, head), counted exactly row by row.
 std::int64_t visible_pairs(std::int64_t seqlen_q, std::int64_t seqlen_kv,

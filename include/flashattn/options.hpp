@@ -47,6 +47,16 @@ struct AttentionOptions {
   // With a bias or a mask, a row whose every key is masked (−inf) gets output 0 and lse −inf
   // (its sink with sinks), as a row outside the causal mask does, and never NaN.
   MaskView mask;
+  // Attention dropout (training), as FlashAttention defines it: each probability P_ij is kept
+  // with probability 1 − dropout_p and then scaled by 1 / (1 − dropout_p), or set to 0; lse is
+  // the softmax's before dropout. The mask is a function of (dropout_seed, dropout_offset, batch
+  // entry, query head, row, key) (docs/semantics.md, "Dropout"): the backward given the same
+  // seed and offset regenerates it, and no thread count or tile size changes it. 0 = off;
+  // otherwise in (0, 1). Forward and backward of the flash, standard and reference paths and
+  // the varlen batch; the serving calls (KV cache, paged varlen) and the ring refuse it.
+  float dropout_p = 0.0f;
+  std::uint64_t dropout_seed = 0;
+  std::uint32_t dropout_offset = 0;
   // Worker threads for the call, 0 to kMaxThreads; 0 means all the OpenMP runtime offers.
   int num_threads = 0;
 };

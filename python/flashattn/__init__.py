@@ -16,6 +16,7 @@ from ._api import (MultiHeadAttention, attention_reference, flash_attn_func,
                    flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                    flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func,
                    flash_attn_with_kvcache, merge_attention_states)
+from ._dropout import get_block_size_n as _get_block_size_n  # S_dmask's blocks, as upstream's
 from ._flashattn import __version__, visible_pairs
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _flashattn
+from . import _dropout, _flashattn
 
 _IMPLS = ("flash", "standard", "reference")
 _NUMPY_FLOATS = (np.dtype(np.float32), np.dtype(np.float16))
@@ -207,18 +207,12 @@ def _impl(impl: str) -> str:
     return impl
 
 
-def _no_dropout(dropout_p: float) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"dropout_p: flashattn computes attention without dropout, got {dropout_p}")
-
-
-def _results(out, lse, return_lse: bool, return_attn_probs: bool):
+def _results(out, lse, return_lse: bool, return_attn_probs: bool, s_dmask=None):
     """What FlashAttention returns: out, or with return_attn_probs (out, softmax_lse, S_dmask),
-    S_dmask None as FlashAttention's without dropout (it only encodes a dropout pattern); with
-    return_lse (ours), (out, lse)."""
+    S_dmask None without dropout (FlashAttention's is then empty: it only encodes a dropout
+    pattern); with return_lse (ours), (out, lse)."""
     if return_attn_probs:
-        return out, lse, None
+        return out, lse, s_dmask
     return (out, lse) if return_lse else out
 
 
@@ -261,7 +255,8 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
                     softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                     return_attn_probs: bool = False, *, sinks=None, attn_bias=None,
                     attn_mask=None, return_lse: bool = False, num_threads: int = 0,
-                    impl: str = "flash"):
+                    impl: str = "flash", dropout_seed: Optional[int] = None,
+                    dropout_offset: int = 0):
     """Exact attention of q [B, Sq, Hq, D] against k, v [B, Skv, Hkv, D] (Hq % Hkv == 0).
 
     Named and ordered as FlashAttention's ``flash_attn_func``, so code ports by changing the
@@ -276,10 +271,16 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     - softcap, alibi_slopes ([Hq] or [B, Hq], float32), sinks ([Hq]), attn_bias
       ([B|1, Hq|1, Sq, Skv], float), attn_mask (same shape, bool, True = keep): the score
       modifiers of docs/semantics.md.
-    - dropout_p must be 0 (flashattn has no dropout yet); deterministic is accepted and moot
-      (results never depend on the thread count).
-    - return_attn_probs=True returns (out, lse, S_dmask) as FlashAttention does, S_dmask None
-      (FlashAttention's is empty without dropout, and flashattn never forms P).
+    - dropout_p: attention dropout as FlashAttention's (each probability kept with 1 - p and
+      scaled by 1 / (1 - p); lse is the softmax's before it). The mask comes from a
+      counter-based generator keyed by a seed and offset drawn from torch's default generator
+      for torch tensors (torch.manual_seed reproduces it), from numpy's global one for numpy
+      arrays, or given as dropout_seed (an integer in [0, 2^64)) and dropout_offset ([0, 2^32));
+      the backward regenerates it. deterministic is accepted and moot (results never depend
+      on the thread count, with dropout too).
+    - return_attn_probs=True returns (out, lse, S_dmask) as FlashAttention does: S_dmask None
+      without dropout; with dropout [B, Hq, Sq, Skv] rounded up to 128, FlashAttention's
+      encoding of the probabilities (negative where dropped; a test aid, O(Sq·Skv) memory).
     - num_threads: 0 = all OpenMP threads.
     - impl: "flash" (default), "standard" (full score matrix, OpenBLAS) or "reference" (fp64).
 
@@ -287,12 +288,13 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
     autograd: backward runs the flash backward with the saved lse, and gives gradients for q,
     k, v, sinks and attn_bias.
     """
-    _no_dropout(dropout_p)
     want_lse = return_lse or return_attn_probs
     framework = _framework(q, "q")
     _same_framework(k, "k", framework)
     _same_framework(v, "v", framework)
     impl = _impl(impl)
+    dropout_p = _dropout.check_p(dropout_p)
+    rng = _dropout.draw(framework, dropout_p, dropout_seed, dropout_offset)
     if framework == "torch":
         from . import _torch_ops
         left, right = _window(window_size)
@@ -304,12 +306,17 @@ def flash_attn_func(q, k, v, dropout_p: float = 0.0, softmax_scale: Optional[flo
                                         _torch_vector(sinks, "sinks"), attn_bias, attn_mask,
                                         _scale(softmax_scale), bool(causal), left, right,
                                         float(softcap), int(num_threads), impl, False,
-                                        want_lse=want_lse)
+                                        want_lse=want_lse, dropout_p=dropout_p, dropout_rng=rng)
     else:
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, attn_bias, attn_mask, num_threads)
+        options.update(_dropout.options(dropout_p, rng))
         out, lse = _forward_arrays(framework, q, k, v, options, impl, want_lse=want_lse)
-    return _results(out, lse, return_lse, return_attn_probs)
+    s_dmask = None
+    if return_attn_probs and dropout_p > 0.0:
+        s_dmask = _dropout.s_dmask(q, k, rng, dropout_p, softmax_scale, causal,
+                                   _window(window_size), float(softcap), alibi_slopes)
+    return _results(out, lse, return_lse, return_attn_probs, s_dmask)
 
 
 def attention_reference(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
@@ -335,7 +342,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes=None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table=None, *, sinks=None,
-                           return_lse: bool = False, num_threads: int = 0, impl: str = "flash"):
+                           return_lse: bool = False, num_threads: int = 0, impl: str = "flash",
+                           dropout_seed: Optional[int] = None, dropout_offset: int = 0):
     """Attention over a packed batch of sequences of different lengths.
 
     q [total_q, Hq, D], k, v [total_k, Hkv, D]: the sequences one after the other;
@@ -344,17 +352,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     Returns out [total_q, Hq, D] and, with return_lse, lse float32 [Hq, total_q]; with
     return_attn_probs, (out, lse, None) as flash_attn_func.
     max_seqlen_q and max_seqlen_k are accepted for FlashAttention compatibility and unused.
-    Autograd as flash_attn_func (q, k, v, sinks).
+    Autograd as flash_attn_func (q, k, v, sinks). Dropout as flash_attn_func's, sequence b's
+    mask that of batch entry b; S_dmask [B, Hq, max Sq, max Skv] (rounded up to 128), sequence
+    b's rows and keys from 0.
 
     block_table (int32 [B, pages_per_sequence], FlashAttention >= 2.5): k and v are a paged
     cache [num_pages, page_size, Hkv, D] and sequence b's keys are the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, in table order. Forward only.
     """
-    _no_dropout(dropout_p)
     framework = _framework(q, "q")
     _same_framework(k, "k", framework)
     _same_framework(v, "v", framework)
     impl = _impl(impl)
+    dropout_p = _dropout.check_p(dropout_p)
+    if dropout_p > 0.0 and block_table is not None:
+        raise ValueError(f"dropout_p: expected 0 with block_table (the paged varlen call is "
+                         f"serving, without dropout), got {dropout_p}")
+    rng = _dropout.draw(framework, dropout_p, dropout_seed, dropout_offset)
     if framework == "torch":
         from . import _torch_ops
         left, right = _window(window_size)
@@ -366,7 +380,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         sinks = _torch_vector(sinks, "sinks")
         if block_table is None:
             out, lse = _torch_ops.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes, sinks,
-                                                   *scalars)
+                                                   *scalars, dropout_p, rng)
         else:
             torch = _torch()
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad
@@ -383,8 +397,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         table = None if block_table is None else _int32(block_table, "block_table")
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, None, None, num_threads)
+        options.update(_dropout.options(dropout_p, rng))
         out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, table)
-    return _results(out, lse, return_lse, return_attn_probs)
+    s_dmask = None
+    if return_attn_probs and dropout_p > 0.0:
+        s_dmask = _dropout.s_dmask(q, k, rng, dropout_p, softmax_scale, causal,
+                                   _window(window_size), float(softcap), alibi_slopes,
+                                   cu_seqlens_q, cu_seqlens_k)
+    return _results(out, lse, return_lse, return_attn_probs, s_dmask)
 
 
 def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_table=None):

@@ -9,8 +9,10 @@ Every torch call of the package goes through these ops, so that
 - the KV-cache op declares its in-place append (k_cache, v_cache) as a mutation.
 
 Op arguments are plain: tensors (optional where the option is), then the scalar options in one
-fixed order (`_SCALARS`). Inputs arrive already checked for framework and dtype by _api; the C++
-library checks the rest and raises ValueError naming the argument. numpy callers never come here.
+fixed order, and last dropout's p and its draw (_dropout: an int64 tensor [seed_low, seed_high,
+offset], drawn by the caller from torch's generator, which the backward reuses). Inputs arrive
+already checked for framework and dtype by _api; the C++ library checks the rest and raises
+ValueError naming the argument. numpy callers never come here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _api, _flashattn
+from . import _api, _dropout, _flashattn
 
 _LIB = "flashattn"
 
@@ -30,13 +32,13 @@ def _vector(x: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal, window_left,
-             window_right, softcap, num_threads) -> dict:
+             window_right, softcap, num_threads, dropout_p=0.0, dropout_rng=None) -> dict:
     return dict(scale=softmax_scale, causal=causal, window_left=window_left,
                 window_right=window_right, softcap=softcap, alibi_slopes=_vector(alibi_slopes),
                 sinks=_vector(sinks),
                 attn_bias=None if attn_bias is None else _api._native(attn_bias),
                 attn_mask=None if attn_mask is None else _api._native(attn_mask),
-                num_threads=num_threads)
+                num_threads=num_threads, **_dropout.options(dropout_p, dropout_rng))
 
 
 def _empty_like(x: Tensor) -> Tensor:
@@ -54,11 +56,12 @@ def _grad_output(dout: Tensor) -> Tensor:
 def _fwd(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
         attn_bias: Optional[Tensor], attn_mask: Optional[Tensor], softmax_scale: Optional[float],
         causal: bool, window_left: int, window_right: int, softcap: float, num_threads: int,
-        impl: str, out_heads_first: bool) -> Tuple[Tensor, Tensor]:
+        impl: str, out_heads_first: bool, dropout_p: float = 0.0,
+        dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq]); out_heads_first: out's memory is
     [B, Hq, Sq, D] (torch's SDPA layout) and a [B, Sq, Hq, D] view of it is returned."""
     options = _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
-                       window_left, window_right, softcap, num_threads)
+                       window_left, window_right, softcap, num_threads, dropout_p, dropout_rng)
     return _api._forward_arrays("torch", q, k, v, options, impl, out_heads_first)
 
 
@@ -67,7 +70,7 @@ fwd = torch.library.custom_op(f"{_LIB}::fwd", _fwd, mutates_args=())
 
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal, window_left,
-      window_right, softcap, num_threads, impl, out_heads_first):
+      window_right, softcap, num_threads, impl, out_heads_first, dropout_p=0.0, dropout_rng=None):
     batch, seqlen_q, heads_q, head_dim = q.shape
     if out_heads_first:
         out = q.new_empty((batch, heads_q, seqlen_q, head_dim)).transpose(1, 2)
@@ -81,11 +84,12 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         alibi_slopes: Optional[Tensor], sinks: Optional[Tensor], attn_bias: Optional[Tensor],
         attn_mask: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
         window_left: int, window_right: int, softcap: float, num_threads: int, impl: str,
-        want_dsinks: bool, want_dbias: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        want_dsinks: bool, want_dbias: bool, dropout_p: float = 0.0,
+        dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks, dbias); dsinks float32 [Hq] and dbias like attn_bias when wanted,
     else empty tensors (an op returns tensors, not None)."""
     options = _options(alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
-                       window_left, window_right, softcap, num_threads)
+                       window_left, window_right, softcap, num_threads, dropout_p, dropout_rng)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dsinks = torch.empty(q.shape[2] if want_dsinks else 0, dtype=torch.float32)
     dbias = _empty_like(attn_bias) if want_dbias else torch.empty(0, dtype=q.dtype)
@@ -97,7 +101,8 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
-      window_left, window_right, softcap, num_threads, impl, want_dsinks, want_dbias):
+      window_left, window_right, softcap, num_threads, impl, want_dsinks, want_dbias,
+      dropout_p=0.0, dropout_rng=None):
     dsinks = q.new_empty((q.shape[2] if want_dsinks else 0,), dtype=torch.float32)
     dbias = attn_bias.new_empty(attn_bias.shape) if want_dbias else q.new_empty((0,))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dbias)
@@ -106,27 +111,30 @@ def _(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask, softma
 # Positions of fwd's arguments: the tensors that can take a gradient, and the rest.
 _FWD_NAMES = ("q", "k", "v", "alibi_slopes", "sinks", "attn_bias", "attn_mask", "softmax_scale",
               "causal", "window_left", "window_right", "softcap", "num_threads", "impl",
-              "out_heads_first")
+              "out_heads_first", "dropout_p", "dropout_rng")
 
 
 def _fwd_setup_context(ctx, inputs, output):
     args = dict(zip(_FWD_NAMES, inputs))
     out, lse = output
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["alibi_slopes"],
-                          args["sinks"], args["attn_bias"], args["attn_mask"])
+                          args["sinks"], args["attn_bias"], args["attn_mask"],
+                          args.get("dropout_rng"))
     ctx.scalars = tuple(args[name] for name in _FWD_NAMES[7:14])
+    ctx.dropout_p = args.get("dropout_p", 0.0)
     ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask, dropout_rng = ctx.saved_tensors
     want_dsinks = sinks is not None and ctx.needs_input_grad[4]
     want_dbias = attn_bias is not None and ctx.needs_input_grad[5]
     dq, dk, dv, dsinks, dbias = bwd(dout, q, k, v, out, lse, alibi_slopes, sinks, attn_bias,
-                                    attn_mask, *ctx.scalars, want_dsinks, want_dbias)
+                                    attn_mask, *ctx.scalars, want_dsinks, want_dbias,
+                                    ctx.dropout_p, dropout_rng)
     return (dq, dk, dv, None, dsinks.to(ctx.sinks_dtype) if want_dsinks else None,
-            dbias if want_dbias else None, None, None, None, None, None, None, None, None, None)
+            dbias if want_dbias else None) + (None,) * (len(_FWD_NAMES) - 6)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -137,10 +145,11 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 def _varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-               softcap: float, num_threads: int, impl: str) -> Tuple[Tensor, Tensor]:
+               softcap: float, num_threads: int, impl: str, dropout_p: float = 0.0,
+               dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out [total_q, Hq, D], lse float32 [Hq, total_q]); cu_seqlens int32 [B + 1]."""
     options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
-                       window_right, softcap, num_threads)
+                       window_right, softcap, num_threads, dropout_p, dropout_rng)
     return _api._varlen_forward_arrays("torch", q, k, v, cu_seqlens_q, cu_seqlens_k, options,
                                        impl)
 
@@ -150,7 +159,7 @@ varlen_fwd = torch.library.custom_op(f"{_LIB}::varlen_fwd", _varlen_fwd, mutates
 
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale, causal,
-      window_left, window_right, softcap, num_threads, impl):
+      window_left, window_right, softcap, num_threads, impl, dropout_p=0.0, dropout_rng=None):
     total_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
@@ -160,10 +169,11 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
                sinks: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
                window_left: int, window_right: int, softcap: float, num_threads: int, impl: str,
-               want_dsinks: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+               want_dsinks: bool, dropout_p: float = 0.0,
+               dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsinks); dsinks float32 [Hq] when wanted, else empty."""
     options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
-                       window_right, softcap, num_threads)
+                       window_right, softcap, num_threads, dropout_p, dropout_rng)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     dsinks = torch.empty(q.shape[1] if want_dsinks else 0, dtype=torch.float32)
     _flashattn.varlen_backward(impl, _api._native(_grad_output(dout)), _api._native(q),
@@ -175,33 +185,36 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
 
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale,
-      causal, window_left, window_right, softcap, num_threads, impl, want_dsinks):
+      causal, window_left, window_right, softcap, num_threads, impl, want_dsinks, dropout_p=0.0,
+      dropout_rng=None):
     dsinks = q.new_empty((q.shape[1] if want_dsinks else 0,), dtype=torch.float32)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 _VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks",
                  "softmax_scale", "causal", "window_left", "window_right", "softcap",
-                 "num_threads", "impl")
+                 "num_threads", "impl", "dropout_p", "dropout_rng")
 
 
 def _varlen_setup_context(ctx, inputs, output):
     args = dict(zip(_VARLEN_NAMES, inputs))
     out, lse = output
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"],
-                          args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"])
-    ctx.scalars = tuple(args[name] for name in _VARLEN_NAMES[7:])
+                          args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"],
+                          args.get("dropout_rng"))
+    ctx.scalars = tuple(args[name] for name in _VARLEN_NAMES[7:14])
+    ctx.dropout_p = args.get("dropout_p", 0.0)
     ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
     ctx.mark_non_differentiable(lse)
 
 
 def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks, dropout_rng = ctx.saved_tensors
     want_dsinks = sinks is not None and ctx.needs_input_grad[6]
     dq, dk, dv, dsinks = varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks,
-                                    *ctx.scalars, want_dsinks)
-    return (dq, dk, dv, None, None, None, dsinks.to(ctx.sinks_dtype) if want_dsinks else None,
-            None, None, None, None, None, None, None)
+                                    *ctx.scalars, want_dsinks, ctx.dropout_p, dropout_rng)
+    return (dq, dk, dv, None, None, None, dsinks.to(ctx.sinks_dtype) if want_dsinks else None
+            ) + (None,) * (len(_VARLEN_NAMES) - 7)
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -292,19 +305,22 @@ def _as_op(tensors) -> bool:
 
 def attention(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal,
               window_left, window_right, softcap, num_threads, impl, out_heads_first,
-              want_lse=True):
+              want_lse=True, dropout_p=0.0, dropout_rng=None):
     """fwd's (out, lse), as the op or directly (above); directly, lse is None unless wanted."""
     scalars = (softmax_scale, causal, window_left, window_right, softcap, num_threads)
-    if _as_op((q, k, v, sinks, attn_bias, attn_mask)):
+    if _as_op((q, k, v, sinks, attn_bias, attn_mask, dropout_rng)):
         return fwd(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, *scalars, impl,
-                   out_heads_first)
-    options = _options(alibi_slopes, sinks, attn_bias, attn_mask, *scalars)
+                   out_heads_first, dropout_p, dropout_rng)
+    options = _options(alibi_slopes, sinks, attn_bias, attn_mask, *scalars, dropout_p,
+                       dropout_rng)
     return _api._forward_arrays("torch", q, k, v, options, impl, out_heads_first, want_lse)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars):
-    """varlen_fwd's (out, lse), as the op or directly (above)."""
-    call = varlen_fwd if _as_op((q, k, v, sinks, cu_seqlens_q)) else _varlen_fwd
+    """varlen_fwd's (out, lse), as the op or directly (above); scalars as varlen_fwd's, with
+    dropout's p and draw last when given."""
+    rng = scalars[8] if len(scalars) > 8 else None
+    call = varlen_fwd if _as_op((q, k, v, sinks, cu_seqlens_q, rng)) else _varlen_fwd
     return call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars)
 
 

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import _api, _torch_ops
+from . import _api, _dropout, _torch_ops
 
 __all__ = ["scaled_dot_product_attention", "sdpa_replaced"]
 
@@ -38,12 +38,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
       [..., Hq, L, S]; not together with is_causal (as torch). A row whose keys are all masked
       gives 0 here (torch gives NaN).
     - enable_gqa: Hq a multiple of Hkv, each KV head shared by Hq / Hkv query heads.
-    - dropout_p > 0 raises NotImplementedError, as does a value head dim differing from E.
+    - dropout_p: attention dropout as torch applies it (whatever the module's training flag),
+      the mask drawn from torch's default generator; a value head dim differing from E raises
+      NotImplementedError.
     Gradients flow to query, key, value and a float attn_mask through autograd.
     The output is [..., Hq, L, E], contiguous, like torch's.
     """
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"dropout_p: flashattn has no dropout, got {dropout_p}")
+    dropout_p = _dropout.check_p(dropout_p)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -83,7 +84,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
             bias = full.to(query.dtype) if full.dtype != query.dtype else full
     out, _ = _torch_ops.attention(q, k, v, None, None, bias, mask,
                                   None if scale is None else float(scale), causal, -1, -1, 0.0, 0,
-                                  "flash", True)
+                                  "flash", True, dropout_p=dropout_p,
+                                  dropout_rng=_dropout.draw("torch", dropout_p, None, 0))
     return out.transpose(1, 2).reshape(*batch_shape, heads_q, seqlen_q, query.shape[-1])
 
 

@@ -23,7 +23,8 @@ the call runs on flashattn's kernels (and torch.compile sees one custom op per c
   the new rows in place.
 
 Query rows that see no key (left padding under a causal mask) give 0, where eager gives the mean
-of V; both are rows the model discards. Attention dropout raises: flashattn has none yet.
+of V; both are rows the model discards. Attention dropout (training with attention_dropout > 0)
+is flashattn's, its mask drawn from torch's default generator.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from . import _api
+from . import _api, _dropout
 
 try:
     import transformers
@@ -79,12 +80,7 @@ def _window(sliding_window: Optional[int], key_length: int) -> Tuple[int, int]:
     return sliding_window - 1, sliding_window - 1
 
 
-def _check_kwargs(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
-    if dropout and dropout > 0.0:
-        raise ValueError(
-            f"dropout: flashattn has no attention dropout, got {dropout} (module "
-            f"{type(module).__name__} in training mode with attention_dropout > 0); set the "
-            "config's attention_dropout to 0 or call model.eval()")
+def _check_kwargs(kwargs: dict) -> None:
     if kwargs.get("output_attentions", False):
         raise ValueError("output_attentions: flashattn never forms the attention probabilities; "
                          "use attn_implementation='eager' to get them")
@@ -100,7 +96,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     [B, Hkv, Skv, D]; returns (out [B, Sq, Hq, D], None)."""
     from . import _torch_ops
 
-    _check_kwargs(module, dropout, kwargs)
+    _check_kwargs(kwargs)
+    dropout = _dropout.check_p(dropout or 0.0)
+    rng = _dropout.draw("torch", dropout, None, 0)
     if cache is not None and hasattr(cache, "update") and "cu_seq_lens_k" in kwargs:
         # transformers' paged cache: an index update returns the sequences' K/V packed, a block
         # table update leaves them for the KV-cache call and puts the caches in kwargs.
@@ -115,6 +113,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     scale = None if scaling is None else float(scaling)
 
     if kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None:
+        if dropout > 0.0:
+            raise ValueError(f"dropout: expected 0 in the paged KV-cache decode (inference), got "
+                             f"{dropout}; call model.eval()")
         return _paged_decode(q, k, v, kwargs, s_aux, scale, is_causal, left, right, softcap), None
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
         # Sequences packed along the batch's one row: [1, total, H, D] -> [total, H, D].
@@ -123,7 +124,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             v.reshape(-1, *v.shape[2:]),
             _api._torch_int32(kwargs["cu_seq_lens_q"], "cu_seq_lens_q"),
             _api._torch_int32(kwargs["cu_seq_lens_k"], "cu_seq_lens_k"), None, s_aux, scale,
-            bool(is_causal), left, right, softcap, 0, "flash")
+            bool(is_causal), left, right, softcap, 0, "flash", dropout, rng)
         return out.view(batch, -1, *out.shape[-2:]), None
 
     mask = None
@@ -141,7 +142,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             attention_mask = attention_mask.to(torch.bool)
         mask = attention_mask[:, None, None, :].expand(batch, 1, seqlen_q, length)
     out, _ = _torch_ops.attention(q, k, v, None, s_aux, None, mask, scale, bool(is_causal), left,
-                                  right, softcap, 0, "flash", False)
+                                  right, softcap, 0, "flash", False, dropout_p=dropout,
+                                  dropout_rng=rng)
     return out, None
 
 

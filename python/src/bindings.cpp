@@ -146,7 +146,8 @@ struct Options {
 Options make_options(std::optional<float> scale, bool causal, std::int64_t window_left,
                      std::int64_t window_right, float softcap, std::optional<InArray> alibi,
                      std::optional<InArray> sinks, std::optional<InArray> bias,
-                     std::optional<InArray> mask, int num_threads) {
+                     std::optional<InArray> mask, int num_threads, float dropout_p,
+                     std::uint64_t dropout_seed, std::uint32_t dropout_offset) {
   Options o{{}, std::move(alibi), std::move(sinks), std::move(bias), std::move(mask)};
   AttentionOptions& opt = o.options;
   opt.softmax_scale = scale;
@@ -155,6 +156,9 @@ Options make_options(std::optional<float> scale, bool causal, std::int64_t windo
   opt.window_right = window_right;
   opt.softcap = softcap;
   opt.num_threads = num_threads;
+  opt.dropout_p = dropout_p;
+  opt.dropout_seed = dropout_seed;
+  opt.dropout_offset = dropout_offset;
   if (o.alibi) {
     opt.alibi_slopes = {buffer<const float>(*o.alibi, "alibi_slopes", o.alibi->size()),
                         o.alibi->size()};
@@ -199,14 +203,34 @@ flashattn::ModifierGradients modifier_gradients(const std::optional<OutArray>& d
 #define FLASHATTN_OPTION_ARGS                                                                   \
   std::optional<float> scale, bool causal, std::int64_t window_left, std::int64_t window_right, \
       float softcap, std::optional<InArray> alibi_slopes, std::optional<InArray> sinks,         \
-      std::optional<InArray> attn_bias, std::optional<InArray> attn_mask, int num_threads
+      std::optional<InArray> attn_bias, std::optional<InArray> attn_mask, int num_threads,      \
+      float dropout_p, std::uint64_t dropout_seed, std::uint32_t dropout_offset
 #define FLASHATTN_OPTIONS                                                                  \
   make_options(scale, causal, window_left, window_right, softcap, std::move(alibi_slopes), \
-               std::move(sinks), std::move(attn_bias), std::move(attn_mask), num_threads)
+               std::move(sinks), std::move(attn_bias), std::move(attn_mask), num_threads,  \
+               dropout_p, dropout_seed, dropout_offset)
 #define FLASHATTN_OPTION_NAMES                                                               \
   "scale"_a.none(), "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a,              \
       "alibi_slopes"_a.none(), "sinks"_a.none(), "attn_bias"_a.none(), "attn_mask"_a.none(), \
-      "num_threads"_a
+      "num_threads"_a, "dropout_p"_a = 0.0f, "dropout_seed"_a = 0, "dropout_offset"_a = 0
+
+// flashattn::dropout_mask of one batch entry into keep, uint8 [heads_q, seqlen_q, seqlen_kv].
+void dropout_mask(float dropout_p, std::uint64_t dropout_seed, std::uint32_t dropout_offset,
+                  std::int64_t batch_index, const OutArray& keep) {
+  using Code = nb::dlpack::dtype_code;
+  if (keep.ndim() != 3 || !is(keep.dtype(), Code::UInt, 8) || !c_contiguous(keep)) {
+    fail("keep: expected a contiguous uint8 array [heads_q, seqlen_q, seqlen_kv], got ",
+         keep.ndim(), " dims of ", describe(keep.dtype()));
+  }
+  AttentionOptions options;
+  options.dropout_p = dropout_p;
+  options.dropout_seed = dropout_seed;
+  options.dropout_offset = dropout_offset;
+  flashattn::dropout_mask(options, batch_index, static_cast<std::int64_t>(keep.shape(0)),
+                          static_cast<std::int64_t>(keep.shape(1)),
+                          static_cast<std::int64_t>(keep.shape(2)),
+                          static_cast<std::uint8_t*>(keep.data()));
+}
 
 void forward(const std::string& impl, const InArray& q, const InArray& k, const InArray& v,
              const OutArray& out, const std::optional<OutArray>& lse, FLASHATTN_OPTION_ARGS) {
@@ -427,6 +451,9 @@ NB_MODULE(_flashattn, m) {
     }
   });
 
+  m.def("dropout_mask", &dropout_mask, "dropout_p"_a, "dropout_seed"_a, "dropout_offset"_a,
+        "batch_index"_a, "keep"_a,
+        "The dropout mask of one batch entry into keep, uint8 [heads_q, seqlen_q, seqlen_kv].");
   m.def("forward", &forward, "impl"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a.none(),
         FLASHATTN_OPTION_NAMES,
         "Attention forward of [B, S, H, D] views into out (and lse [B, H, Sq] when given).");

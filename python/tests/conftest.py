@@ -55,8 +55,9 @@ def to64(x) -> np.ndarray:
 
 
 def reference_attention(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                        alibi=None, bias=None, mask=None, sinks=None):
-    """out [B, Sq, Hq, D] and lse [B, Hq, Sq] in fp64."""
+                        alibi=None, bias=None, mask=None, sinks=None, dropout=None):
+    """out [B, Sq, Hq, D] and lse [B, Hq, Sq] in fp64. dropout: (keep [B, Hq, Sq, Skv] bool,
+    p): the kept probabilities scaled by 1 / (1 - p) in P.V, the dropped ones 0; lse as without."""
     q, k, v = to64(q), to64(k), to64(v)
     batch, seqlen_q, heads_q, dim = q.shape
     seqlen_kv, heads_kv = k.shape[1], k.shape[2]
@@ -99,8 +100,13 @@ def reference_attention(q, k, v, scale=None, causal=False, window=(-1, -1), soft
     total = p.sum(axis=-1, keepdims=True)
     if sink is not None:
         total = total + np.exp(sink - safe_max)
+    weights = p
+    if dropout is not None:
+        kept, dropout_p = dropout
+        weights = np.where(kept, p * np.float64(np.float32(1.0 / (1.0 - np.float32(dropout_p)))),
+                           0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.einsum("bhij,bjhd->bihd", np.where(total > 0, p / total, 0.0), v)
+        out = np.einsum("bhij,bjhd->bihd", np.where(total > 0, weights / total, 0.0), v)
         lse = np.where(total > 0, safe_max + np.log(total), -np.inf)[..., 0]
     return out, lse
 

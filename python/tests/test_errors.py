@@ -89,8 +89,8 @@ def test_varlen_bad_offsets():
 
 def test_unsupported_features_say_so():
     q = arrays(1, 4, 1, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flashattn.flash_attn_func(q, q, q, 0.1)
+    with pytest.raises(ValueError, match=r"dropout_p: expected a value in \[0, 1\)"):
+        flashattn.flash_attn_func(q, q, q, 1.0)
     with pytest.raises(ValueError, match="impl"):
         flashattn.flash_attn_func(q, q, q, impl="cuda")
 

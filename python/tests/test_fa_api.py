@@ -142,7 +142,7 @@ def test_packed_variants_name_a_wrong_layout(rng, framework):
                                            make(rng, (2, 9, 2, 16), framework))
     with pytest.raises(ValueError, match=r"qkv: expected \[total, 3, heads, head_dim\]"):
         flashattn.flash_attn_varlen_qkvpacked_func(make(rng, (9, 4, 16), framework), [0, 9], 9)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flashattn.flash_attn_qkvpacked_func(make(rng, (2, 9, 3, 4, 16), framework), 0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashattn.flash_attn_qkvpacked_func(make(rng, (2, 9, 3, 4, 16), framework), -0.1)
     with pytest.raises(TypeError, match="qkv: expected a numpy.ndarray or a torch.Tensor"):
         flashattn.flash_attn_qkvpacked_func([[1.0]])

@@ -93,8 +93,8 @@ def test_gradients_match_torch_including_a_float_mask():
 
 def test_unsupported_arguments_say_so():
     q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fat.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        fat.scaled_dot_product_attention(q, q, q, dropout_p=1.0)
     with pytest.raises(NotImplementedError, match="head dim"):
         fat.scaled_dot_product_attention(q, q, torch.randn(1, 1, 4, 16))
     with pytest.raises(ValueError, match="is_causal"):

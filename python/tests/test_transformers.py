@@ -160,18 +160,34 @@ def test_compiled_model_fullgraph_matches_eager_mode():
     assert relative_error(actual, expected) <= 1e-5
 
 
-def test_dropout_in_training_raises_a_clear_error():
+def test_dropout_in_training_is_flashattns():
+    # Training with attention_dropout: the call's mask comes from torch's generator, so a seed
+    # reproduces a step, another seed changes it, and eval mode passes dropout 0 (as eager).
     config = copy.deepcopy(_configs()["llama"])
-    config.attention_dropout = 0.1
+    config.attention_dropout = 0.3
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flashattn")
     model.train()
     ids, _ = inputs()
-    with pytest.raises(ValueError, match="dropout: flashattn has no attention dropout, got 0.1"):
-        model(ids)
+
+    def step(seed):
+        model.zero_grad()
+        torch.manual_seed(seed)
+        loss = model(ids).logits.float().square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss, grads = step(1)
+    again, grads_again = step(1)
+    other, _ = step(2)
+    assert torch.equal(loss, again)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    assert not torch.equal(loss, other)
+    assert all(torch.isfinite(g).all() for g in grads)
     model.eval()
     with torch.no_grad():
-        model(ids)  # eval mode passes dropout 0
+        first = model(ids).logits
+        assert torch.equal(first, model(ids).logits)  # no dropout in eval mode
 
 
 def test_output_attentions_raises_a_clear_error():

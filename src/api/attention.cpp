@@ -10,6 +10,7 @@
 #include "api/block_attention.hpp"
 #include "api/fail.hpp"
 #include "api/memory.hpp"
+#include "util/dropout.hpp"
 
 namespace flashattn {
 
@@ -87,6 +88,42 @@ void block_attention_forward(AttentionImpl impl, const ConstTensorView& q, const
 }
 
 }  // namespace detail
+
+void dropout_mask(const AttentionOptions& options, std::int64_t batch_index, std::int64_t heads_q,
+                  std::int64_t seqlen_q, std::int64_t seqlen_kv, std::uint8_t* keep) {
+  constexpr const char* caller = "dropout_mask";
+  constexpr std::int64_t kLimit = std::int64_t{1} << 32;
+  if (!(options.dropout_p >= 0.0f && options.dropout_p < 1.0f)) {
+    detail::fail(caller, "dropout_p: expected a value in [0, 1) (0 = off), got ",
+                 options.dropout_p);
+  }
+  if (heads_q < 1) detail::fail(caller, "heads_q: expected >= 1, got ", heads_q);
+  if (batch_index < 0 || (batch_index + 1) * heads_q > kLimit) {
+    detail::fail(caller, "batch_index: expected 0 <= batch_index and (batch_index + 1) x heads_q ",
+                 "<= 2^32, got ", batch_index, " with heads_q ", heads_q);
+  }
+  if (seqlen_q < 0 || seqlen_q > kLimit) {
+    detail::fail(caller, "seqlen_q: expected 0..2^32, got ", seqlen_q);
+  }
+  if (seqlen_kv < 0 || seqlen_kv > kLimit) {
+    detail::fail(caller, "seqlen_kv: expected 0..2^32, got ", seqlen_kv);
+  }
+  if (keep == nullptr && seqlen_q > 0 && seqlen_kv > 0) {
+    detail::fail(caller, "keep: expected heads_q x seqlen_q x seqlen_kv bytes, got null");
+  }
+  detail::AttentionParams params;
+  params.heads_q = heads_q;
+  params.dropout = detail::make_dropout(options);
+  params.dropout.first_batch = batch_index;
+  for (std::int64_t h = 0; h < heads_q; ++h) {
+    for (std::int64_t i = 0; i < seqlen_q; ++i) {
+      for (std::int64_t j = 0; j < seqlen_kv; ++j) {
+        keep[(h * seqlen_q + i) * seqlen_kv + j] =
+            !params.dropout.on() || detail::dropout_kept(params, 0, h, i, j);
+      }
+    }
+  }
+}
 
 void attention_forward(AttentionImpl impl, const ConstTensorView& q, const ConstTensorView& k,
                        const ConstTensorView& v, const TensorView& out, float* lse,

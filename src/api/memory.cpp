@@ -107,6 +107,8 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       const __int128 tile_rows = tiles.rows, keys = tiles.keys;
       const __int128 padded_sq = (Sq + tile_rows - 1) / tile_rows * tile_rows;
       __int128 per_thread = 2 * D * keys + 4 * keys * D_padded + 2 * tile_rows * keys;
+      // Dropout's mask and P ∘ M, two more score-sized tiles of rows Bc + one cache line.
+      if (p.dropout.on()) per_thread += 2 * tile_rows * (keys + cpu::kTileLanes);
       __int128 shared = 0;
       const __int128 chunks = cpu::flash_backward_chunks(p);
       const __int128 groups = static_cast<__int128>(p.batch) * p.heads_kv;
@@ -131,9 +133,11 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       return saturate((shared + threads * per_thread) * 4);
     }
     case AttentionImpl::standard: {
-      // Per KV head in flight: P and dS [Sq x pad(Skv)], dK, dV, dQ, and fp32 copies.
+      // Per KV head in flight: P and dS [Sq x pad(Skv)] (and with dropout M and P ∘ M), dK, dV,
+      // dQ, and fp32 copies.
+      const __int128 score_matrices = p.dropout.on() ? 4 : 2;
       const __int128 per_task =
-          2 * Sq * cpu::pad_to_lanes(p.seqlen_kv) + 4 * Skv * D + 3 * Sq * D + 2 * Sq;
+          score_matrices * Sq * cpu::pad_to_lanes(p.seqlen_kv) + 4 * Skv * D + 3 * Sq * D + 2 * Sq;
       return saturate(threads * per_task * 4);
     }
     case AttentionImpl::reference:

@@ -191,10 +191,31 @@ AttentionParams checked_params(const ConstTensorView& q, const ConstTensorView& 
   params.window_left = cap_window(options.window_left, params.seqlen_q, seqlen_kv);
   params.window_right = cap_window(options.window_right, params.seqlen_q, seqlen_kv);
   params.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+  params.dropout = make_dropout(options);
   return params;
 }
 
+// An Error naming dropout_p where a call has no dropout: `what` says which call.
+void refuse_dropout(const char* caller, const AttentionOptions& options, const char* what) {
+  if (options.dropout_p != 0.0f) {
+    fail(caller, "dropout_p: expected 0, as ", what,
+         " has no dropout (a training-only option), got ", options.dropout_p);
+  }
+}
+
 }  // namespace
+
+Dropout make_dropout(const AttentionOptions& options) {
+  Dropout dropout;
+  if (options.dropout_p > 0.0f) {
+    dropout.p = options.dropout_p;
+    dropout.scale = 1.0f / (1.0f - options.dropout_p);
+    dropout.threshold = static_cast<std::uint32_t>(std::lround(options.dropout_p * 65536.0));
+    dropout.seed = options.dropout_seed;
+    dropout.offset = options.dropout_offset;
+  }
+  return dropout;
+}
 
 void place_block(const char* caller, AttentionParams& params, const AttentionOptions& options,
                  std::int64_t query_minus_key_offset) {
@@ -217,6 +238,7 @@ void place_block(const char* caller, AttentionParams& params, const AttentionOpt
          "(they belong to the whole sequence), got ",
          params.modifiers.sinks != nullptr ? "sinks" : "a bias or mask");
   }
+  refuse_dropout(caller, options, "a block of a longer sequence");
   const std::int64_t shift = query_minus_key_offset + lengths;
   params.diagonal_shift = shift;
   // The window reaches as far as both sequences plus the shift before it stops mattering.
@@ -245,7 +267,22 @@ float checked_scale(const char* caller, const AttentionOptions& options, std::in
   if (options.num_threads < 0 || options.num_threads > kMaxThreads) {
     fail(caller, "num_threads: expected 0..", kMaxThreads, " (0 = all), got ", options.num_threads);
   }
+  if (!(options.dropout_p >= 0.0f && options.dropout_p < 1.0f)) {
+    fail(caller, "dropout_p: expected a value in [0, 1) (0 = off), got ", options.dropout_p);
+  }
   return scale;
+}
+
+// The dropout mask's coordinates are 32-bit (util/dropout.hpp): rows, key blocks and streams.
+void check_dropout_coordinates(const char* caller, const AttentionOptions& options,
+                               std::int64_t streams, std::int64_t seqlen_q,
+                               std::int64_t seqlen_kv) {
+  constexpr std::int64_t kLimit = std::int64_t{1} << 32;
+  if (options.dropout_p == 0.0f) return;
+  if (streams > kLimit || seqlen_q > kLimit || seqlen_kv > kLimit) {
+    fail(caller, "dropout_p: the dropout mask takes batch x heads_q, seqlen_q and seqlen_kv up to ",
+         "2^32 each, got ", streams, ", ", seqlen_q, " and ", seqlen_kv);
+  }
 }
 
 // The span of `count` fp32 values at `values` (empty for null), or an Error naming `name`.
@@ -452,6 +489,9 @@ AttentionParams make_params(const char* caller, const ConstTensorView& q, const 
   check_operand_shapes(caller, "k", "v", q, k, v, out);
 
   const float scale = checked_scale(caller, options, head_dim);
+  check_dropout_coordinates(caller, options,
+                            (modifier_batch < 0 ? batch : modifier_batch) * heads_q, seqlen_q,
+                            seqlen_kv);
   const auto [out_span, lse_span] = checked_output_spans(caller, q, k, v, out, lse);
 
   AttentionParams params = checked_params(q, k, v, out, lse, options, scale, seqlen_kv);
@@ -679,6 +719,7 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   }
 
   const float scale = checked_scale(caller, options, head_dim);
+  refuse_dropout(caller, options, "the KV-cache call (serving)");
 
   // Every sequence's length, and for a paged cache the pages it reads and writes.
   if (batch > 0 && cache_seqlens == nullptr) {
@@ -892,6 +933,7 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
                     (length + page_size - 1) / page_size, num_pages);
   }
   const float scale = checked_scale(caller, options, q.shape[3]);
+  refuse_dropout(caller, options, "a paged varlen batch (serving)");
   const auto [out_span, lse_span] = checked_output_spans(caller, q, k, v, out, lse);
 
   AttentionParams params = checked_params(q, k, v, out, lse, options, scale, capacity);

@@ -79,6 +79,20 @@ struct ScoreModifiers {
   }
 };
 
+// Attention dropout (AttentionOptions::dropout_p), checked: P_ij is multiplied by `scale` where
+// kept and by 0 where dropped, the mask being util/dropout.hpp's. Off when p == 0.
+struct Dropout {
+  float p = 0.0f;
+  float scale = 1.0f;           // 1 / (1 − p)
+  std::uint32_t threshold = 0;  // a key is dropped when its 16-bit draw is below this
+  std::uint64_t seed = 0;
+  std::uint32_t offset = 0;
+  // The mask's batch coordinate of batch entry 0: a varlen batch's sequence index.
+  std::int64_t first_batch = 0;
+
+  bool on() const { return p > 0.0f; }
+};
+
 struct AttentionParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -99,6 +113,7 @@ struct AttentionParams {
   std::int64_t diagonal_shift = 0;
   int num_threads = 1;  // resolved: >= 1
   ScoreModifiers modifiers;
+  Dropout dropout;
 
   // A serving batch's KV cache (flashattn/kvcache.hpp) or one sequence of a paged varlen batch
   // (flashattn/varlen.hpp, PagedKVView), which only the decode path (cpu/flash_decode.cpp) is
@@ -282,6 +297,9 @@ struct KVCacheParams {
 AttentionParams make_params(const char* caller, const ConstTensorView& q, const ConstTensorView& k,
                             const ConstTensorView& v, const TensorView& out, float* lse,
                             const AttentionOptions& options, std::int64_t modifier_batch = -1);
+
+// The dropout of options whose dropout_p is checked (in [0, 1)); off when it is 0.
+Dropout make_dropout(const AttentionOptions& options);
 
 // Makes checked params a block of a longer sequence whose row i sits on key
 // i + query_minus_key_offset (api/block_attention.hpp): the diagonal shifted, the windows

@@ -81,6 +81,7 @@ AttentionParams sequence(const AttentionParams& whole, const std::int32_t* cu_q,
   if (whole.lse != nullptr && q_begin > 0) s.lse = whole.lse + q_begin;
   s.lse_head_stride = whole.seqlen_q;
   if (s.modifiers.alibi_slopes) s.modifiers.alibi_slopes += b * whole.modifiers.alibi_batch_stride;
+  s.dropout.first_batch = b;
   return s;
 }
 

@@ -8,6 +8,8 @@
 //   P  = exp(Z − lse), masked → 0          [Br x Bc]  probabilities_from_lse_tile
 //   dV += Pᵀ·dO                            [Bc x D]   accumulate_transposed_pv_tile
 //   dP = dO·Vᵀ                             [Br x Bc]  scores_tile
+// With dropout, M the forward's mask times 1/(1 − p) (dropout_multipliers), dV takes P ∘ M and
+// dP becomes dP ∘ M before dS; D_i = rowsum(dO_i ∘ O_i) stays as it is.
 //   dS = scale · P ∘ (dP − D_i)            [Br x Bc]  softmax_gradient_tile
 //        ∘ (1 − tanh²) under a softcap
 //   dQ += dS·K                             [Br x D]   accumulate_pv_tile
@@ -53,6 +55,7 @@
 
 #include "api/backends.hpp"
 #include "cpu/kernels/bf16_products.hpp"
+#include "cpu/kernels/dropout.hpp"
 #include "cpu/kernels/pack.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
@@ -62,6 +65,7 @@
 #include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
+#include "util/dropout.hpp"
 #include "util/parallel.hpp"
 #include "util/rows.hpp"
 
@@ -258,6 +262,8 @@ struct Scratch {
   AlignedVector<std::uint16_t> k_bf16, v_bf16, k_pairs, probabilities_t, dscores_t, dscores_bf16;
   AlignedVector<float> probabilities, dscores;  // [Br x Bc] each
   AlignedVector<float> softcap_derivative;      // [Br x Bc] d logit / dx, under a softcap only
+  // With dropout only, [Br x Bc] each: M (1/(1 − p) where kept, 0 where dropped) and P ∘ M.
+  AlignedVector<float> dropout_multipliers, kept_probabilities;
   AlignedVector<float> dk, dv;
   // Non-finite inputs only: a row block's Q and dO, a K/V block's K, as row-major fp32 rows
   // [rows x head_dim].
@@ -273,6 +279,8 @@ struct Scratch {
         probabilities(tiles.rows * tiles.ld_scores),
         dscores(tiles.rows * tiles.ld_scores),
         softcap_derivative(p.modifiers.softcap > 0.0f ? tiles.rows * tiles.ld_scores : 0),
+        dropout_multipliers(p.dropout.on() ? tiles.rows * tiles.ld_scores : 0),
+        kept_probabilities(p.dropout.on() ? tiles.rows * tiles.ld_scores : 0),
         dk(tiles.keys * tiles.dims_padded),
         dv(tiles.keys * tiles.dims_padded) {
     if (tiles.bf16_operands()) {
@@ -445,23 +453,41 @@ void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Sc
   cpu::probabilities_from_lse_tile(t.probabilities.data(), ld_s, p.tile_scale(),
                                    queries.lse(task.slot, pair.g, pair.n), pair.rows,
                                    kv.keys_padded);
+  if (!p.dropout.on()) return;
+  // The forward's dropout mask M, regenerated, and P ∘ M (0 on the padded keys).
+  for (std::int64_t i = 0; i < pair.rows; ++i) {
+    float* multipliers = t.dropout_multipliers.data() + i * ld_s;
+    const float* probabilities = t.probabilities.data() + i * ld_s;
+    float* kept = t.kept_probabilities.data() + i * ld_s;
+    cpu::dropout_multipliers(multipliers, kv.begin, kv.keys,
+                             {&p.dropout, dropout_stream(p, task.b, head),
+                              static_cast<std::uint32_t>(pair.row_begin + i)});
+    for (std::int64_t j = 0; j < kv.keys; ++j) kept[j] = probabilities[j] * multipliers[j];
+    std::fill(kept + kv.keys, kept + kv.keys_padded, 0.0f);
+  }
+}
+
+// P as dV += Pᵀ·dO takes it: P ∘ M with dropout.
+const float* kept_probabilities(const AttentionParams& p, const Scratch& t) {
+  return p.dropout.on() ? t.kept_probabilities.data() : t.probabilities.data();
 }
 
 // dV += Pᵀ·dO                                                           [keys x Dp]
 // (visible_only pairs add theirs with dQ and dK, in gradients_step)
-void value_gradient_step(const BackwardTiles& tiles, Scratch& t, const Task& task,
-                         const KeyBlock& kv, const BlockPair& pair) {
+void value_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
+                         const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   if (pair.visible_only) return;
   const std::int64_t ld_s = tiles.ld_scores, Dp = tiles.dims_padded;
+  const float* probabilities = kept_probabilities(p, t);
   if (pair.bf16) {
-    cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.bf16_rows, t.probabilities.data(),
-                               ld_s, pair.rows, tiles.bf16_rows, kv.keys_padded);
+    cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.bf16_rows, probabilities, ld_s,
+                               pair.rows, tiles.bf16_rows, kv.keys_padded);
     cpu::bf16_tile_product(tiles.products, t.dv.data(), Dp, true, t.probabilities_t.data(),
                            tiles.bf16_rows, task.queries->dout_pairs(task.slot, pair.g, pair.n),
                            kv.keys, Dp, tiles.bf16_rows);
   } else {
-    cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, t.probabilities.data(), ld_s, pair.dout,
-                                       pair.rows, kv.keys, Dp);
+    cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, probabilities, ld_s, pair.dout, pair.rows,
+                                       kv.keys, Dp);
   }
 }
 
@@ -475,6 +501,13 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
   score_product(p, tiles, t.dscores.data(), kv, pair,
                 pair.bf16 ? queries.dout_bf16(task.slot, pair.g, pair.n) : nullptr, t.v_bf16.data(),
                 pair.dout, t.v_packed_t.data());
+  if (p.dropout.on()) {
+    for (std::int64_t i = 0; i < pair.rows; ++i) {
+      float* dp = t.dscores.data() + i * ld_s;
+      const float* multipliers = t.dropout_multipliers.data() + i * ld_s;
+      for (std::int64_t j = 0; j < kv.keys; ++j) dp[j] *= multipliers[j];
+    }
+  }
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
                              queries.delta(task.slot, pair.g, pair.n), bp.dlogits ? 1.0f : p.scale,
                              pair.rows, kv.keys_padded);
@@ -528,7 +561,7 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
                                    kv.keys,
                                    D,
                                    task.queries->lse(task.slot, pair.g, pair.n),
-                                   t.probabilities.data(),
+                                   kept_probabilities(p, t),
                                    t.dscores.data(),
                                    ld_s,
                                    t.q_rows.data(),
@@ -605,7 +638,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         }
         const BlockPair pair = start_pair(bp, tiles, t, task, kv, g, n);
         probabilities_step(p, tiles, t, task, kv, pair);
-        value_gradient_step(tiles, t, task, kv, pair);
+        value_gradient_step(p, tiles, t, task, kv, pair);
         score_gradient_step(bp, tiles, t, task, kv, pair);
         gradients_step(bp, tiles, t, task, kv, pair);
       }

@@ -631,6 +631,8 @@ bool use_flash_decode(const AttentionParams& p) {
   // A bias or mask masks keys inside a row's range, which this path's P·V would multiply by 0
   // (0·inf with a non-finite value): the tiled forward skips them.
   if (p.modifiers.masks_logits()) return false;
+  // Dropout belongs to training, whose shapes the tiled forward serves.
+  if (p.dropout.on()) return false;
   // The score tiles of every KV head, Bk = 16 keys at least, within the tiled forward's tile.
   const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
   return p.heads_kv * p.group_size() * p.seqlen_q * cpu::kTileLanes <= tiles.rows * tiles.keys;

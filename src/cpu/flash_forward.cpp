@@ -9,6 +9,7 @@
 //   Z = softcap, ALiBi of scale·S (when asked for) [Br x Bc]    modify_scores
 //   mask Z where the block is only partly visible  [Br x Bc]
 //   online softmax of Z: m, l, rescale acc         [Br], [Br x D]  online_softmax_tile
+//   P ∘= dropout mask · 1/(1 − p) (when asked for) [Br x Bc]    apply_dropout
 //   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
 // and finally out = acc / l, lse = m + log(l) (with each head's sink in l when there are sinks).
 // Blocks that the causal mask or the window hide from every row of a Q block are never visited by
@@ -33,6 +34,7 @@
 #include "api/backends.hpp"
 #include "cpu/flash_decode.hpp"
 #include "cpu/kernels/bf16_products.hpp"
+#include "cpu/kernels/dropout.hpp"
 #include "cpu/kernels/pack.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
@@ -41,6 +43,7 @@
 #include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
+#include "util/dropout.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
@@ -279,6 +282,15 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
                                block.row_max + row_lo + group, block.row_sum + row_lo + group,
                                acc + group * Dp, Dp, group_end - group, key_end_padded - key_begin,
                                Dp);
+      if (!p.dropout.on()) continue;
+      // Dropout after the row sums took P: it changes what P·V adds, not the softmax.
+      for (std::int64_t i = group; i < group_end; ++i) {
+        const std::int64_t row = row_lo + i;
+        cpu::apply_dropout(scores + i * ld_scores + key_begin, kv.begin + key_begin,
+                           key_end - key_begin,
+                           {&p.dropout, dropout_stream(p, task.b, task.head(row)),
+                            static_cast<std::uint32_t>(task.position(row))});
+      }
     }
     if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
       // P is rounded to bf16 only as the operand of P·V (docs/design.md, "The contract",

@@ -107,6 +107,10 @@ void refuse_modifiers(const char* caller, const AttentionOptions& options) {
     fail(caller, given, ": expected none (the CUDA path has no score modifiers yet; the CPU ",
          "paths do), got one");
   }
+  if (options.dropout_p != 0.0f) {
+    fail(caller, "dropout_p: expected 0 (the CUDA path has no dropout yet; the CPU paths do), got ",
+         options.dropout_p);
+  }
 }
 
 detail::ForwardParams kernel_params(const flashattn::detail::AttentionParams& checked) {

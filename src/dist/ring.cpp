@@ -48,6 +48,14 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The ring's blocks are keyed by their place in the whole sequence; dropout's mask is not (yet).
+void refuse_dropout(const char* caller, const AttentionOptions& options) {
+  if (options.dropout_p != 0.0f) {
+    detail::fail(caller, "dropout_p: expected 0, as ring attention has no dropout, got ",
+                 options.dropout_p);
+  }
+}
+
 constexpr int kTagKeysValues = 4101;
 constexpr int kTagGradients = 4102;
 constexpr int kTagFinalGradients = 4103;
@@ -594,6 +602,7 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
     const Clock::time_point call_start = Clock::now();
     const std::string local_error = error_of([&] {
       detail::make_params(caller, q_local, k_local, v_local, out_local, lse_local, options);
+      refuse_dropout(caller, options);
     });
     const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {
@@ -705,6 +714,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
     const std::string local_error = error_of([&] {
       detail::make_backward_params(caller, dout_local, q_local, k_local, v_local, out_local,
                                    lse_local, dq_local, dk_local, dv_local, options);
+      refuse_dropout(caller, options);
     });
     const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {

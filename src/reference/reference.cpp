@@ -1,5 +1,6 @@
 // The oracle: the seed's standard attention in plain loops with fp64 accumulation. It never gets
-// fast and never goes away; every other path is tested against it.
+// fast and never goes away; every other path is tested against it. With dropout, each kept
+// probability is multiplied by the fp32 scale 1 / (1 − p) that the fast paths use.
 
 #include <cmath>
 #include <limits>
@@ -8,6 +9,7 @@
 #include "api/backends.hpp"
 #include "flashattn/dtype.hpp"
 #include "reference/logits.hpp"
+#include "util/dropout.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
@@ -60,8 +62,10 @@ void reference_row(const AttentionParams& p, std::int64_t b, std::int64_t h, std
   for (std::int64_t d = 0; d < D; ++d) output[d] = 0.0;
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     if (p.key_masked(b, h, row, j)) continue;  // as if outside the range
-    const double weight = std::exp(scores[j] - shift);
+    double weight = std::exp(scores[j] - shift);
     sum += weight;
+    // Dropout scales the kept probabilities after the softmax, whose sum it leaves alone.
+    if (p.dropout.on()) weight *= dropout_kept(p, b, h, row, j) ? double{p.dropout.scale} : 0.0;
     const std::int64_t v_offset = p.v_strides.offset(b, j, h_kv);
     for (std::int64_t d = 0; d < D; ++d) {
       output[d] += weight * static_cast<double>(load_f32(p.v, p.dtype, v_offset + d));

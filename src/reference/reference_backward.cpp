@@ -7,7 +7,9 @@
 //   dq_i = scale Σ_j dS_ij k_j      dk_j += scale dS_ij q_i      dv_j += P_ij dO_i
 //   dσ_h −= exp(σ_h − lse_i) · D_i      dbias_ij = P_ij (dP_ij − D_i)
 // (dk, dv summed over the GQA group; dz/dx = 1 − tanh² under a softcap, else 1). Keys that a
-// bias or mask masks are skipped like those outside the causal range.
+// bias or mask masks are skipped like those outside the causal range. With dropout, M_ij the
+// forward's multiplier (1 / (1 − p) where kept, 0 where dropped): dP_ij = M_ij dO_i·v_j and
+// dv_j += P_ij M_ij dO_i; D_i = Σ_j P_ij dP_ij is still rowsum(dO_i ∘ O_i).
 
 #include <cmath>
 #include <limits>
@@ -16,6 +18,7 @@
 #include "api/backends.hpp"
 #include "flashattn/dtype.hpp"
 #include "reference/logits.hpp"
+#include "util/dropout.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
@@ -78,6 +81,10 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
   // A row whose every key a bias or mask masks adds nothing to any gradient, dsinks included.
   if (p.keys_all_masked(b, h, row)) return 0.0;
   auto dropped = [&](std::int64_t j) { return p.key_masked(b, h, row, j); };
+  auto multiplier = [&](std::int64_t j) {
+    if (!p.dropout.on()) return 1.0;
+    return dropout_kept(p, b, h, row, j) ? double{p.dropout.scale} : 0.0;
+  };
   double row_delta = 0.0;  // D_i
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     if (dropped(j)) continue;
@@ -86,8 +93,8 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     for (std::int64_t d = 0; d < D; ++d) {
       dot += read(bp.dout, bp.dout_strides, row, h, d) * read(p.v, p.v_strides, j, h_kv, d);
     }
-    dprobabilities[j] = dot;
-    row_delta += probabilities[j] * dot;
+    dprobabilities[j] = dot * multiplier(j);
+    row_delta += probabilities[j] * dprobabilities[j];
   }
   for (std::int64_t j = keys.begin; j < keys.end; ++j) {
     if (dropped(j)) continue;
@@ -95,10 +102,11 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     if (dlogits != nullptr) dlogits[j] = dlogit;
     const double dscore = dlogit * derivatives[j];
     const std::int64_t kv = group.base + j * group.kv_row;
+    const double kept_probability = probabilities[j] * multiplier(j);
     for (std::int64_t d = 0; d < D; ++d) {
       dq[d] += scale * dscore * read(p.k, p.k_strides, j, h_kv, d);
       group.dk[kv + d] += scale * dscore * read(p.q, p.q_strides, row, h, d);
-      group.dv[kv + d] += probabilities[j] * read(bp.dout, bp.dout_strides, row, h, d);
+      group.dv[kv + d] += kept_probability * read(bp.dout, bp.dout_strides, row, h, d);
     }
   }
   return -std::exp(sink - shift) / sum * row_delta;

@@ -1,7 +1,7 @@
 // The standard path, as the seed describes it and as users would otherwise write it: per
 // (batch, head) the full seqlen_q x seqlen_kv score matrix A = Q·Kᵀ·scale (OpenBLAS sgemm),
 // the score modifiers (softcap, ALiBi), the mask, a row softmax with max subtraction (and the
-// sink in its normalizer), then O = P·V (sgemm).
+// sink in its normalizer), dropout when asked for, then O = P·V (sgemm).
 //
 // Memory: each thread holds one seqlen_q x seqlen_kv fp32 matrix (4 · Sq · Skv bytes, rows
 // padded to 16 floats: 4 MiB at S = 1024, 1 GiB at S = 16384) plus fp32 copies of Q, K, V and O for
@@ -16,10 +16,12 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/kernels/dropout.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "util/blas_lock.hpp"
 #include "util/convert.hpp"
+#include "util/dropout.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"
 #include "util/rows.hpp"
@@ -88,6 +90,10 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
     const cpu::RowNormalizer normalizer = softmax_row(p, b, h, row, scores, width, sink);
     t.empty_rows[static_cast<std::size_t>(row)] = normalizer.empty;
     if (p.lse) p.lse[p.lse_index(b, h, row)] = normalizer.lse;
+    if (p.dropout.on()) {
+      cpu::apply_dropout(scores, 0, Skv,
+                         {&p.dropout, dropout_stream(p, b, h), static_cast<std::uint32_t>(row)});
+    }
   }
   // O = P·V                                                    [Sq x D]
   float* out = nullptr;

@@ -6,11 +6,14 @@
 //   dP = dO·Vᵀ                           [Sq x Skv]   (sgemm)
 //   dS = scale · P ∘ (dP − rowsum(dO∘O)) ∘ dZ/dX  [Sq x Skv]  (dZ/dX = 1 − tanh² under a softcap)
 //   dQ = dS·K,  dK += dSᵀ·Q              (sgemm)
+// With dropout (M: 1/(1 − p) where the forward kept a key, else 0) dV takes P ∘ M and dP is
+// multiplied by M before dS.
 // A task is one (batch, KV head): the query heads of its GQA group add into its dK and dV in a
 // fixed order, so the result does not depend on the thread count.
 //
-// Memory: per thread two Sq x Skv fp32 matrices (P and dP/dS: 2 GiB at S = 16384), fp32 dK and
-// dV accumulators for one KV head, and fp32 copies of operands sgemm cannot read in place.
+// Memory: per thread two Sq x Skv fp32 matrices (P and dP/dS: 2 GiB at S = 16384; four with
+// dropout, M and P ∘ M), fp32 dK and dV accumulators for one KV head, and fp32 copies of operands
+// sgemm cannot read in place.
 
 #include <cblas.h>
 #include <omp.h>
@@ -20,10 +23,12 @@
 #include <vector>
 
 #include "api/backends.hpp"
+#include "cpu/kernels/dropout.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/kernels/visible_gradients.hpp"
 #include "util/blas_lock.hpp"
+#include "util/dropout.hpp"
 #include "util/omp_threads.hpp"
 #include "util/parallel.hpp"
 #include "util/rows.hpp"
@@ -36,6 +41,8 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 struct BackwardScratch {
   std::vector<float> probabilities, dscores, dk, dv, dq, delta, lse;
   std::vector<float> softcap_derivative;  // d logit / dx, [Sq x width], under a softcap only
+  // With dropout only, [Sq x width] each: the mask M (1/(1 − p) where kept, else 0) and P ∘ M.
+  std::vector<float> dropout_multipliers, kept_probabilities;
   std::vector<float> q_copy, k_copy, v_copy, dout_copy;
 };
 
@@ -53,6 +60,13 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
   t.lse.resize(static_cast<std::size_t>(Sq));
   const bool capped = p.modifiers.softcap > 0.0f;
   if (capped) t.softcap_derivative.assign(static_cast<std::size_t>(Sq * width), 0.0f);
+  if (p.dropout.on()) {
+    t.dropout_multipliers.assign(static_cast<std::size_t>(Sq * width), 0.0f);
+    t.kept_probabilities.assign(static_cast<std::size_t>(Sq * width), 0.0f);
+  }
+  // What dV += Pᵀ·dO takes: P ∘ M with dropout.
+  const float* value_probabilities =
+      p.dropout.on() ? t.kept_probabilities.data() : t.probabilities.data();
   const Matrix k = gather_rows(t.k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
   const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
 
@@ -84,14 +98,29 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
       }
       cpu::probabilities_from_lse_tile(t.probabilities.data(), width, 1.0f, t.lse.data(), Sq,
                                        width);
+      if (p.dropout.on()) {
+        for (std::int64_t row = 0; row < Sq; ++row) {
+          float* multipliers = t.dropout_multipliers.data() + row * width;
+          cpu::dropout_multipliers(
+              multipliers, 0, Skv,
+              {&p.dropout, dropout_stream(p, b, h), static_cast<std::uint32_t>(row)});
+          for (std::int64_t j = 0; j < Skv; ++j) {
+            t.kept_probabilities[row * width + j] =
+                t.probabilities[row * width + j] * multipliers[j];
+          }
+        }
+      }
       // dV += Pᵀ·dO                                                [Skv x D]
       if (!visible_only) {
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f,
-                    t.probabilities.data(), width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, value_probabilities,
+                    width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
       }
       // dP = dO·Vᵀ, then dS = scale · P ∘ (dP − D_i)                 [Sq x Skv]
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, 1.0f, dout.data, dout.stride,
                   v.data, v.stride, 0.0f, t.dscores.data(), width);
+      if (p.dropout.on()) {
+        for (std::int64_t i = 0; i < Sq * width; ++i) t.dscores[i] *= t.dropout_multipliers[i];
+      }
       cpu::softmax_gradient_tile(t.dscores.data(), width, t.probabilities.data(), width,
                                  t.delta.data(), bp.dlogits ? 1.0f : p.scale, Sq, width);
       if (bp.dlogits != nullptr) {
@@ -120,7 +149,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
                                        Skv,
                                        D,
                                        t.lse.data(),
-                                       t.probabilities.data(),
+                                       value_probabilities,
                                        t.dscores.data(),
                                        width,
                                        q.data,

@@ -18,7 +18,7 @@ struct VisibleGradientTile {
   std::int64_t batch, head;
   std::int64_t row_begin, rows, key_begin, keys, head_dim;
   const float* lse;            // [rows], the forward's as the backward reads it
-  const float* probabilities;  // P [rows x keys]
+  const float* probabilities;  // P [rows x keys] (P ∘ M with dropout: what dV takes)
   const float* dscores;        // dS, scaled [rows x keys]
   std::int64_t ld_scores;
   const float* q;  // [rows x head_dim]

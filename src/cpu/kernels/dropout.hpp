@@ -1,0 +1,25 @@
+#pragma once
+
+// The dropout mask of util/dropout.hpp on one row of a probability tile, generated with SIMD
+// (Philox on a vector of counters, one Highway target per CPU) and applied as it is generated.
+
+#include <cstdint>
+
+#include "api/params.hpp"
+
+namespace flashattn::detail::cpu {
+
+// One row's coordinates in the mask: its stream ((first_batch + b) · heads_q + h) and row.
+struct DropoutRow {
+  const Dropout* dropout;
+  std::uint32_t stream, row;
+};
+
+// The row's mask on keys [key_begin, key_begin + n), values[i] holding key key_begin + i:
+//   apply_dropout:        values[i] = kept ? values[i] · scale : 0
+//   dropout_multipliers:  values[i] = kept ? scale : 0
+void apply_dropout(float* values, std::int64_t key_begin, std::int64_t n, const DropoutRow& row);
+void dropout_multipliers(float* values, std::int64_t key_begin, std::int64_t n,
+                         const DropoutRow& row);
+
+}  // namespace flashattn::detail::cpu
