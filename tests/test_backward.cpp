@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -632,6 +633,51 @@ TEST(Backward, BadInputNamesTheArgument) {
                                        p.lse.data(), dq.view, aliased, dv.view);
             }).find("dv: expected memory disjoint from dk"),
             std::string::npos);
+}
+
+// dq, dk and dv may interleave in one buffer, as FlashAttention's packed gradient dqkv
+// [B, S, 3, H, D] holds them: the same bits as three separate buffers, on every path. Views that
+// share one element, or interleave with other strides, are refused.
+TEST(Backward, GradientsInterleavedInOnePackedBufferAreAccepted) {
+  constexpr std::int64_t B = 2, S = 37, H = 3, D = 24;
+  const BackwardCase c{B, S, S, H, H, D};
+  const Problem p(c, test_seed());
+  const std::array<std::int64_t, 4> shape{B, S, H, D};
+  const std::array<std::int64_t, 4> packed_strides{S * 3 * H * D, 3 * H * D, D, 1};
+  for (AttentionImpl impl :
+       {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+    Tensor dq(DType::f32, shape), dk(DType::f32, shape), dv(DType::f32, shape);
+    attention_backward(impl, p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(),
+                       dq.view, dk.view, dv.view);
+    std::vector<float> packed(static_cast<std::size_t>(B * S * 3 * H * D), NAN);
+    auto part = [&](std::int64_t i) {
+      return TensorView{packed.data() + i * H * D, DType::f32, shape, packed_strides};
+    };
+    attention_backward(impl, p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(),
+                       part(0), part(1), part(2));
+    const Tensor* separate[] = {&dq, &dk, &dv};
+    for (std::int64_t i = 0; i < 3; ++i) {
+      separate[i]->for_each_index([&](auto b, auto s, auto h, auto d) {
+        const float got =
+            packed[static_cast<std::size_t>(((b * S + s) * 3 + i) * H * D + h * D + d)];
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(got),
+                  std::bit_cast<std::uint32_t>(separate[i]->at(b, s, h, d)))
+            << impl_name(impl) << " gradient " << i << " at " << b << " " << s << " " << h << " "
+            << d;
+      });
+    }
+    // One element shared: dk shifted onto the last element of dq's first row.
+    TensorView shifted = part(1);
+    shifted.data = packed.data() + 3 * H * D - 1;
+    EXPECT_THROW(attention_backward(impl, p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
+                                    p.lse.data(), part(0), shifted, part(2)),
+                 Error);
+    // dk contiguous inside dq's span (other strides): refused by the spans, as before.
+    const TensorView contiguous{packed.data() + 1, DType::f32, shape, contiguous_strides(shape)};
+    EXPECT_THROW(attention_backward(impl, p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
+                                    p.lse.data(), part(0), contiguous, part(2)),
+                 Error);
+  }
 }
 
 }  // namespace

@@ -12,7 +12,10 @@ namespace flashattn {
 // All tensors share q's dtype; gradients are accumulated in fp32 and written once (not added
 // to what dq, dk, dv held). Same options as the forward. A fully masked row contributes
 // nothing: its dq row is 0. Invalid arguments raise flashattn::Error before anything is written.
-// Results are bitwise identical for any thread count.
+// Results are bitwise identical for any thread count. The gradients must not overlap the inputs
+// or each other, except that dq, dk and dv of one dtype, shape and strides may interleave in one
+// buffer as long as no element is shared (FlashAttention's packed dqkv [B, S, 3, H, D]).
+// With options.dropout_p, the same dropout_seed and dropout_offset as the forward's.
 
 // Gradients of the score modifiers' own inputs (options.hpp), written when a pointer is given.
 struct ModifierGradients {

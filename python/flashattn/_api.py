@@ -443,16 +443,56 @@ def _unpacked(packed: Any, name: str, ndim: int, count: int) -> Tuple[Any, ...]:
     return tuple(packed[(slice(None),) * axis + (i,)] for i in range(count))
 
 
+def _packed_op_applies(packed: Any, kwargs: dict) -> bool:
+    """Whether a packed call on torch tensors goes through the packed op (its gradient written
+    into one tensor): all but those with a bias or mask, which take flash_attn_func's path."""
+    return (_is_torch(packed) and kwargs.get("attn_bias") is None
+            and kwargs.get("attn_mask") is None)
+
+
+def _packed_torch(q, packed, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
+                  window_size, softcap, alibi_slopes, return_attn_probs, *, sinks=None,
+                  return_lse: bool = False, num_threads: int = 0, impl: str = "flash",
+                  dropout_seed: Optional[int] = None, dropout_offset: int = 0):
+    """A packed variant on torch tensors through _torch_ops.packed_fwd: the forward reads the
+    views, the backward writes the packed gradient into one tensor."""
+    from . import _torch_ops
+    if q is not None:
+        _same_framework(q, "q", "torch")
+    impl = _impl(impl)
+    dropout_p = _dropout.check_p(dropout_p)
+    rng = _dropout.draw("torch", dropout_p, dropout_seed, dropout_offset)
+    left, right = _window(window_size)
+    varlen = cu_seqlens_q is not None
+    cu_q = _torch_int32(cu_seqlens_q, "cu_seqlens_q") if varlen else None
+    cu_k = _torch_int32(cu_seqlens_k, "cu_seqlens_k") if varlen else None
+    out, lse = _torch_ops.packed_attention(
+        q, packed, cu_q, cu_k, _torch_vector(alibi_slopes, "alibi_slopes"),
+        _torch_vector(sinks, "sinks"), _scale(softmax_scale), bool(causal), left, right,
+        float(softcap), int(num_threads), impl, dropout_p, rng)
+    s_dmask = None
+    if return_attn_probs and dropout_p > 0.0:
+        axis = packed.dim() - 3
+        keys = packed.select(axis, packed.shape[axis] - 2)
+        queries = packed.select(axis, 0) if q is None else q
+        s_dmask = _dropout.s_dmask(queries, keys, rng, dropout_p, softmax_scale, causal,
+                                   (left, right), float(softcap), alibi_slopes, cu_q, cu_k)
+    return _results(out, lse, return_lse, return_attn_probs, s_dmask)
+
+
 def flash_attn_qkvpacked_func(qkv, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                               causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                               softcap: float = 0.0, alibi_slopes=None,
                               deterministic: bool = False, return_attn_probs: bool = False,
                               **kwargs):
     """flash_attn_func on q, k, v stacked in one qkv [B, S, 3, H, D], as FlashAttention's: the
-    three are read in place (views of qkv, no copy), and with autograd the gradient arrives in
-    one tensor, qkv.grad. kwargs: flash_attn_func's keyword-only options (sinks, return_lse,
-    num_threads, impl, ...)."""
+    three are read in place (views of qkv, no copy), and with autograd the backward writes dq,
+    dk, dv straight into one gradient shaped as qkv. kwargs: flash_attn_func's keyword-only
+    options (sinks, return_lse, num_threads, impl, dropout_seed, ...)."""
     q, k, v = _unpacked(qkv, "qkv", 5, 3)
+    if _packed_op_applies(qkv, kwargs):
+        return _packed_torch(None, qkv, None, None, dropout_p, softmax_scale, causal, window_size,
+                             softcap, alibi_slopes, return_attn_probs, **kwargs)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, **kwargs)
 
@@ -462,8 +502,12 @@ def flash_attn_kvpacked_func(q, kv, dropout_p: float = 0.0, softmax_scale: Optio
                              softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
                              return_attn_probs: bool = False, **kwargs):
     """flash_attn_func with k, v stacked in one kv [B, Skv, 2, Hkv, D] (GQA: Hq % Hkv == 0), read
-    in place; with autograd the gradient of both arrives in kv.grad."""
+    in place; with autograd the backward writes dk, dv straight into one gradient shaped as
+    kv."""
     k, v = _unpacked(kv, "kv", 5, 2)
+    if _packed_op_applies(kv, kwargs):
+        return _packed_torch(q, kv, None, None, dropout_p, softmax_scale, causal, window_size,
+                             softcap, alibi_slopes, return_attn_probs, **kwargs)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, **kwargs)
 
@@ -477,6 +521,9 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen=None, dropout_p
     """flash_attn_varlen_func on qkv [total, 3, H, D] (the sequences packed one after the other,
     cu_seqlens [B + 1] for queries and keys alike), read in place."""
     q, k, v = _unpacked(qkv, "qkv", 4, 3)
+    if _packed_op_applies(qkv, kwargs):
+        return _packed_torch(None, qkv, cu_seqlens, cu_seqlens, dropout_p, softmax_scale, causal,
+                             window_size, softcap, alibi_slopes, return_attn_probs, **kwargs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, **kwargs)
@@ -490,6 +537,9 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     return_attn_probs: bool = False, **kwargs):
     """flash_attn_varlen_func with k, v stacked in one kv [total_k, 2, Hkv, D], read in place."""
     k, v = _unpacked(kv, "kv", 4, 2)
+    if _packed_op_applies(kv, kwargs):
+        return _packed_torch(q, kv, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal,
+                             window_size, softcap, alibi_slopes, return_attn_probs, **kwargs)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic, return_attn_probs,

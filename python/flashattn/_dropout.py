@@ -141,15 +141,20 @@ def s_dmask(q: Any, k: Any, rng: Any, dropout_p: float, softmax_scale: Optional[
     heads_q = q64.shape[-2]
     rows = _round(max((s[0].shape[0] for s in sequences), default=0))
     keys = _round(max((s[1].shape[0] for s in sequences), default=0))
-    result = np.zeros((len(sequences), heads_q, rows, keys))
+    # In q's dtype from the start, as FlashAttention's: fp64 only one sequence at a time.
+    shape = (len(sequences), heads_q, rows, keys)
+    if framework == "torch":
+        import torch
+        result = torch.zeros(shape, dtype=q.dtype)
+    else:
+        result = np.zeros(shape, dtype=q.dtype)
     for b, (qb, kb) in enumerate(sequences):
         keep = np.empty((heads_q, qb.shape[0], kb.shape[0]), dtype=np.uint8)
         _flashattn.dropout_mask(options_["dropout_p"], options_["dropout_seed"],
                                 options_["dropout_offset"], b, keep)
         slope = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
-        result[b, :, :qb.shape[0], :kb.shape[0]] = _sequence_dmask(
-            qb, kb, keep, scale, causal, window, softcap, slope)
-    if framework == "torch":
-        import torch
-        return torch.from_numpy(result).to(q.dtype)
-    return result.astype(q.dtype)
+        sequence = _sequence_dmask(qb, kb, keep, scale, causal, window, softcap, slope)
+        if framework == "torch":
+            sequence = torch.from_numpy(sequence)
+        result[b, :, :qb.shape[0], :kb.shape[0]] = sequence
+    return result

@@ -244,6 +244,126 @@ def _(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, alibi_slopes
     return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
 
 
+# --- packed q, k, v: FlashAttention's qkvpacked and kvpacked variants ----------------------------
+#
+# The forward reads the packed tensor through views; the backward writes dq, dk, dv straight into
+# one gradient tensor shaped as the packed one (as FlashAttention's packed functions do), instead
+# of autograd's three zero-filled full-size tensors (one per view) and their sum.
+
+def _packed_views(q: Optional[Tensor], packed: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v): qkv [..., 3, H, D] when q is None, else kv [..., 2, Hkv, D] beside q."""
+    axis = packed.dim() - 3
+    parts = tuple(packed.select(axis, i) for i in range(packed.shape[axis]))
+    return parts if q is None else (q, *parts)
+
+
+def _packed_fwd(q: Optional[Tensor], packed: Tensor, cu_seqlens_q: Optional[Tensor],
+                cu_seqlens_k: Optional[Tensor], alibi_slopes: Optional[Tensor],
+                sinks: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+                window_left: int, window_right: int, softcap: float, num_threads: int, impl: str,
+                dropout_p: float = 0.0,
+                dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """fwd (or varlen_fwd, with cu_seqlens) of the views of the packed tensor."""
+    q, k, v = _packed_views(q, packed)
+    options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
+                       window_right, softcap, num_threads, dropout_p, dropout_rng)
+    if cu_seqlens_q is None:
+        return _api._forward_arrays("torch", q, k, v, options, impl)
+    return _api._varlen_forward_arrays("torch", q, k, v, cu_seqlens_q, cu_seqlens_k, options, impl)
+
+
+packed_fwd = torch.library.custom_op(f"{_LIB}::packed_fwd", _packed_fwd, mutates_args=())
+
+
+@packed_fwd.register_fake
+def _(q, packed, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale, causal,
+      window_left, window_right, softcap, num_threads, impl, dropout_p=0.0, dropout_rng=None):
+    query = _packed_views(q, packed)[0]
+    if cu_seqlens_q is None:
+        batch, seqlen_q, heads_q, _ = query.shape
+        lse_shape = (batch, heads_q, seqlen_q)
+    else:
+        lse_shape = (query.shape[1], query.shape[0])
+    return query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::packed_bwd", mutates_args=())
+def packed_bwd(dout: Tensor, q: Optional[Tensor], packed: Tensor, out: Tensor, lse: Tensor,
+               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+               alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
+               softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+               softcap: float, num_threads: int, impl: str, want_dsinks: bool,
+               dropout_p: float = 0.0,
+               dropout_rng: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dpacked, dsinks): dpacked shaped as packed, holding dk, dv (and dq for qkv, dq then
+    empty); dsinks float32 [Hq] when wanted, else empty."""
+    options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
+                       window_right, softcap, num_threads, dropout_p, dropout_rng)
+    dpacked = _empty_like(packed)
+    views = _packed_views(q, packed)
+    if q is None:
+        dq, dk, dv = _packed_views(None, dpacked)
+    else:
+        dq = _empty_like(q)
+        _, dk, dv = _packed_views(dq, dpacked)
+    heads_q = views[0].shape[-2]
+    dsinks = torch.empty(heads_q if want_dsinks else 0, dtype=torch.float32)
+    grads = (dq, dk, dv, dsinks if want_dsinks else None)
+    natives = [_api._native(x) for x in (_grad_output(dout), *views, out)]
+    if cu_seqlens_q is None:
+        _flashattn.backward(impl, *natives, lse, *grads[:3], grads[3], None, **options)
+    else:
+        _flashattn.varlen_backward(impl, *natives, lse, cu_seqlens_q, cu_seqlens_k, *grads,
+                                   **options)
+    return (torch.empty(0, dtype=dpacked.dtype) if q is None else dq), dpacked, dsinks
+
+
+@packed_bwd.register_fake
+def _(dout, q, packed, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale,
+      causal, window_left, window_right, softcap, num_threads, impl, want_dsinks, dropout_p=0.0,
+      dropout_rng=None):
+    heads_q = _packed_views(q, packed)[0].shape[-2]
+    dq = packed.new_empty((0,)) if q is None else q.new_empty(q.shape)
+    dsinks = packed.new_empty((heads_q if want_dsinks else 0,), dtype=torch.float32)
+    return dq, packed.new_empty(packed.shape), dsinks
+
+
+_PACKED_NAMES = ("q", "packed", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "sinks",
+                 "softmax_scale", "causal", "window_left", "window_right", "softcap",
+                 "num_threads", "impl", "dropout_p", "dropout_rng")
+
+
+def _packed_setup_context(ctx, inputs, output):
+    args = dict(zip(_PACKED_NAMES, inputs))
+    out, lse = output
+    ctx.save_for_backward(args["q"], args["packed"], out, lse, args["cu_seqlens_q"],
+                          args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"],
+                          args.get("dropout_rng"))
+    ctx.scalars = tuple(args[name] for name in _PACKED_NAMES[6:13])
+    ctx.dropout_p = args.get("dropout_p", 0.0)
+    ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
+    ctx.mark_non_differentiable(lse)
+
+
+def _packed_backward(ctx, dout, _dlse):
+    q, packed, out, lse, cu_q, cu_k, alibi_slopes, sinks, dropout_rng = ctx.saved_tensors
+    want_dsinks = sinks is not None and ctx.needs_input_grad[5]
+    dq, dpacked, dsinks = packed_bwd(dout, q, packed, out, lse, cu_q, cu_k, alibi_slopes, sinks,
+                                     *ctx.scalars, want_dsinks, ctx.dropout_p, dropout_rng)
+    return ((None if q is None else dq), dpacked, None, None, None,
+            dsinks.to(ctx.sinks_dtype) if want_dsinks else None) + (None,) * 9
+
+
+packed_fwd.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+
+
+def packed_attention(q, packed, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars):
+    """packed_fwd's (out, lse), as the op or directly (below); scalars as packed_fwd's."""
+    rng = scalars[8] if len(scalars) > 8 else None
+    call = packed_fwd if _as_op((q, packed, sinks, rng)) else _packed_fwd
+    return call(q, packed, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, *scalars)
+
+
 # --- KV cache: append in place, then attend -----------------------------------------------------
 
 def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
@@ -338,4 +458,5 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_
 
 def all_ops() -> List[object]:
     """Every op of the namespace, for opcheck."""
-    return [fwd, bwd, varlen_fwd, varlen_bwd, varlen_paged_fwd, kvcache_fwd]
+    return [fwd, bwd, varlen_fwd, varlen_bwd, varlen_paged_fwd, kvcache_fwd, packed_fwd,
+            packed_bwd]

@@ -69,6 +69,46 @@ def test_opcheck_varlen_forward_and_backward():
                                                   *SCALARS.values(), False))
 
 
+def test_opcheck_packed_forward_and_backward():
+    # qkv [B, S, 3, H, D] and q beside kv [B, S, 2, Hkv, D]; then varlen's [total, 3, H, D].
+    qkv, q, kv = tensors((1, 5, 3, 2, 8), (1, 5, 4, 8), (1, 7, 2, 2, 8), requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    rng = torch.tensor([3, 1, 7], dtype=torch.int64)
+    torch.library.opcheck(_torch_ops.packed_fwd, (None, qkv, None, None, None, None,
+                                                  *SCALARS.values(), 0.2, rng))
+    torch.library.opcheck(_torch_ops.packed_fwd, (q, kv, None, None, None, sinks,
+                                                  *SCALARS.values()))
+    out, lse = _torch_ops.packed_fwd(q.detach(), kv.detach(), None, None, None, None,
+                                     *SCALARS.values())
+    torch.library.opcheck(_torch_ops.packed_bwd, (torch.randn_like(out), q.detach(), kv.detach(),
+                                                  out, lse, None, None, None, None,
+                                                  *SCALARS.values(), False))
+    packed = tensors((9, 3, 2, 16), requires_grad=True)[0]
+    cu = torch.tensor([0, 2, 2, 9], dtype=torch.int32)
+    torch.library.opcheck(_torch_ops.packed_fwd, (None, packed, cu, cu, None, None,
+                                                  *SCALARS.values()))
+
+
+def test_packed_gradient_is_written_by_the_packed_op():
+    # The packed variants' backward is packed_bwd's one tensor, equal bit for bit to autograd's
+    # sum over the views of the unpacked call.
+    qkv = tensors((2, 21, 3, 4, 16), requires_grad=True)[0]
+    out = flashattn.flash_attn_qkvpacked_func(qkv, causal=True)
+    assert "packed_fwd" in out.grad_fn.name()
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    (want,) = torch.autograd.grad(flashattn.flash_attn_func(*qkv.unbind(2), causal=True), qkv,
+                                  dout)
+    assert torch.equal(dqkv, want)
+
+    def step(qkv):
+        return flashattn.flash_attn_qkvpacked_func(qkv, causal=True, softcap=10.0)
+
+    compiled = torch.compile(step, fullgraph=True)(qkv)
+    assert torch.equal(torch.autograd.grad(compiled, qkv, dout)[0],
+                       torch.autograd.grad(step(qkv), qkv, dout)[0])
+
+
 def test_opcheck_varlen_paged_forward():
     q, k_pages, v_pages = tensors((9, 4, 16), (6, 4, 2, 16), (6, 4, 2, 16))
     cu_q = torch.tensor([0, 2, 2, 9], dtype=torch.int32)
@@ -166,6 +206,7 @@ def test_fullgraph_compile_of_a_kvcache_decode_step_appends_in_place():
 def test_every_op_is_in_the_flashattn_namespace():
     names = {op._qualname for op in _torch_ops.all_ops()}
     assert names == {f"flashattn::{n}" for n in ("fwd", "bwd", "varlen_fwd", "varlen_bwd",
-                                                  "varlen_paged_fwd", "kvcache_fwd")}
+                                                  "varlen_paged_fwd", "kvcache_fwd", "packed_fwd",
+                                                  "packed_bwd")}
     for name in names:
         assert hasattr(torch.ops.flashattn, name.split("::")[1])

@@ -126,6 +126,45 @@ bool self_overlapping(const TensorView& view) {
   return false;
 }
 
+// Whether an element offset `delta` is Σ_d j_d·strides[d] with |j_d| < shape[d] over the dims
+// order[level..3] (strides descending): whether two views of the same shape and strides, `delta`
+// elements apart, share an element. With nested strides (not self_overlapping) the inner dims
+// reach less than one stride of the outer, so only the two multiples of that stride nearest to
+// delta can leave a remainder they reach; both are tried (at most 16 paths).
+bool reaches_offset(const TensorView& view, const std::array<int, 4>& order, int level,
+                    __int128 delta) {
+  if (level == 4) return delta == 0;
+  const int d = order[level];
+  const __int128 stride = view.strides[d];
+  if (view.shape[d] <= 1 || stride == 0) return reaches_offset(view, order, level + 1, delta);
+  __int128 low = delta / stride;
+  if (delta % stride != 0 && delta < 0) --low;  // floor
+  for (const __int128 j : {low, low + 1}) {
+    if (j > -view.shape[d] && j < view.shape[d] &&
+        reaches_offset(view, order, level + 1, delta - j * stride)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether two written views overlap. Views of one dtype with the same shape and strides that
+// interleave (dq, dk, dv of one packed gradient, [B, S, 3, H, D]) are disjoint when no element
+// of one is an element of the other; other pairs overlap when their byte spans do.
+bool written_views_overlap(const TensorView& a, const ByteSpan& a_span, const TensorView& b,
+                           const ByteSpan& b_span) {
+  if (!a_span.overlaps(b_span)) return false;
+  const auto element = static_cast<std::intptr_t>(dtype_size(a.dtype));
+  const std::intptr_t bytes = static_cast<const char*>(b.data) - static_cast<const char*>(a.data);
+  if (a.dtype != b.dtype || a.shape != b.shape || a.strides != b.strides || self_overlapping(a) ||
+      bytes % element != 0) {
+    return true;
+  }
+  std::array<int, 4> order = {0, 1, 2, 3};
+  std::sort(order.begin(), order.end(), [&](int x, int y) { return a.strides[x] > a.strides[y]; });
+  return reaches_offset(a, order, 0, bytes / element);
+}
+
 // A window wider than both sequences together is unbounded in effect; capping it there keeps
 // the mask arithmetic (diagonal ± window) inside 64 bits.
 std::int64_t cap_window(std::int64_t window, std::int64_t seqlen_q, std::int64_t seqlen_kv) {
@@ -610,7 +649,11 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
     }
     written_spans.push_back({"dbias", span});
   }
-  for (const auto& [name, view] : gradients) {
+  // dq, dk and dv may interleave in one buffer (a packed gradient) as long as no element is
+  // shared.
+  std::array<ByteSpan, 3> gradient_spans;
+  for (std::size_t g = 0; g < 3; ++g) {
+    const auto& [name, view] = gradients[g];
     if (self_overlapping(*view)) {
       fail(caller, name, ": expected strides that give every element its own address, got strides ",
            shape_string(view->strides), " for shape ", shape_string(view->shape));
@@ -626,7 +669,13 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
         fail(caller, name, ": expected memory disjoint from ", other, ", got overlapping buffers");
       }
     }
-    written_spans.push_back({name, span});
+    for (std::size_t other = 0; other < g; ++other) {
+      if (written_views_overlap(*view, span, *gradients[other].second, gradient_spans[other])) {
+        fail(caller, name, ": expected memory disjoint from ", gradients[other].first,
+             ", got overlapping buffers");
+      }
+    }
+    gradient_spans[g] = span;
   }
 
   params.dout = dout.data;
