@@ -1,5 +1,7 @@
 #include "openblas_core.hpp"
 
+#include <cblas.h>  // in a scipy-openblas build, maps openblas_get_corename to its prefixed name
+
 #include <algorithm>
 #include <array>
 #include <cstdio>

