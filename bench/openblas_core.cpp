@@ -44,10 +44,16 @@ std::optional<std::string> openblas_fallback_warning(std::string_view core,
 }
 
 std::optional<std::string> openblas_fallback_warning() {
+#ifdef FLASHATTN_BLAS_SCIPY_OPENBLAS
+  // scipy-openblas32 (the wheel's, FLASHATTN_BLAS=scipy-openblas) is a current OpenBLAS that knows
+  // the CPUs the system's falls back on: the warning is for builds against the system's.
+  return std::nullopt;
+#else
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   return openblas_fallback_warning(openblas_core(), coretype != nullptr ? coretype : "",
                                    __builtin_cpu_supports("avx512f"),
                                    __builtin_cpu_supports("avx2"));
+#endif
 }
 
 void print_warning(std::string_view text) {

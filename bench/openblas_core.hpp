@@ -30,7 +30,8 @@ std::optional<std::string> openblas_fallback_warning(std::string_view core,
                                                      std::string_view coretype_env, bool avx512f,
                                                      bool avx2);
 
-// The same for this process: its OpenBLAS, its environment and its CPU.
+// The same for this process: its OpenBLAS, its environment and its CPU. Nothing in the builds
+// against PyPI's scipy-openblas32 (FLASHATTN_BLAS=scipy-openblas), whose OpenBLAS is current.
 std::optional<std::string> openblas_fallback_warning();
 
 // Prints `text` to stdout as the tables' headers print their lines: "warning  " and then the
