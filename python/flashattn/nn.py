@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _torch_ops
+from . import _dropout, _torch_ops
 
 __all__ = ["MultiHeadAttention"]
 
@@ -27,14 +27,16 @@ class MultiHeadAttention(nn.Module):
     """Multi-head (or grouped-query) attention with its four projections.
 
     hidden: the model width; num_heads query heads of head_dim = hidden // num_heads;
-    num_kv_heads (default num_heads) KV heads, dividing num_heads; bias: the projections' bias.
-    Weights as torch.nn.Linear: q_proj, o_proj [hidden, hidden]; k_proj, v_proj
+    num_kv_heads (default num_heads) KV heads, dividing num_heads; bias: the projections' bias;
+    dropout: attention dropout in training mode (as torch.nn.MultiheadAttention's), its mask
+    drawn from torch's default generator. Weights as torch.nn.Linear: q_proj, o_proj [hidden, hidden]; k_proj, v_proj
     [num_kv_heads * head_dim, hidden] (torch's [out, in]).
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                 bias: bool = False, dtype: Optional[torch.dtype] = None):
+                 bias: bool = False, dtype: Optional[torch.dtype] = None, dropout: float = 0.0):
         super().__init__()
+        self.dropout = _dropout.check_p(dropout)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or hidden <= 0 or hidden % num_heads:
             raise ValueError(f"num_heads: expected a positive divisor of hidden = {hidden}, got "
@@ -70,6 +72,9 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(source).view(batch, source.shape[1], self.num_kv_heads, self.head_dim)
         left, right = window_size
         scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
+        dropout_p = self.dropout if self.training else 0.0
         out, _ = _torch_ops.attention(q, k, v, None, None, None, None, scale, bool(causal),
-                                      int(left), int(right), 0.0, 0, "flash", False)
+                                      int(left), int(right), 0.0, 0, "flash", False,
+                                      dropout_p=dropout_p,
+                                      dropout_rng=_dropout.draw("torch", dropout_p, None, 0))
         return self.o_proj(out.reshape(batch, seqlen, self.hidden))

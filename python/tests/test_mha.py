@@ -137,3 +137,27 @@ def test_nn_module_compiles_fullgraph_and_rejects_bad_shapes():
         MultiHeadAttention(32, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="num_heads: expected a positive divisor"):
         MultiHeadAttention(30, 4)
+
+
+@requires_torch
+def test_nn_module_dropout_applies_in_training_only():
+    # dropout as torch.nn.MultiheadAttention's: in training mode a step is reproduced by the seed
+    # and differs with another; in eval mode none. The attention of a training step is
+    # flash_attn_func's with the same draw from torch's generator.
+    from flashattn.nn import MultiHeadAttention
+    torch.manual_seed(0)
+    module = MultiHeadAttention(32, 4, num_kv_heads=2, dropout=0.4)
+    x = torch.randn(2, 17, 32)
+    module.train()
+    torch.manual_seed(5)
+    first = module(x, causal=True)
+    torch.manual_seed(5)
+    assert torch.equal(module(x, causal=True), first)
+    assert not torch.equal(module(x, causal=True), first)
+    first.square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters())
+    module.eval()
+    with torch.no_grad():
+        assert torch.equal(module(x, causal=True), module(x, causal=True))
+    with pytest.raises(ValueError, match=r"dropout_p: expected a value in \[0, 1\)"):
+        MultiHeadAttention(32, 4, dropout=1.0)
