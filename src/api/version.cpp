@@ -18,7 +18,8 @@ const char* blas() {
   return "plain-loop sgemm (FLASHATTN_PLAIN_BLAS)";
 #else
   static const std::string description = [] {
-    // openblas_get_config() reads "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64".
+    // openblas_get_config() reads e.g. "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell
+    // MAX_THREADS=64": its first two words are the name and the version.
     std::istringstream config(openblas_get_config());
     std::string name, number;
     config >> name >> number;
