@@ -4,7 +4,8 @@
 // score modifiers (softcap, ALiBi slopes of either length, sinks with or without dsinks, a bias
 // with or without dbias, a mask; each sometimes a value, length, shape or dsinks buffer the API
 // must refuse) and, for one input in eight,
-// a corruption that makes the call invalid. out and lse come from the flash forward of the same
+// a corruption that makes the call invalid (a dropout_p outside [0, 1) among them; dropout's own
+// backward is checked against the reference by tests/test_score_modifiers.cpp's grid). out and lse come from the flash forward of the same
 // inputs and valid modifiers, as in training.
 //
 // Invalid calls must raise flashattn::Error and leave dq, dk, dv and dsinks untouched. Valid
@@ -329,6 +330,9 @@ bool corrupt(Problem& p, int kind, Call& c) {
     case 12:
       p.options.num_threads = -1;
       return true;
+    case 13:
+      p.options.dropout_p = std::array<float, 3>{1.0f, -0.25f, NAN}[p.q.shape[1] % 3];
+      return true;
     default:
       return false;
   }
@@ -628,7 +632,7 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider in(data, size);
   const int corruption =
-      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 12) : -1;
+      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 13) : -1;
   Problem p = make_problem(in);
   try {
     flashattn::flash_attention_forward(p.view(p.q), p.view(p.k), p.view(p.v), p.view(p.out),

@@ -114,16 +114,22 @@ _FWD_NAMES = ("q", "k", "v", "alibi_slopes", "sinks", "attn_bias", "attn_mask", 
               "out_heads_first", "dropout_p", "dropout_rng")
 
 
-def _fwd_setup_context(ctx, inputs, output):
-    args = dict(zip(_FWD_NAMES, inputs))
-    out, lse = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["alibi_slopes"],
-                          args["sinks"], args["attn_bias"], args["attn_mask"],
-                          args.get("dropout_rng"))
-    ctx.scalars = tuple(args[name] for name in _FWD_NAMES[7:14])
+def _save_context(ctx, args: dict, lse: Tensor, tensors: tuple, scalar_names: tuple) -> None:
+    """What a forward op's backward reads: `tensors` and the dropout draw saved, the scalar
+    options in order, dropout's p, the sinks' dtype; lse has no gradient."""
+    ctx.save_for_backward(*tensors, args.get("dropout_rng"))
+    ctx.scalars = tuple(args[name] for name in scalar_names)
     ctx.dropout_p = args.get("dropout_p", 0.0)
     ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
     ctx.mark_non_differentiable(lse)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    args = dict(zip(_FWD_NAMES, inputs))
+    out, lse = output
+    _save_context(ctx, args, lse, (args["q"], args["k"], args["v"], out, lse,
+                                   args["alibi_slopes"], args["sinks"], args["attn_bias"],
+                                   args["attn_mask"]), _FWD_NAMES[7:14])
 
 
 def _fwd_backward(ctx, dout, _dlse):
@@ -199,13 +205,9 @@ _VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", 
 def _varlen_setup_context(ctx, inputs, output):
     args = dict(zip(_VARLEN_NAMES, inputs))
     out, lse = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"],
-                          args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"],
-                          args.get("dropout_rng"))
-    ctx.scalars = tuple(args[name] for name in _VARLEN_NAMES[7:14])
-    ctx.dropout_p = args.get("dropout_p", 0.0)
-    ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
-    ctx.mark_non_differentiable(lse)
+    _save_context(ctx, args, lse, (args["q"], args["k"], args["v"], out, lse,
+                                   args["cu_seqlens_q"], args["cu_seqlens_k"],
+                                   args["alibi_slopes"], args["sinks"]), _VARLEN_NAMES[7:14])
 
 
 def _varlen_backward(ctx, dout, _dlse):
@@ -336,13 +338,9 @@ _PACKED_NAMES = ("q", "packed", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", 
 def _packed_setup_context(ctx, inputs, output):
     args = dict(zip(_PACKED_NAMES, inputs))
     out, lse = output
-    ctx.save_for_backward(args["q"], args["packed"], out, lse, args["cu_seqlens_q"],
-                          args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"],
-                          args.get("dropout_rng"))
-    ctx.scalars = tuple(args[name] for name in _PACKED_NAMES[6:13])
-    ctx.dropout_p = args.get("dropout_p", 0.0)
-    ctx.sinks_dtype = None if args["sinks"] is None else args["sinks"].dtype
-    ctx.mark_non_differentiable(lse)
+    _save_context(ctx, args, lse, (args["q"], args["packed"], out, lse, args["cu_seqlens_q"],
+                                   args["cu_seqlens_k"], args["alibi_slopes"], args["sinks"]),
+                  _PACKED_NAMES[6:13])
 
 
 def _packed_backward(ctx, dout, _dlse):

@@ -121,19 +121,6 @@ void ApplyDropout(float* values, std::int64_t key_begin, std::int64_t n, const D
       [&](std::int64_t i, bool kept) { values[i] = kept ? values[i] * scale : 0.0f; });
 }
 
-void DropoutMultipliers(float* values, std::int64_t key_begin, std::int64_t n,
-                        const DropoutRow& row) {
-  const float scale = row.dropout->scale;
-  const DF df;
-  const auto scales = hn::Set(df, scale);
-  ForEachKeyVector(
-      key_begin, n, row,
-      [&](DF d, std::int64_t i, hn::Mask<DF> kept) {
-        hn::StoreU(hn::IfThenElseZero(kept, scales), d, values + i);
-      },
-      [&](std::int64_t i, bool kept) { values[i] = kept ? scale : 0.0f; });
-}
-
 #else  // HWY_SCALAR: one lane, no 64-bit view of it; the scalar definition itself.
 
 void ApplyDropout(float* values, std::int64_t key_begin, std::int64_t n, const DropoutRow& row) {
@@ -142,12 +129,6 @@ void ApplyDropout(float* values, std::int64_t key_begin, std::int64_t n, const D
         dropout_draw(*row.dropout, row.stream, row.row, key_begin + i) >= row.dropout->threshold;
     values[i] = kept ? values[i] * row.dropout->scale : 0.0f;
   }
-}
-
-void DropoutMultipliers(float* values, std::int64_t key_begin, std::int64_t n,
-                        const DropoutRow& row) {
-  for (std::int64_t i = 0; i < n; ++i) values[i] = 1.0f;
-  ApplyDropout(values, key_begin, n, row);
 }
 
 #endif  // HWY_TARGET != HWY_SCALAR
@@ -160,7 +141,6 @@ HWY_AFTER_NAMESPACE();
 namespace flashattn::detail::cpu {
 
 HWY_EXPORT(ApplyDropout);
-HWY_EXPORT(DropoutMultipliers);
 
 void apply_dropout(float* values, std::int64_t key_begin, std::int64_t n, const DropoutRow& row) {
   HWY_DYNAMIC_DISPATCH(ApplyDropout)(values, key_begin, n, row);
@@ -168,7 +148,8 @@ void apply_dropout(float* values, std::int64_t key_begin, std::int64_t n, const 
 
 void dropout_multipliers(float* values, std::int64_t key_begin, std::int64_t n,
                          const DropoutRow& row) {
-  HWY_DYNAMIC_DISPATCH(DropoutMultipliers)(values, key_begin, n, row);
+  std::fill_n(values, n, 1.0f);  // 1 · scale is scale exactly
+  HWY_DYNAMIC_DISPATCH(ApplyDropout)(values, key_begin, n, row);
 }
 
 }  // namespace flashattn::detail::cpu
