@@ -68,6 +68,20 @@ TEST(DropoutMask, EveryTargetMatchesTheDefinition) {
             << "key " << key_begin + i << " of [" << key_begin << ", " << key_begin + n << ")";
         ASSERT_EQ(multipliers[i], kept ? dropout.scale : 0.0f) << "key " << key_begin + i;
       }
+      // A tile of 3 rows of other coordinates in one call, rows ld = n + 5 apart.
+      const std::int64_t ld = n + 5;
+      std::vector<float> tile(static_cast<std::size_t>(3 * ld), 2.0f);
+      const detail::cpu::DropoutRow rows[] = {
+          row, {&dropout, row.stream + 1, row.row}, {&dropout, row.stream, row.row + 7}};
+      detail::cpu::apply_dropout_rows(tile.data(), ld, rows, 3, key_begin, n);
+      for (std::int64_t r = 0; r < 3; ++r) {
+        for (std::int64_t i = 0; i < ld; ++i) {
+          const bool kept = i < n && detail::dropout_draw(dropout, rows[r].stream, rows[r].row,
+                                                          key_begin + i) >= dropout.threshold;
+          const float want = i >= n ? 2.0f : (kept ? 2.0f * dropout.scale : 0.0f);
+          ASSERT_EQ(tile[r * ld + i], want) << "tile row " << r << ", key " << key_begin + i;
+        }
+      }
     }
   });
 }

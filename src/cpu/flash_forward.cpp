@@ -284,13 +284,14 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
                                Dp);
       if (!p.dropout.on()) continue;
       // Dropout after the row sums took P: it changes what P·V adds, not the softmax.
+      cpu::DropoutRow rows_of_group[kSoftmaxGroupRows];
       for (std::int64_t i = group; i < group_end; ++i) {
         const std::int64_t row = row_lo + i;
-        cpu::apply_dropout(scores + i * ld_scores + key_begin, kv.begin + key_begin,
-                           key_end - key_begin,
-                           {&p.dropout, dropout_stream(p, task.b, task.head(row)),
-                            static_cast<std::uint32_t>(task.position(row))});
+        rows_of_group[i - group] = {&p.dropout, dropout_stream(p, task.b, task.head(row)),
+                                    static_cast<std::uint32_t>(task.position(row))};
       }
+      cpu::apply_dropout_rows(scores + group * ld_scores + key_begin, ld_scores, rows_of_group,
+                              group_end - group, kv.begin + key_begin, key_end - key_begin);
     }
     if (kv.blocked_pv && products != cpu::Bf16Products::widened) {
       // P is rounded to bf16 only as the operand of P·V (docs/design.md, "The contract",

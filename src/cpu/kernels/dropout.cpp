@@ -133,6 +133,11 @@ void ApplyDropout(float* values, std::int64_t key_begin, std::int64_t n, const D
 
 #endif  // HWY_TARGET != HWY_SCALAR
 
+void ApplyDropoutRows(float* values, std::int64_t ld, const DropoutRow* rows, std::int64_t count,
+                      std::int64_t key_begin, std::int64_t n) {
+  for (std::int64_t r = 0; r < count; ++r) ApplyDropout(values + r * ld, key_begin, n, rows[r]);
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashattn::detail::cpu
 HWY_AFTER_NAMESPACE();
@@ -141,9 +146,15 @@ HWY_AFTER_NAMESPACE();
 namespace flashattn::detail::cpu {
 
 HWY_EXPORT(ApplyDropout);
+HWY_EXPORT(ApplyDropoutRows);
 
 void apply_dropout(float* values, std::int64_t key_begin, std::int64_t n, const DropoutRow& row) {
   HWY_DYNAMIC_DISPATCH(ApplyDropout)(values, key_begin, n, row);
+}
+
+void apply_dropout_rows(float* values, std::int64_t ld, const DropoutRow* rows, std::int64_t count,
+                        std::int64_t key_begin, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ApplyDropoutRows)(values, ld, rows, count, key_begin, n);
 }
 
 void dropout_multipliers(float* values, std::int64_t key_begin, std::int64_t n,
