@@ -68,6 +68,10 @@ TEST(DropoutMask, EveryTargetMatchesTheDefinition) {
             << "key " << key_begin + i << " of [" << key_begin << ", " << key_begin + n << ")";
         ASSERT_EQ(multipliers[i], kept ? dropout.scale : 0.0f) << "key " << key_begin + i;
       }
+      // A NaN probability stays NaN where dropped too (0 · NaN), as the reference's weight.
+      std::vector<float> nans(static_cast<std::size_t>(n), NAN);
+      detail::cpu::apply_dropout(nans.data(), key_begin, n, row);
+      for (std::int64_t i = 0; i < n; ++i) ASSERT_TRUE(std::isnan(nans[i])) << "key " << i;
       // A tile of 3 rows of other coordinates in one call, rows ld = n + 5 apart.
       const std::int64_t ld = n + 5;
       std::vector<float> tile(static_cast<std::size_t>(3 * ld), 2.0f);

@@ -115,10 +115,10 @@ void ApplyDropout(float* values, std::int64_t key_begin, std::int64_t n, const D
   ForEachKeyVector(
       key_begin, n, row,
       [&](DF d, std::int64_t i, hn::Mask<DF> kept) {
-        hn::StoreU(hn::IfThenElseZero(kept, hn::Mul(hn::LoadU(d, values + i), scales)), d,
+        hn::StoreU(hn::Mul(hn::LoadU(d, values + i), hn::IfThenElseZero(kept, scales)), d,
                    values + i);
       },
-      [&](std::int64_t i, bool kept) { values[i] = kept ? values[i] * scale : 0.0f; });
+      [&](std::int64_t i, bool kept) { values[i] *= kept ? scale : 0.0f; });
 }
 
 #else  // HWY_SCALAR: one lane, no 64-bit view of it; the scalar definition itself.
@@ -127,7 +127,7 @@ void ApplyDropout(float* values, std::int64_t key_begin, std::int64_t n, const D
   for (std::int64_t i = 0; i < n; ++i) {
     const bool kept =
         dropout_draw(*row.dropout, row.stream, row.row, key_begin + i) >= row.dropout->threshold;
-    values[i] = kept ? values[i] * row.dropout->scale : 0.0f;
+    values[i] *= kept ? row.dropout->scale : 0.0f;
   }
 }
 

@@ -16,7 +16,7 @@ struct DropoutRow {
 };
 
 // The row's mask on keys [key_begin, key_begin + n), values[i] holding key key_begin + i:
-//   apply_dropout:        values[i] = kept ? values[i] · scale : 0
+//   apply_dropout:        values[i] ·= kept ? scale : 0  (a NaN stays NaN, as the reference's)
 //   dropout_multipliers:  values[i] = kept ? scale : 0
 void apply_dropout(float* values, std::int64_t key_begin, std::int64_t n, const DropoutRow& row);
 void dropout_multipliers(float* values, std::int64_t key_begin, std::int64_t n,
