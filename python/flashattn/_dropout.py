@@ -122,7 +122,7 @@ def s_dmask(q: Any, k: Any, rng: Any, dropout_p: float, softmax_scale: Optional[
     def as_f64(x):
         if x is None:
             return None
-        if framework == "torch":
+        if hasattr(x, "detach"):  # a torch tensor
             return x.detach().to("cpu").double().numpy()
         return np.asarray(x, dtype=np.float64)
 
