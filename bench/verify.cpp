@@ -37,15 +37,7 @@ DType parse_dtype(const std::string& name) {
 }
 
 double machine_epsilon(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return 0x1p-23;
-    case DType::f16:
-      return 0x1p-10;
-    case DType::bf16:
-      return 0x1p-7;
-  }
-  return 0x1p-23;
+  return std::ldexp(1.0, 1 - dtype_traits(dtype).significand_bits);
 }
 
 HostTensor random_tensor(DType dtype, std::array<std::int64_t, 4> shape, std::mt19937_64& rng) {

@@ -76,6 +76,10 @@ double half_smallest_denormal(DType dtype) {
       return 0x1p-25;
     case DType::bf16:
       return 0x1p-134;
+    case DType::int8:
+    case DType::fp8_e4m3:
+    case DType::fp8_e5m2:
+      break;  // cache dtypes: no attention output takes them
   }
   return 0.0;
 }

@@ -94,15 +94,7 @@ void on_every_target(const Check& check) {
 
 // Unit roundoff of a storage dtype (half an ulp at 1).
 inline double unit_roundoff(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return 0x1p-24;
-    case DType::f16:
-      return 0x1p-11;
-    case DType::bf16:
-      return 0x1p-8;
-  }
-  return 0.0;
+  return std::ldexp(1.0, -dtype_traits(dtype).significand_bits);
 }
 
 // docs/design.md, "The contract" lets the probabilities be rounded to the input dtype as the

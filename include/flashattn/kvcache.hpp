@@ -36,10 +36,23 @@ namespace flashattn {
 // prompt prefix) but not written by two sequences, nor twice by one, in the same call. The
 // pointer decides: a paged cache needs a non-null block_table even when no sequence has a page
 // yet (an empty std::vector's data() may be null; reserve it).
+//
+// A quantized cache (k and v of dtype int8, fp8_e4m3 or fp8_e5m2, both the same) holds codes;
+// its values are code · scale, exactly (docs/semantics.md, "Quantized KV caches"). The scales
+// are fp32 views k_scale, v_scale [k.shape[0], k.shape[1], heads_kv, groups] beside the cache:
+// element (i, j, h, g) scales dims [g·D/groups, (g + 1)·D/groups) of row (i, j, h) of the cache,
+// groups dividing head_dim (1: one scale per row; D/32: llama.cpp's q8_0 blocks of 32). Strides
+// of 0 broadcast one scale over a dim: strides {0, 0, 1, 0} give a scale per KV head and all 0
+// one per tensor (vLLM's k_scale, v_scale). Appended rows (NewKeysValues) are quantized into the
+// cache: int8 computes each new row's scales from its values and writes them (its scales then
+// need one element per (row, group): no 0 strides), fp8 divides by the scales there. Scales are
+// not checked: a NaN scale makes its values NaN (the int8 quantizer writes one for a row holding
+// a NaN or an infinity). Rows of f32, f16 and bf16 caches take no scales.
 struct KVCacheView {
   TensorView k, v;
   const std::int32_t* block_table = nullptr;
   std::int64_t pages_per_sequence = 0;
+  TensorView k_scale{}, v_scale{};  // quantized caches only
 };
 
 // The new rows to append, [batch, Snew, heads_kv, head_dim], in the cache's dtype or in q's
@@ -112,5 +125,17 @@ void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cach
                                const KVCacheOptions& cache_options, const TensorView& out,
                                float* lse, const AttentionOptions& options = {},
                                AttentionImpl impl = AttentionImpl::flash);
+
+// Rows of a compute dtype quantized into a quantized cache, as kvcache_attention_forward
+// quantizes appended rows (a prefill's K or V, say):
+//   values  [batch, seq, heads_kv, head_dim], f32, f16 or bf16
+//   cache   the same shape, int8, fp8_e4m3 or fp8_e5m2: a dense cache, or a page's rows
+//   scales  fp32 [batch, seq, heads_kv, groups] as KVCacheView's k_scale: int8 writes them (one
+//           element per row and group), fp8 reads them (0 strides broadcast)
+// Rounding, saturation, zeros and non-finite values: docs/semantics.md, "Quantized KV caches".
+// num_threads as AttentionOptions' (0: OpenMP's default). Invalid arguments raise
+// flashattn::Error before anything is written.
+void quantize_kv(const ConstTensorView& values, const TensorView& cache, const TensorView& scales,
+                 int num_threads = 0);
 
 }  // namespace flashattn

@@ -58,4 +58,12 @@ void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cach
   });
 }
 
+void quantize_kv(const ConstTensorView& values, const TensorView& cache, const TensorView& scales,
+                 int num_threads) {
+  constexpr const char* caller = "quantize_kv";
+  detail::out_of_memory_as_error(caller, [&] {
+    detail::quantize_rows(detail::make_quantize_params(caller, values, cache, scales, num_threads));
+  });
+}
+
 }  // namespace flashattn

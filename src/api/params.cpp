@@ -84,8 +84,14 @@ ByteSpan byte_span(const char* caller, const char* name, const View& view) {
   return {begin, end};
 }
 
+// A view's dims, strides and pointer; its dtype a compute dtype (f32, f16, bf16) unless
+// `cache` (a KV cache, which also takes the quantized ones: flashattn/dtype.hpp).
 template <class View>
-void check_view(const char* caller, const char* name, const View& view) {
+void check_view(const char* caller, const char* name, const View& view, bool cache = false) {
+  if (is_quantized(view.dtype) && !cache) {
+    fail(caller, name, ": expected dtype f32, f16 or bf16, got ", dtype_name(view.dtype),
+         " (a cache dtype, which only the KV-cache call takes)");
+  }
   for (int d = 0; d < 4; ++d) {
     if (view.shape[d] < 0) {
       fail(caller, name, ": expected non-negative dims, got shape ", shape_string(view.shape));
@@ -393,6 +399,9 @@ ScoreModifiers checked_modifiers(const char* caller, const AttentionOptions& opt
     }
   } else {
     if (options.bias.data != nullptr) {
+      if (is_quantized(options.bias.dtype)) {
+        fail(caller, "bias: expected dtype f32, f16 or bf16, got ", dtype_name(options.bias.dtype));
+      }
       modifiers.bias = checked_logit_view(caller, "bias", options.bias, *logit_shape, written);
       modifiers.bias.dtype = options.bias.dtype;
     }
@@ -691,6 +700,41 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
   return params;
 }
 
+// The scales `name` of a quantized cache `cache` (flashattn/kvcache.hpp, KVCacheView): fp32
+// [cache dims 0 and 1, heads_kv, groups], groups dividing head_dim, non-negative strides (0
+// broadcasts); when `written` (int8 rows appended), one element per (row, group).
+ScaleView checked_scales(const char* caller, const char* name, const TensorView& scales,
+                         const ConstTensorView& cache, std::int64_t head_dim, bool written) {
+  const std::int64_t groups = scales.shape[3];
+  if (scales.shape[0] != cache.shape[0] || scales.shape[1] != cache.shape[1] ||
+      scales.shape[2] != cache.shape[2] || groups < 1 || head_dim % groups != 0) {
+    fail(caller, name, ": expected shape [", cache.shape[0], ", ", cache.shape[1], ", ",
+         cache.shape[2],
+         ", groups] (the cache's leading dims, groups dividing head_dim = ", head_dim, "), got ",
+         shape_string(scales.shape));
+  }
+  if (scales.dtype != DType::f32) {
+    fail(caller, name, ": expected dtype f32, got ", dtype_name(scales.dtype));
+  }
+  for (int d = 0; d < 4; ++d) {
+    if (scales.strides[d] < 0) {
+      fail(caller, name, ": expected non-negative strides, got strides ",
+           shape_string(scales.strides));
+    }
+  }
+  if (scales.data == nullptr && scales.numel() > 0) {
+    fail(caller, name, ": expected fp32 scales for the ", dtype_name(cache.dtype),
+         " cache, got null");
+  }
+  if (written && self_overlapping(scales)) {
+    fail(caller, name, ": expected one element per (row, KV head, group) (the ",
+         dtype_name(cache.dtype), " cache's appended rows write their scales), got strides ",
+         shape_string(scales.strides), " for shape ", shape_string(scales.shape));
+  }
+  return {static_cast<float*>(scales.data), strides_of(scales.strides), scales.strides[3], groups,
+          head_dim / groups};
+}
+
 KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
                                   const KVCacheView& cache, const std::int32_t* cache_seqlens,
                                   const NewKeysValues& new_kv, const KVCacheOptions& cache_options,
@@ -699,8 +743,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   const ConstTensorView k_cache = cache.k, v_cache = cache.v;
   check_view(caller, "q", q);
   check_view(caller, "out", out);
-  check_view(caller, "k_cache", k_cache);
-  check_view(caller, "v_cache", v_cache);
+  check_view(caller, "k_cache", k_cache, true);
+  check_view(caller, "v_cache", v_cache, true);
   const bool paged = cache.block_table != nullptr;
 
   if (out.dtype != q.dtype) {
@@ -712,9 +756,10 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
          dtype_name(v_cache.dtype));
   }
   const DType cache_dtype = k_cache.dtype;
-  if (cache_dtype != q.dtype && q.dtype != DType::f32) {
+  const bool quantized = is_quantized(cache_dtype);
+  if (cache_dtype != q.dtype && q.dtype != DType::f32 && !quantized) {
     fail(caller, "k_cache: expected dtype ", dtype_name(q.dtype), " (as q; only an f32 q takes a ",
-         "cache of another dtype), got ", dtype_name(cache_dtype));
+         "16-bit cache), got ", dtype_name(cache_dtype));
   }
 
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
@@ -756,7 +801,9 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
       fail(caller, "v_new: expected shape ", shape_string(new_kv.k.shape), " (as k_new), got ",
            shape_string(new_kv.v.shape));
     }
-    if (new_kv.k.dtype != cache_dtype && new_kv.k.dtype != q.dtype) {
+    // Into a quantized cache rows of any compute dtype are quantized (check_view refused the
+    // cache dtypes).
+    if (!quantized && new_kv.k.dtype != cache_dtype && new_kv.k.dtype != q.dtype) {
       fail(caller, "k_new: expected dtype ", dtype_name(cache_dtype), " (as the cache) or ",
            dtype_name(q.dtype), " (as q), got ", dtype_name(new_kv.k.dtype));
     }
@@ -769,6 +816,22 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
 
   const float scale = checked_scale(caller, options, head_dim);
   refuse_dropout(caller, options, "the KV-cache call (serving)");
+
+  ScaleView k_scale, v_scale;
+  if (quantized) {
+    const bool written = appending && seqlen_new > 0 && cache_dtype == DType::int8;
+    k_scale = checked_scales(caller, "k_scale", cache.k_scale, k_cache, head_dim, written);
+    v_scale = checked_scales(caller, "v_scale", cache.v_scale, v_cache, head_dim, written);
+  } else {
+    for (const auto& [name, view] :
+         {std::pair{"k_scale", &cache.k_scale}, {"v_scale", &cache.v_scale}}) {
+      if (view->data != nullptr) {
+        fail(caller, name, ": expected none for a ", dtype_name(cache_dtype),
+             " cache (scales belong to int8 and fp8 caches), got a ", shape_string(view->shape),
+             " view");
+      }
+    }
+  }
 
   // Every sequence's length, and for a paged cache the pages it reads and writes.
   if (batch > 0 && cache_seqlens == nullptr) {
@@ -892,10 +955,21 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   const std::int64_t rotary_values = rotating ? rotary.positions * (rotary.rotary_dim / 2) : 0;
   const ByteSpan cos_span = float_span(caller, "rotary_cos", rotary.cos, rotary_values);
   const ByteSpan sin_span = float_span(caller, "rotary_sin", rotary.sin, rotary_values);
-  const std::pair<const char*, ByteSpan> spans[] = {
-      {"q", q_span},         {"k_cache", k_cache_span}, {"v_cache", v_cache_span},
-      {"k_new", k_new_span}, {"v_new", v_new_span},     {"out", out_span},
-      {"lse", lse_span},     {"rotary_cos", cos_span},  {"rotary_sin", sin_span}};
+  const ByteSpan k_scale_span =
+      quantized ? byte_span(caller, "k_scale", cache.k_scale) : ByteSpan{};
+  const ByteSpan v_scale_span =
+      quantized ? byte_span(caller, "v_scale", cache.v_scale) : ByteSpan{};
+  const std::pair<const char*, ByteSpan> spans[] = {{"q", q_span},
+                                                    {"k_cache", k_cache_span},
+                                                    {"v_cache", v_cache_span},
+                                                    {"k_new", k_new_span},
+                                                    {"v_new", v_new_span},
+                                                    {"out", out_span},
+                                                    {"lse", lse_span},
+                                                    {"rotary_cos", cos_span},
+                                                    {"rotary_sin", sin_span},
+                                                    {"k_scale", k_scale_span},
+                                                    {"v_scale", v_scale_span}};
   auto refuse_overlaps = [&](const char* name, const ByteSpan& span,
                              std::initializer_list<std::string_view> allowed) {
     for (const auto& [other, other_span] : spans) {
@@ -912,9 +986,16 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   // q is only read, but a cache overlapping it is a caller's mistake worth naming.
   refuse_overlaps("k_cache", k_cache_span, {"v_cache", "k_new", "v_new"});
   refuse_overlaps("v_cache", v_cache_span, {"k_cache", "k_new", "v_new"});
+  // Read-only scales may be one buffer (a scale per tensor, shared); int8 appends write them.
+  refuse_overlaps("k_scale", k_scale_span, {"v_scale"});
+  refuse_overlaps("v_scale", v_scale_span, {"k_scale"});
   if (seqlen_new > 0) {
     refuse_overlaps("k_cache", k_cache_span, {});
     refuse_overlaps("v_cache", v_cache_span, {});
+    if (cache_dtype == DType::int8) {
+      refuse_overlaps("k_scale", k_scale_span, {});
+      refuse_overlaps("v_scale", v_scale_span, {});
+    }
     for (const auto& [name, view] : {std::pair{"k_cache", &cache.k}, {"v_cache", &cache.v}}) {
       if (self_overlapping(*view)) {
         fail(caller, name, ": expected strides that give every element its own address (rows ",
@@ -927,15 +1008,21 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   KVCacheParams params;
   AttentionParams& a = params.attention;
   a = checked_params(q, k_cache, v_cache, out, lse, options, scale, capacity);
-  a.modifiers = checked_modifiers(
-      caller, options, batch, heads_q,
-      {{"out", out_span}, {"lse", lse_span}, {"k_cache", k_cache_span}, {"v_cache", v_cache_span}},
-      nullptr);
+  a.modifiers = checked_modifiers(caller, options, batch, heads_q,
+                                  {{"out", out_span},
+                                   {"lse", lse_span},
+                                   {"k_cache", k_cache_span},
+                                   {"v_cache", v_cache_span},
+                                   {"k_scale", k_scale_span},
+                                   {"v_scale", v_scale_span}},
+                                  nullptr);
   if (paged) {
     a.block_table = cache.block_table;
     a.block_table_stride = cache.pages_per_sequence;
     a.page_size = page_size;
   }
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
   a.kv_batch_index = batch_index;
   a.kv_first_row = leftpad;
   params.kv_lengths = std::move(kv_lengths);
@@ -991,6 +1078,51 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
   params.block_table = kv.block_table;
   params.block_table_stride = kv.pages_per_sequence;
   params.page_size = page_size;
+  return params;
+}
+
+QuantizeParams make_quantize_params(const char* caller, const ConstTensorView& values,
+                                    const TensorView& cache, const TensorView& scales,
+                                    int num_threads) {
+  check_view(caller, "values", values);
+  check_view(caller, "cache", cache, true);
+  if (!is_quantized(cache.dtype)) {
+    fail(caller, "cache: expected dtype int8, fp8_e4m3 or fp8_e5m2, got ", dtype_name(cache.dtype));
+  }
+  if (cache.shape != values.shape) {
+    fail(caller, "cache: expected shape ", shape_string(values.shape), " (as values), got ",
+         shape_string(cache.shape));
+  }
+  if (num_threads < 0) fail(caller, "num_threads: expected >= 0, got ", num_threads);
+  const bool written = cache.dtype == DType::int8;
+  const ScaleView scale_view =
+      checked_scales(caller, "scales", scales, cache, values.shape[3], written);
+  if (self_overlapping(cache)) {
+    fail(caller, "cache: expected strides that give every element its own address, got strides ",
+         shape_string(cache.strides), " for shape ", shape_string(cache.shape));
+  }
+  const ByteSpan values_span = byte_span(caller, "values", values);
+  const ByteSpan cache_span = byte_span(caller, "cache", cache);
+  const ByteSpan scales_span = byte_span(caller, "scales", scales);
+  if (cache_span.overlaps(values_span)) {
+    fail(caller, "cache: expected memory disjoint from values, got overlapping buffers");
+  }
+  if (scales_span.overlaps(values_span) || scales_span.overlaps(cache_span)) {
+    fail(caller, "scales: expected memory disjoint from values and cache, got overlapping buffers");
+  }
+  QuantizeParams params;
+  params.values = values.data;
+  params.values_dtype = values.dtype;
+  params.values_strides = strides_of(values.strides);
+  params.cache = cache.data;
+  params.dtype = cache.dtype;
+  params.cache_strides = strides_of(cache.strides);
+  params.scales = scale_view;
+  params.batch = values.shape[0];
+  params.seqlen = values.shape[1];
+  params.heads = values.shape[2];
+  params.head_dim = values.shape[3];
+  params.num_threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   return params;
 }
 

@@ -93,6 +93,15 @@ struct Dropout {
   bool on() const { return p > 0.0f; }
 };
 
+// The scales of a quantized cache's K or V (flashattn/kvcache.hpp): the scale of dims
+// [g·group_dims, (g + 1)·group_dims) of the row at (i, j, h) of the cache is
+// data[strides.offset(i, j, h) + g·group_stride]. Null data for f32, f16 and bf16 caches.
+struct ScaleView {
+  float* data = nullptr;
+  Strides strides;
+  std::int64_t group_stride = 0, groups = 1, group_dims = 0;
+};
+
 struct AttentionParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -131,6 +140,8 @@ struct AttentionParams {
   std::int64_t block_table_stride = 0, page_size = 0;
   const std::int32_t* kv_batch_index = nullptr;
   const std::int32_t* kv_first_row = nullptr;
+  // `dtype` quantized (int8, fp8): the scales of k and v, read at kv_offset(k_scale.strides, ...)
+  ScaleView k_scale, v_scale;
 
   std::int64_t group_size() const { return heads_q / heads_kv; }
   // The scale the softmax steps apply to a score tile: 1 once modify_scores made it logits.
@@ -249,8 +260,9 @@ struct MergeParams {
 
 // A call of kvcache_attention_forward (flashattn/kvcache.hpp): the attention over the cache as
 // the decode path takes it (seqlen_kv the capacity, per-entry lengths, a block table for a paged
-// cache, q_dtype possibly f32 over a 16-bit cache), and the rows to append first. Move-only:
-// attention.kv_lengths points into kv_lengths.
+// cache, q_dtype possibly f32 over a 16-bit or quantized cache), and the rows to append first.
+// attention.kv_lengths points into kv_lengths, whose buffer a move hands over and a copy would
+// not: move-only, the moves the defaults.
 struct KVCacheParams {
   AttentionParams attention;
   std::vector<std::int64_t> kv_lengths;  // [batch] cache_seqlens + seqlen_new
@@ -271,24 +283,22 @@ struct KVCacheParams {
   KVCacheParams() = default;
   KVCacheParams(const KVCacheParams&) = delete;
   KVCacheParams& operator=(const KVCacheParams&) = delete;
-  KVCacheParams(KVCacheParams&& other) noexcept { *this = std::move(other); }
-  KVCacheParams& operator=(KVCacheParams&& other) noexcept {
-    attention = other.attention;
-    kv_lengths = std::move(other.kv_lengths);
-    attention.kv_lengths = kv_lengths.data();
-    cache_seqlens = other.cache_seqlens;
-    k_new = other.k_new;
-    v_new = other.v_new;
-    new_dtype = other.new_dtype;
-    k_new_strides = other.k_new_strides;
-    v_new_strides = other.v_new_strides;
-    seqlen_new = other.seqlen_new;
-    k_cache = other.k_cache;
-    v_cache = other.v_cache;
-    rotary = other.rotary;
-    q_positions_advance = other.q_positions_advance;
-    return *this;
-  }
+  KVCacheParams(KVCacheParams&&) noexcept = default;
+  KVCacheParams& operator=(KVCacheParams&&) noexcept = default;
+};
+
+// A call of quantize_kv (flashattn/kvcache.hpp): rows [batch, seq, heads, head_dim] of values
+// into the cache of `dtype`, with their scales.
+struct QuantizeParams {
+  const void* values = nullptr;
+  DType values_dtype = DType::f32;
+  Strides values_strides;
+  void* cache = nullptr;
+  DType dtype = DType::int8;
+  Strides cache_strides;
+  ScaleView scales;
+  std::int64_t batch = 0, seqlen = 0, heads = 0, head_dim = 0;
+  int num_threads = 1;  // resolved: >= 1
 };
 
 // Validates the call and resolves defaults (scale, threads). `caller` prefixes every message.
@@ -322,6 +332,10 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
                                          const PagedKVView& kv, const std::int32_t* cu_seqlens_k,
                                          std::int64_t batch, const TensorView& out, float* lse,
                                          const AttentionOptions& options);
+
+QuantizeParams make_quantize_params(const char* caller, const ConstTensorView& values,
+                                    const TensorView& cache, const TensorView& scales,
+                                    int num_threads);
 
 MergeParams make_merge_params(const char* caller, const ConstTensorView& out_a, const float* lse_a,
                               const ConstTensorView& out_b, const float* lse_b,

@@ -48,6 +48,7 @@
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
+#include "util/quantize.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -241,6 +242,7 @@ class KeyWalk {
         chunk_end_(chunk.end),
         prefetching_(prefetching_for(p.dtype)),
         element_bytes_(static_cast<std::int64_t>(dtype_size(p.dtype))),
+        in_place_(p.head_dim == cpu::pad_to_lanes(p.head_dim) && !is_quantized(p.dtype)),
         calls_ahead_(std::max<std::int64_t>(
             1, kBytesAhead / (plan.key_group * p.head_dim * element_bytes_))) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
@@ -253,10 +255,10 @@ class KeyWalk {
   std::int64_t batch_entry() const { return b_; }
 
   // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or V
-  // (base, strides), a key group at a time, with their input rows.
+  // (base, strides, and a quantized cache's scales), a key group at a time, with their input rows.
   template <class Fn>
-  void walk_inputs(const void* base, const Strides& strides, std::int64_t block, std::int64_t keys,
-                   Fn&& fn) {
+  void walk_inputs(const void* base, const Strides& strides, const ScaleView& scales,
+                   std::int64_t block, std::int64_t keys, Fn&& fn) {
     inputs_head_ = -1;
     inputs_key_ = -1;
     ahead_.key = -1;
@@ -268,7 +270,7 @@ class KeyWalk {
       visit(j, std::min(group, block + keys - j),
             [&](std::int64_t h, std::int64_t first, std::int64_t count, std::int64_t key,
                 std::int64_t key_count) {
-              fn(first, count, key, key_count, rows_of(base, strides, h, key, key_count));
+              fn(first, count, key, key_count, rows_of(base, strides, scales, h, key, key_count));
             });
     }
   }
@@ -323,8 +325,7 @@ class KeyWalk {
   // F16C are widened before the products, which then ask for none: tile_kernels.cpp.)
   std::int64_t head_ahead(const void* base, const Strides& strides, std::int64_t h,
                           std::int64_t key, std::int64_t count, bool first_call) {
-    if (prefetching_ == Prefetching::kSpread && count == plan_.key_group &&
-        p_.head_dim == cpu::pad_to_lanes(p_.head_dim)) {
+    if (prefetching_ == Prefetching::kSpread && count == plan_.key_group && in_place_) {
       const Call target = call_ahead(h, key, count, calls_ahead_);
       if (target.key + count <= chunk_end_) {
         if (target.key != ahead_.key) locate(target.key, count, strides, ahead_);
@@ -407,20 +408,28 @@ class KeyWalk {
 
   // The input rows of the last call, kept while the query heads of a group take them in turn;
   // the rows ahead are asked for when these are first taken (head_ahead).
-  const InputRows& rows_of(const void* base, const Strides& strides, std::int64_t h,
-                           std::int64_t key, std::int64_t count) {
+  const InputRows& rows_of(const void* base, const Strides& strides, const ScaleView& scales,
+                           std::int64_t h, std::int64_t key, std::int64_t count) {
     if (h != inputs_head_ || key != inputs_key_ || count != inputs_count_) {
       const bool first_call = first_block_ && inputs_key_ < 0;
       if (key != inputs_key_ || count != inputs_count_) locate(key, count, strides, group_);
       const std::int64_t ahead = head_ahead(base, strides, h, key, count, first_call);
       const std::int64_t Dp = cpu::pad_to_lanes(p_.head_dim);
-      if (p_.head_dim == Dp) {
+      if (in_place_) {
         // Strided where both groups lie in a page: the kernels take the rows ahead in the same
         // form as the rows.
         const bool strided = group_.contiguous && (ahead < 0 || ahead_.contiguous);
         inputs_ = {
             rows_in(base, strides, h, group_, strided), p_.dtype,
             ahead < 0 ? cpu::ScatteredRows{} : rows_in(base, strides, ahead, ahead_, strided)};
+      } else if (is_quantized(p_.dtype)) {
+        float* widened = t_.inputs.data();
+        for (std::int64_t j = key; j < key + count; ++j, widened += Dp) {
+          dequantize_row(widened, base, p_.dtype, p_.kv_offset(strides, b_, j, h),
+                         scales.data + p_.kv_offset(scales.strides, b_, j, h), scales.group_stride,
+                         scales.group_dims, p_.head_dim);
+        }
+        inputs_ = {{t_.inputs.data(), Dp}, DType::f32, {}};
       } else {
         float* widened = t_.inputs.data();
         for_each_key(strides, key, key + count, [&](std::int64_t row) {
@@ -442,6 +451,9 @@ class KeyWalk {
   std::int64_t b_, chunk_begin_, chunk_end_;
   Prefetching prefetching_;
   std::int64_t element_bytes_;
+  // Whether the products read the rows where they lie (head_dim a whole number of vectors, a
+  // compute dtype); otherwise rows are widened or dequantized into padded fp32 rows first.
+  bool in_place_;
   std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{{}, DType::f32, {}};
@@ -503,7 +515,7 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
                    cpu::pad_to_lanes(keys));
   }
   walk.walk_inputs(
-      p.k, p.k_strides, block, keys,
+      p.k, p.k_strides, p.k_scale, block, keys,
       [&](std::int64_t first, std::int64_t count, std::int64_t key, std::int64_t key_count,
           const InputRows& k) {
         float* out = scores + first * Bk + (key - block);
@@ -534,7 +546,7 @@ void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& 
                      float* acc, std::int64_t block, std::int64_t keys) {
   const std::int64_t Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
   const float* scores = t.scores.data();
-  walk.walk_inputs(p.v, p.v_strides, block, keys,
+  walk.walk_inputs(p.v, p.v_strides, p.v_scale, block, keys,
                    [&](std::int64_t first, std::int64_t count, std::int64_t key,
                        std::int64_t key_count, const InputRows& v) {
                      float* acc_rows = acc + first * Dp;

@@ -17,7 +17,9 @@
 #include "api/memory.hpp"
 #include "cpu/flash_decode.hpp"
 #include "util/aligned_vector.hpp"
+#include "util/convert.hpp"
 #include "util/parallel.hpp"
+#include "util/quantize.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -96,15 +98,25 @@ std::int64_t gathered_bytes(const AttentionParams& p, std::int64_t b) {
                                                           : static_cast<std::int64_t>(bytes);
 }
 
+// Sequence b's K or V rows into dst [L_b, Hkv, D] in q's dtype: copied, widened, or (a
+// quantized cache) dequantized to fp32 and rounded to q's dtype.
 void gather_sequence(const AttentionParams& p, std::int64_t b, const void* cache,
-                     const Strides& strides, void* dst) {
+                     const Strides& strides, const ScaleView& scales, void* dst) {
   const std::int64_t length = p.kv_length(b), D = p.head_dim;
+  const bool quantized = is_quantized(p.dtype);
   parallel_tasks(
-      p.num_threads, length, [] { return 0; },
-      [&](int, std::int64_t j) {
+      p.num_threads, length, [&] { return std::vector<float>(quantized ? D : 0); },
+      [&](std::vector<float>& row, std::int64_t j) {
         for (std::int64_t h = 0; h < p.heads_kv; ++h) {
-          copy_row(dst, p.q_dtype, (j * p.heads_kv + h) * D, cache, p.dtype,
-                   p.kv_offset(strides, b, j, h), D);
+          const std::int64_t to = (j * p.heads_kv + h) * D, from = p.kv_offset(strides, b, j, h);
+          if (!quantized) {
+            copy_row(dst, p.q_dtype, to, cache, p.dtype, from, D);
+            continue;
+          }
+          dequantize_row(row.data(), cache, p.dtype, from,
+                         scales.data + p.kv_offset(scales.strides, b, j, h), scales.group_stride,
+                         scales.group_dims, D);
+          store_row_f32(dst, p.q_dtype, to, row.data(), D);
         }
       });
 }
@@ -137,18 +149,43 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
   return most;
 }
 
+// Row (b, key, h) of a quantized cache = `row` quantized (util/quantize.hpp).
+void quantize_into(const AttentionParams& p, void* cache, const Strides& strides,
+                   const ScaleView& scales, std::int64_t b, std::int64_t key, std::int64_t h,
+                   const float* row) {
+  quantize_row(cache, p.dtype, p.kv_offset(strides, b, key, h), row,
+               scales.data + p.kv_offset(scales.strides, b, key, h), scales.group_stride,
+               scales.group_dims, p.head_dim);
+}
+
 void append_to_cache(const KVCacheParams& params) {
   const AttentionParams& p = params.attention;
   const std::int64_t D = p.head_dim;
   const bool rotating = params.rotary.cos != nullptr;
+  const bool quantized = is_quantized(p.dtype);
+  std::vector<float> k_row(quantized ? D : 0), v_row(quantized ? D : 0);
   for (std::int64_t b = 0; b < p.batch; ++b) {
     // kv_offset counts keys from the sequence's first row (cache_leftpad), rotary from row 0.
     const std::int64_t first_key = p.kv_length(b) - params.seqlen_new;
     for (std::int64_t i = 0; i < params.seqlen_new; ++i) {
       const std::int64_t key = first_key + i, position = params.cache_seqlens[b] + i;
       for (std::int64_t h = 0; h < p.heads_kv; ++h) {
-        const std::int64_t k_offset = p.kv_offset(p.k_strides, b, key, h);
         const std::int64_t k_new_offset = params.k_new_strides.offset(b, i, h);
+        const std::int64_t v_new_offset = params.v_new_strides.offset(b, i, h);
+        if (quantized) {
+          // The new rows in fp32 (k rotated there), then quantized once.
+          if (rotating) {
+            rotate_row(k_row.data(), DType::f32, 0, params.k_new, params.new_dtype, k_new_offset, D,
+                       params.rotary, position);
+          } else {
+            load_row_f32(k_row.data(), params.k_new, params.new_dtype, k_new_offset, D);
+          }
+          load_row_f32(v_row.data(), params.v_new, params.new_dtype, v_new_offset, D);
+          quantize_into(p, params.k_cache, p.k_strides, p.k_scale, b, key, h, k_row.data());
+          quantize_into(p, params.v_cache, p.v_strides, p.v_scale, b, key, h, v_row.data());
+          continue;
+        }
+        const std::int64_t k_offset = p.kv_offset(p.k_strides, b, key, h);
         if (rotating) {
           rotate_row(params.k_cache, p.dtype, k_offset, params.k_new, params.new_dtype,
                      k_new_offset, D, params.rotary, position);
@@ -157,10 +194,27 @@ void append_to_cache(const KVCacheParams& params) {
                    D);
         }
         copy_row(params.v_cache, p.dtype, p.kv_offset(p.v_strides, b, key, h), params.v_new,
-                 params.new_dtype, params.v_new_strides.offset(b, i, h), D);
+                 params.new_dtype, v_new_offset, D);
       }
     }
   }
+}
+
+void quantize_rows(const QuantizeParams& params) {
+  const std::int64_t D = params.head_dim;
+  parallel_tasks(
+      params.num_threads, params.batch * params.seqlen, [&] { return std::vector<float>(D); },
+      [&](std::vector<float>& row, std::int64_t task) {
+        const std::int64_t b = task / params.seqlen, i = task % params.seqlen;
+        for (std::int64_t h = 0; h < params.heads; ++h) {
+          load_row_f32(row.data(), params.values, params.values_dtype,
+                       params.values_strides.offset(b, i, h), D);
+          const ScaleView& scales = params.scales;
+          quantize_row(params.cache, params.dtype, params.cache_strides.offset(b, i, h), row.data(),
+                       scales.data + scales.strides.offset(b, i, h), scales.group_stride,
+                       scales.group_dims, D);
+        }
+      });
 }
 
 std::int64_t rotated_q_bytes(const KVCacheParams& params) {
@@ -196,8 +250,8 @@ void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
     const std::int64_t bytes = gathered_bytes(p, b) / 2;
     keys.resize(static_cast<std::size_t>(bytes));
     values.resize(static_cast<std::size_t>(bytes));
-    gather_sequence(p, b, p.k, p.k_strides, keys.data());
-    gather_sequence(p, b, p.v, p.v_strides, values.data());
+    gather_sequence(p, b, p.k, p.k_strides, p.k_scale, keys.data());
+    gather_sequence(p, b, p.v, p.v_strides, p.v_scale, values.data());
     run_dense(impl, sequence_problem(p, b, keys.data(), values.data()));
   }
 }

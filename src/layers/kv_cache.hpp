@@ -16,6 +16,9 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& pa
 // params.rotary is on.
 void append_to_cache(const KVCacheParams& params);
 
+// quantize_kv's rows (flashattn/kvcache.hpp), row by row in parallel.
+void quantize_rows(const QuantizeParams& params);
+
 // The bytes rotate_queries writes: q's elements in q's dtype, or 0 without rotary embedding.
 std::int64_t rotated_q_bytes(const KVCacheParams& params);
 

@@ -994,6 +994,10 @@ HWY_INLINE void WithInputRows(const ScatteredRows& x, const ScatteredRows& ahead
         });
       }
       return;
+    case DType::int8:
+    case DType::fp8_e4m3:
+    case DType::fp8_e5m2:
+      HWY_ABORT("%s rows reach the products dequantized (util/quantize.hpp)", dtype_name(x_dtype));
   }
 }
 
