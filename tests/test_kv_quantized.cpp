@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -22,8 +23,10 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/kernels/dequantize.hpp"
 #include "flashattn/kvcache.hpp"
 #include "test_support.hpp"
+#include "util/quantize.hpp"
 
 namespace flashattn::testing {
 namespace {
@@ -113,6 +116,43 @@ TEST(Fp8, RoundsToTheNearestCodeTiesToEvenAndSaturates) {
     }
     EXPECT_TRUE(std::isnan(from_fp8(dtype, to_fp8(dtype, NAN))));
   }
+}
+
+// The SIMD dequantizer of every target against the scalar definition, bit for bit (NaN as NaN):
+// every code, groups whose width is not a whole number of vectors, subnormal and huge scales.
+TEST(Dequantize, EveryTargetIsTheDefinition) {
+  std::mt19937_64 rng(test_seed());
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  std::vector<std::uint8_t> codes(512);
+  for (std::size_t i = 0; i < codes.size(); ++i)
+    codes[i] = static_cast<std::uint8_t>(i * 7 + i / 256);
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {
+      {512, 512}, {512, 32}, {510, 85}, {37, 37}, {96, 3}};
+  on_every_target([&] {
+    for (const DType dtype : {DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      for (const auto& [n, group_dims] : shapes) {
+        const std::int64_t groups = (n + group_dims - 1) / group_dims;
+        std::vector<float> scales(static_cast<std::size_t>(2 * groups));
+        std::uniform_real_distribution<float> spread(-130.0f, 130.0f);
+        for (float& scale : scales) scale = std::ldexp(1.0f, static_cast<int>(spread(rng)));
+        std::vector<float> want(static_cast<std::size_t>(n)), got(want.size(), 1.0f);
+        detail::dequantize_row(want.data(), codes.data(), dtype, 0, scales.data(), 2, group_dims,
+                               n);
+        detail::cpu::dequantize_row(got.data(), codes.data(), dtype, scales.data(), 2, group_dims,
+                                    n);
+        for (std::int64_t d = 0; d < n; ++d) {
+          if (std::isnan(want[d])) {
+            ASSERT_TRUE(std::isnan(got[d])) << "dim " << d << " code " << int{codes[d]};
+          } else {
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(got[d]), std::bit_cast<std::uint32_t>(want[d]))
+                << "n " << n << " group " << group_dims << " dim " << d << " code " << int{codes[d]}
+                << ": got " << got[d] << ", want " << want[d];
+          }
+        }
+      }
+    }
+  });
 }
 
 // quantize_kv's int8 rows against the definition: per group, scale = max|x| / 127 (fp32) and
@@ -428,46 +468,63 @@ TEST_P(QuantizedCacheAgainstReference, MatchesTheReferenceOnTheDequantizedCache)
   EXPECT_TRUE(same_bits(from_paged, run(c, q, cache.paged(), after, {}, 1)))
       << "1 thread and 2 threads disagree";
 
+  // Each sequence's fp64 reference on the dequantized cache, and its bounds.
   AttentionOptions options;
   options.causal = c.causal;
   options.window_left = c.window_left;
   const double u_q = c.q_dtype == DType::f32 ? 0.0 : unit_roundoff(c.q_dtype);
+  struct Expected {
+    ReferenceResult want;
+    double tolerance, lse_tolerance;
+  };
+  std::vector<Expected> expected;
   for (std::int64_t b = 0; b < B; ++b) {
-    SCOPED_TRACE("sequence " + std::to_string(b));
     const std::int64_t L = after[b];
-    Tensor q_b(DType::f32, {1, c.seqlen_q, c.heads_q, D}), out_b(c.q_dtype, q_b.view.shape);
-    q_b.for_each_index([&](auto, auto i, auto h, auto d) {
-      q_b.set(0, i, h, d, q.at(b, i, h, d));
-      out_b.set(0, i, h, d, from_dense.out.at(b, i, h, d));
-    });
+    Tensor q_b(DType::f32, {1, c.seqlen_q, c.heads_q, D});
+    q_b.for_each_index(
+        [&](auto, auto i, auto h, auto d) { q_b.set(0, i, h, d, q.at(b, i, h, d)); });
     const Tensor k_b = cache.dequantized(cache.dense_k, cache.dense_k_scale, b, L);
     const Tensor v_b = cache.dequantized(cache.dense_v, cache.dense_v_scale, b, L);
-    const ReferenceResult want = reference(q_b, k_b, v_b, options);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     const double max_v = max_abs(v_b);
     const double scores = scale * static_cast<double>(D) * max_abs(q_b) * max_abs(k_b);
-    const double tolerance = kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(L) + 16.0) +
-                             unit_roundoff(c.q_dtype) * max_v +
-                             probability_rounding_bound(c.q_dtype, max_v) +
-                             u_q * max_v * (2.0 * scores + 1.0) + 1e-30;
-    const MaxError error = max_error(out_b, want.out);
-    EXPECT_LE(error.value, tolerance)
-        << "out index " << error.index << ": got " << error.got << ", want " << error.want;
+    ReferenceResult want = reference(q_b, k_b, v_b, options);
     const double lse_tolerance =
         kU32 * (4.0 * scores + 2.0 * static_cast<double>(L) + 4.0 * max_abs_finite(want.lse)) +
         u_q * scores;
-    for (std::int64_t h = 0; h < c.heads_q; ++h) {
-      for (std::int64_t i = 0; i < c.seqlen_q; ++i) {
-        const double wanted = want.lse[h * c.seqlen_q + i];
-        const float lse = from_dense.lse[(b * c.heads_q + h) * c.seqlen_q + i];
-        if (std::isinf(wanted)) {
-          EXPECT_EQ(lse, -INFINITY) << "lse head " << h << " row " << i;
-        } else {
-          EXPECT_NEAR(lse, wanted, lse_tolerance) << "lse head " << h << " row " << i;
+    expected.push_back({std::move(want),
+                        kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(L) + 16.0) +
+                            unit_roundoff(c.q_dtype) * max_v +
+                            probability_rounding_bound(c.q_dtype, max_v) +
+                            u_q * max_v * (2.0 * scores + 1.0) + 1e-30,
+                        lse_tolerance});
+  }
+  const auto expect_matches_reference = [&](const Outputs& got) {
+    for (std::int64_t b = 0; b < B; ++b) {
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      const Expected& e = expected[b];
+      Tensor out_b(c.q_dtype, {1, c.seqlen_q, c.heads_q, D});
+      out_b.for_each_index(
+          [&](auto, auto i, auto h, auto d) { out_b.set(0, i, h, d, got.out.at(b, i, h, d)); });
+      const MaxError error = max_error(out_b, e.want.out);
+      EXPECT_LE(error.value, e.tolerance)
+          << "out index " << error.index << ": got " << error.got << ", want " << error.want;
+      for (std::int64_t h = 0; h < c.heads_q; ++h) {
+        for (std::int64_t i = 0; i < c.seqlen_q; ++i) {
+          const double wanted = e.want.lse[h * c.seqlen_q + i];
+          const float lse = got.lse[(b * c.heads_q + h) * c.seqlen_q + i];
+          if (std::isinf(wanted)) {
+            EXPECT_EQ(lse, -INFINITY) << "lse head " << h << " row " << i;
+          } else {
+            EXPECT_NEAR(lse, wanted, e.lse_tolerance) << "lse head " << h << " row " << i;
+          }
         }
       }
     }
-  }
+  };
+  expect_matches_reference(from_dense);
+  // Every SIMD target's products on the codes (or dequantized rows), paged.
+  on_every_target([&] { expect_matches_reference(run(c, q, cache.paged(), after, {}, 2)); });
 }
 
 std::vector<QuantCase> quant_cases() {

@@ -73,7 +73,7 @@ struct ServeOptions {
   std::int64_t heads_q = 32, heads_kv = 8, head_dim = 128;
   std::string q_dtype = "f32", cache_dtype = "bf16";
   std::vector<std::int64_t> single_seqlens = {4096, 16384, 65536};
-  std::vector<std::string> single_dtypes = {"f32", "bf16", "f16"};
+  std::vector<std::string> single_dtypes = {"f32", "bf16", "f16", "int8", "fp8_e4m3"};
   bool no_single = false;
   int prefill_sequences = 8;
   std::int64_t prefill_min = 128, prefill_max = 4096;
@@ -86,8 +86,17 @@ struct ServeOptions {
   bool quick = false;
 };
 
+// The dtypes by name (flashattn/dtype.hpp's names); the CLI checks the names first.
+const std::vector<std::string> kComputeDtypes = {"f32", "f16", "bf16"};
+const std::vector<std::string> kCacheDtypes = {"f32",  "f16",      "bf16",
+                                               "int8", "fp8_e4m3", "fp8_e5m2"};
+
 DType dtype_from(const std::string& name) {
-  return name == "bf16" ? DType::bf16 : name == "f16" ? DType::f16 : DType::f32;
+  for (const DType dtype :
+       {DType::f32, DType::f16, DType::bf16, DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
+    if (name == dtype_name(dtype)) return dtype;
+  }
+  return DType::f32;
 }
 
 // Fills `count` elements of `dtype` at `data` with values uniform in [-1, 1) from a counter
@@ -168,6 +177,9 @@ struct Cache {
   std::int64_t heads_kv = 0, head_dim = 0;
   std::vector<std::int32_t> block_table;
   Buffer k, v;
+  // A quantized cache's scales, one per row and KV head ([d0, d1, Hkv, 1] of the library's
+  // view, whatever the layout of the codes); empty otherwise.
+  Buffer k_scale, v_scale;
 
   // [dense batch | pages, rows of one, Hkv, D] as the library indexes them.
   static std::array<std::int64_t, 4> shape(const std::vector<std::int32_t>& lengths,
@@ -180,6 +192,10 @@ struct Cache {
     std::int64_t pages = 0;
     for (const std::int32_t length : lengths) pages += (length + room + page_size - 1) / page_size;
     return {pages, page_size, heads_kv, head_dim};
+  }
+  static std::array<std::int64_t, 4> scale_shape(DType dtype, std::array<std::int64_t, 4> s) {
+    if (!is_quantized(dtype)) return {0, 0, 0, 0};
+    return {s[0], s[1], s[2], 1};
   }
   // The same dims in the order they lie in memory.
   static std::array<std::int64_t, 4> memory_shape(std::array<std::int64_t, 4> s, bool head_major) {
@@ -198,7 +214,9 @@ struct Cache {
         k(dtype, memory_shape(shape(lengths, room, page, kv_heads, dims), heads_together),
           huge_pages),
         v(dtype, memory_shape(shape(lengths, room, page, kv_heads, dims), heads_together),
-          huge_pages) {
+          huge_pages),
+        k_scale(DType::f32, scale_shape(dtype, shape(lengths, room, page, kv_heads, dims))),
+        v_scale(DType::f32, scale_shape(dtype, shape(lengths, room, page, kv_heads, dims))) {
     if (page_size > 0) {
       const std::int64_t longest = *std::max_element(lengths.begin(), lengths.end()) + room;
       pages_per_sequence = (longest + page_size - 1) / page_size;
@@ -229,8 +247,60 @@ struct Cache {
   }
 
   KVCacheView view() {
-    if (page_size == 0) return {view_of(k), view_of(v)};
-    return {view_of(k), view_of(v), block_table.data(), pages_per_sequence};
+    KVCacheView view{view_of(k), view_of(v)};
+    if (page_size > 0) {
+      view.block_table = block_table.data();
+      view.pages_per_sequence = pages_per_sequence;
+    }
+    if (is_quantized(k.dtype)) {
+      view.k_scale = k_scale.view();
+      view.v_scale = v_scale.view();
+    }
+    return view;
+  }
+
+  // Fills K and V with values uniform in [-1, 1) (fill_uniform, seeds `seed` and seed + 1): a
+  // quantized cache with those values quantized (quantize_kv) a row block at a time, fp8 with
+  // scales 1 / its largest code, so that [-1, 1] spans the format.
+  void fill(std::uint64_t seed) {
+    if (!is_quantized(k.dtype)) {
+      fill_uniform(k.bytes.get(), k.dtype,
+                   static_cast<std::int64_t>(k.size() / dtype_size(k.dtype)), seed);
+      fill_uniform(v.bytes.get(), v.dtype,
+                   static_cast<std::int64_t>(v.size() / dtype_size(v.dtype)), seed + 1);
+      return;
+    }
+    const float fp8_scale = 1.0f / dtype_traits(k.dtype).max_code;
+    for (Buffer* scales : {&k_scale, &v_scale}) {
+      auto* data = reinterpret_cast<float*>(scales->bytes.get());
+      std::fill_n(data, scales->size() / sizeof(float), fp8_scale);
+    }
+    const TensorView k_view = view_of(k), v_view = view_of(v);
+    const std::int64_t outer = k_view.shape[0], rows = k_view.shape[1], block = 1024;
+    Buffer values(DType::f32, {1, std::min(rows, block), heads_kv, head_dim});
+    std::uint64_t chunk = 0;
+    for (std::int64_t i = 0; i < outer; ++i) {
+      for (std::int64_t j = 0; j < rows; j += block) {
+        const std::int64_t count = std::min(block, rows - j);
+        for (auto [codes, scales, salt] :
+             {std::tuple{k_view, &k_scale, 0}, {v_view, &v_scale, 1}}) {
+          fill_uniform(values.bytes.get(), DType::f32, count * heads_kv * head_dim,
+                       seed + 2 * chunk + salt);
+          TensorView part = codes;
+          part.data =
+              static_cast<std::uint8_t*>(codes.data) + i * codes.strides[0] + j * codes.strides[1];
+          part.shape = {1, count, heads_kv, head_dim};
+          TensorView part_scales = scales->view();
+          part_scales.data =
+              reinterpret_cast<float*>(scales->bytes.get()) + (i * rows + j) * heads_kv;
+          part_scales.shape = {1, count, heads_kv, 1};
+          TensorView from = values.view();
+          from.shape[1] = count;
+          quantize_kv(from, part, part_scales);
+        }
+        ++chunk;
+      }
+    }
   }
 
   // Element offset of row j of sequence b, KV head h, in k or v.
@@ -244,26 +314,56 @@ struct Cache {
            head_dim;
   }
 
-  // Sequence b's first `rows` rows of K and V into [1, rows, Hkv, D] f32 buffers.
+  // Element offset of the scale of row j of sequence b, KV head h, in k_scale or v_scale.
+  std::int64_t scale_offset(std::int64_t b, std::int64_t j, std::int64_t h) const {
+    const std::int64_t outer =
+        page_size == 0 ? b : block_table[b * pages_per_sequence + j / page_size];
+    const std::int64_t row = page_size == 0 ? j : j % page_size;
+    return (outer * k_scale.shape[1] + row) * heads_kv + h;
+  }
+
+  // Sequence b's first `rows` rows of K and V into [1, rows, Hkv, D] f32 buffers: a quantized
+  // cache's values, code · scale.
   void gather(std::int64_t b, std::int64_t rows, Buffer& keys, Buffer& values) const {
     const std::int64_t heads = heads_kv, D = head_dim;
+    const bool quantized = is_quantized(k.dtype);
+    const auto* k_scales = reinterpret_cast<const float*>(k_scale.bytes.get());
+    const auto* v_scales = reinterpret_cast<const float*>(v_scale.bytes.get());
     for (std::int64_t j = 0; j < rows; ++j) {
       for (std::int64_t h = 0; h < heads; ++h) {
+        const float k_factor = quantized ? k_scales[scale_offset(b, j, h)] : 1.0f;
+        const float v_factor = quantized ? v_scales[scale_offset(b, j, h)] : 1.0f;
         for (std::int64_t d = 0; d < D; ++d) {
           const std::int64_t to = (j * heads + h) * D + d;
           store_f32(keys.bytes.get(), DType::f32, to,
-                    load_f32(k.bytes.get(), k.dtype, offset(b, j, h) + d));
+                    load_f32(k.bytes.get(), k.dtype, offset(b, j, h) + d) * k_factor);
           store_f32(values.bytes.get(), DType::f32, to,
-                    load_f32(v.bytes.get(), v.dtype, offset(b, j, h) + d));
+                    load_f32(v.bytes.get(), v.dtype, offset(b, j, h) + d) * v_factor);
         }
       }
     }
   }
 
+  // Bytes of K or V, scales included, of one key (all its KV heads).
+  double key_bytes() const {
+    const double scale = is_quantized(k.dtype) ? sizeof(float) : 0.0;
+    return static_cast<double>(heads_kv) *
+           (static_cast<double>(head_dim * dtype_size(k.dtype)) + scale);
+  }
+
   // Bytes of K and V that attending to the current lengths reads.
   double kv_bytes() const {
-    const double row = static_cast<double>(heads_kv * head_dim * dtype_size(k.dtype)) * 2.0;
-    return row * std::accumulate(lengths.begin(), lengths.end(), 0.0);
+    return 2.0 * key_bytes() * std::accumulate(lengths.begin(), lengths.end(), 0.0);
+  }
+
+  // What a plain read of the cache covers: codes and scales.
+  std::vector<std::span<const std::byte>> spans() const {
+    std::vector<std::span<const std::byte>> all = {k.span(), v.span()};
+    if (is_quantized(k.dtype)) {
+      all.push_back(k_scale.span());
+      all.push_back(v_scale.span());
+    }
+    return all;
   }
 };
 
@@ -403,10 +503,7 @@ Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::
               o.kv_layout == "HND", rng);
   std::fprintf(stderr, "flashattn serve-bench: filling %.2f GB of K/V in pages of %lld rows\n",
                static_cast<double>(2 * cache.k.size()) * 1e-9, static_cast<long long>(page_size));
-  fill_uniform(cache.k.bytes.get(), cache_dtype,
-               static_cast<std::int64_t>(cache.k.size() / dtype_size(cache_dtype)), o.seed + 10);
-  fill_uniform(cache.v.bytes.get(), cache_dtype,
-               static_cast<std::int64_t>(cache.v.size() / dtype_size(cache_dtype)), o.seed + 11);
+  cache.fill(o.seed + 10);
   const std::optional<double> huge_share =
       huge_page_share(o, huge_before, 2.0 * static_cast<double>(cache.k.size()));
   Step step(o.requests, o, o.seed + 20);
@@ -438,7 +535,7 @@ Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::
   }
   if (!verified) return row;
 
-  bench::MemoryRead read(threads, {cache.k.span(), cache.v.span()});
+  bench::MemoryRead read(threads, cache.spans());
   Progress progress("flashattn serve-bench: decode steps", o.steps);
   double bytes = 0.0;
   int done = 0;
@@ -451,8 +548,7 @@ Row serve(const ServeOptions& o, const std::vector<std::int32_t>& lengths, std::
         progress.update(++done);
       });
   bytes /= o.steps;
-  row.kv_tokens = static_cast<std::int64_t>(
-      bytes / (2.0 * o.heads_kv * o.head_dim * static_cast<double>(dtype_size(cache_dtype))));
+  row.kv_tokens = static_cast<std::int64_t>(bytes / (2.0 * cache.key_bytes()));
   row.seconds = times.second;
   row.kv_gbps = bytes / times.second * 1e-9;
   row.read_gbps = read.work_per_unit() / times.first * 1e-9;
@@ -471,10 +567,7 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
               rng);
   Cache paged(lengths, 0, page_size, dtype, o.heads_kv, o.head_dim, o.huge_pages,
               o.kv_layout == "HND", rng);
-  fill_uniform(dense.k.bytes.get(), dtype,
-               static_cast<std::int64_t>(dense.k.size() / dtype_size(dtype)), o.seed + 30);
-  fill_uniform(dense.v.bytes.get(), dtype,
-               static_cast<std::int64_t>(dense.v.size() / dtype_size(dtype)), o.seed + 31);
+  dense.fill(o.seed + 30);
   const std::size_t row_bytes = static_cast<std::size_t>(o.head_dim) * dtype_size(dtype);
   for (std::int64_t j = 0; j < length; ++j) {
     for (std::int64_t h = 0; h < o.heads_kv; ++h) {
@@ -482,6 +575,13 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
       const std::size_t to = static_cast<std::size_t>(paged.offset(0, j, h)) * dtype_size(dtype);
       std::memcpy(paged.k.bytes.get() + to, dense.k.bytes.get() + from, row_bytes);
       std::memcpy(paged.v.bytes.get() + to, dense.v.bytes.get() + from, row_bytes);
+      if (!is_quantized(dtype)) continue;
+      const std::size_t scale_from = dense.scale_offset(0, j, h) * sizeof(float);
+      const std::size_t scale_to = paged.scale_offset(0, j, h) * sizeof(float);
+      std::memcpy(paged.k_scale.bytes.get() + scale_to, dense.k_scale.bytes.get() + scale_from,
+                  sizeof(float));
+      std::memcpy(paged.v_scale.bytes.get() + scale_to, dense.v_scale.bytes.get() + scale_from,
+                  sizeof(float));
     }
   }
   Step dense_step(1, o, o.seed + 40), paged_step(1, o, o.seed + 40);
@@ -505,8 +605,8 @@ std::vector<Row> single(const ServeOptions& o, const std::string& cache_dtype_na
   verified = verified && dense_row.check.passed();
   if (!dense_row.check.passed()) return {dense_row, paged_row};
 
-  bench::MemoryRead read_dense(threads, {dense.k.span(), dense.v.span()});
-  bench::MemoryRead read_paged(threads, {paged.k.span(), paged.v.span()});
+  bench::MemoryRead read_dense(threads, dense.spans());
+  bench::MemoryRead read_paged(threads, paged.spans());
   const RoundSeconds times = round_robin_seconds(
       repeat, {[&] { read_dense.run(1); }, [&] { dense_step.run(dense, false, threads); },
                [&] { paged_step.run(paged, false, threads); }, [&] { read_paged.run(1); }});
@@ -715,9 +815,10 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
     throw Error("--heads-kv: expected a divisor of --heads-q = " + std::to_string(o.heads_q) +
                 ", got " + std::to_string(o.heads_kv));
   }
-  if (o.q_dtype != "f32" && o.q_dtype != o.cache_dtype) {
+  if (o.q_dtype != "f32" && o.q_dtype != o.cache_dtype &&
+      !is_quantized(dtype_from(o.cache_dtype))) {
     throw Error("--cache-dtype: expected " + o.q_dtype + " (as --q-dtype; only an f32 q takes " +
-                "another cache dtype), got " + o.cache_dtype);
+                "another 16-bit cache; any q takes int8 and fp8), got " + o.cache_dtype);
   }
   const int threads = resolved_threads(o.threads);
   const fs::path out_dir = o.out_dir;
@@ -774,7 +875,7 @@ int run_serve_bench(ServeOptions o, const CLI::App& command) {
     int done = 0;
     Progress progress("flashattn serve-bench: single-sequence cases", cases);
     for (const std::string& dtype : o.single_dtypes) {
-      if (o.q_dtype != "f32" && dtype != o.q_dtype) continue;
+      if (o.q_dtype != "f32" && dtype != o.q_dtype && !is_quantized(dtype_from(dtype))) continue;
       for (const std::int64_t length : o.single_seqlens) {
         for (const Row& row : single(o, dtype, length, threads, o.quick ? 3 : 15, rng, verified)) {
           rows.push_back(row);
@@ -920,9 +1021,12 @@ Action add_serve_bench_command(CLI::App& app) {
   command->add_option("--head-dim", options->head_dim, "Head dimension")
       ->check(CLI::Range(1, 1024));
   command->add_option("--q-dtype", options->q_dtype, "dtype of q, out and the new rows")
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
-  command->add_option("--cache-dtype", options->cache_dtype, "dtype of the KV cache")
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+      ->check(CLI::IsMember(kComputeDtypes));
+  command
+      ->add_option("--cache-dtype", options->cache_dtype,
+                   "dtype of the KV cache: int8 and fp8 quantize the values (scales per row and "
+                   "KV head; fp8's 1 / its largest code)")
+      ->check(CLI::IsMember(kCacheDtypes));
   command
       ->add_option("--single-seqlens", options->single_seqlens,
                    "Lengths of part 2's single sequence")
@@ -930,7 +1034,7 @@ Action add_serve_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 24));
   command->add_option("--single-dtypes", options->single_dtypes, "Cache dtypes of part 2")
       ->delimiter(',')
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}));
+      ->check(CLI::IsMember(kCacheDtypes));
   command->add_flag("--no-single", options->no_single, "Leave out part 2");
   command
       ->add_option("--prefill-sequences", options->prefill_sequences,

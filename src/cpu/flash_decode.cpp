@@ -42,13 +42,13 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu/kernels/dequantize.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
-#include "util/quantize.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -193,6 +193,9 @@ Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int6
 struct InputRows {
   cpu::ScatteredRows rows;
   DType dtype;
+  // A quantized cache's rows read where they lie (codes, unscaled): the scale of each row, by
+  // which the products' results (K) or weights (V) are multiplied; null otherwise.
+  const float* scales;
   // Rows like these that a later call takes, for the products to ask for as they read these
   // (cpu::dot_rows, cpu::axpy_rows and their bf16-pair forms); none when they were asked for
   // before the call.
@@ -242,7 +245,8 @@ class KeyWalk {
         chunk_end_(chunk.end),
         prefetching_(prefetching_for(p.dtype)),
         element_bytes_(static_cast<std::int64_t>(dtype_size(p.dtype))),
-        in_place_(p.head_dim == cpu::pad_to_lanes(p.head_dim) && !is_quantized(p.dtype)),
+        in_place_(p.head_dim == cpu::pad_to_lanes(p.head_dim) &&
+                  (!is_quantized(p.dtype) || (p.k_scale.groups == 1 && p.v_scale.groups == 1))),
         calls_ahead_(std::max<std::int64_t>(
             1, kBytesAhead / (plan.key_group * p.head_dim * element_bytes_))) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
@@ -419,24 +423,32 @@ class KeyWalk {
         // Strided where both groups lie in a page: the kernels take the rows ahead in the same
         // form as the rows.
         const bool strided = group_.contiguous && (ahead < 0 || ahead_.contiguous);
+        const float* row_scales = nullptr;
+        if (is_quantized(p_.dtype)) {
+          for (std::int64_t j = 0; j < count; ++j) {
+            row_scales_[j] = scales.data[p_.kv_offset(scales.strides, b_, key + j, h)];
+          }
+          row_scales = row_scales_;
+        }
         inputs_ = {
-            rows_in(base, strides, h, group_, strided), p_.dtype,
+            rows_in(base, strides, h, group_, strided), p_.dtype, row_scales,
             ahead < 0 ? cpu::ScatteredRows{} : rows_in(base, strides, ahead, ahead_, strided)};
       } else if (is_quantized(p_.dtype)) {
         float* widened = t_.inputs.data();
         for (std::int64_t j = key; j < key + count; ++j, widened += Dp) {
-          dequantize_row(widened, base, p_.dtype, p_.kv_offset(strides, b_, j, h),
-                         scales.data + p_.kv_offset(scales.strides, b_, j, h), scales.group_stride,
-                         scales.group_dims, p_.head_dim);
+          cpu::dequantize_row(
+              widened, static_cast<const std::uint8_t*>(base) + p_.kv_offset(strides, b_, j, h),
+              p_.dtype, scales.data + p_.kv_offset(scales.strides, b_, j, h), scales.group_stride,
+              scales.group_dims, p_.head_dim);
         }
-        inputs_ = {{t_.inputs.data(), Dp}, DType::f32, {}};
+        inputs_ = {{t_.inputs.data(), Dp}, DType::f32, nullptr, {}};
       } else {
         float* widened = t_.inputs.data();
         for_each_key(strides, key, key + count, [&](std::int64_t row) {
           load_row_f32(widened, base, p_.dtype, row + h * strides.head, p_.head_dim);
           widened += Dp;
         });
-        inputs_ = {{t_.inputs.data(), Dp}, DType::f32, {}};
+        inputs_ = {{t_.inputs.data(), Dp}, DType::f32, nullptr, {}};
       }
       inputs_head_ = h;
       inputs_key_ = key;
@@ -456,7 +468,8 @@ class KeyWalk {
   bool in_place_;
   std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
-  InputRows inputs_{{}, DType::f32, {}};
+  InputRows inputs_{{}, DType::f32, nullptr, {}};
+  float row_scales_[kMaxKeyGroup];  // inputs_.scales of a quantized cache read in place
   std::int64_t inputs_head_ = -1, inputs_key_ = -1, inputs_count_ = 0;
   GroupRows group_;          // of inputs_key_
   bool first_block_ = true;  // whether the walk is over the chunk's first block
@@ -502,6 +515,15 @@ void load_query_rows(const AttentionParams& p, const DecodePlan& plan, Scratch& 
   }
 }
 
+// values[r·ld + j] ·= scales[j] for r < rows, j < n: a quantized cache's row scales on the scores
+// of its codes, or on the probabilities that weight its value codes.
+void scale_columns(float* values, std::int64_t ld, std::int64_t rows, const float* scales,
+                   std::int64_t n) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < n; ++j) values[r * ld + j] *= scales[j];
+  }
+}
+
 // s = q · k over the keys [block, block + keys), a key group at a time and head by head: the
 // order of the rows in memory. Scores of masked pairs are -inf, set before.
 void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, KeyWalk& walk,
@@ -525,6 +547,7 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
         } else {
           cpu::dot_rows(out, Bk, q_rows, Dp, count, k.rows, k.dtype, key_count, Dp, k.ahead);
         }
+        if (k.scales) scale_columns(out, Bk, count, k.scales, key_count);
       });
   if (!p.modifiers.change_logits()) return;
   // The visible scores into logits; the masked ones stay -inf.
@@ -545,12 +568,14 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
 void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, KeyWalk& walk,
                      float* acc, std::int64_t block, std::int64_t keys) {
   const std::int64_t Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
-  const float* scores = t.scores.data();
+  float* scores = t.scores.data();
   walk.walk_inputs(p.v, p.v_strides, p.v_scale, block, keys,
                    [&](std::int64_t first, std::int64_t count, std::int64_t key,
                        std::int64_t key_count, const InputRows& v) {
                      float* acc_rows = acc + first * Dp;
-                     const float* weights = scores + first * Bk + (key - block);
+                     float* weights = scores + first * Bk + (key - block);
+                     // Each (row, key) weight comes once: scaled in place.
+                     if (v.scales) scale_columns(weights, Bk, count, v.scales, key_count);
                      if (plan.bf16_pairs) {
                        cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count, v.rows,
                                                  key_count, Dp, v.ahead);

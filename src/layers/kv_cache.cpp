@@ -16,6 +16,7 @@
 #include "api/backends.hpp"
 #include "api/memory.hpp"
 #include "cpu/flash_decode.hpp"
+#include "cpu/kernels/dequantize.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
@@ -113,9 +114,9 @@ void gather_sequence(const AttentionParams& p, std::int64_t b, const void* cache
             copy_row(dst, p.q_dtype, to, cache, p.dtype, from, D);
             continue;
           }
-          dequantize_row(row.data(), cache, p.dtype, from,
-                         scales.data + p.kv_offset(scales.strides, b, j, h), scales.group_stride,
-                         scales.group_dims, D);
+          cpu::dequantize_row(row.data(), static_cast<const std::uint8_t*>(cache) + from, p.dtype,
+                              scales.data + p.kv_offset(scales.strides, b, j, h),
+                              scales.group_stride, scales.group_dims, D);
           store_row_f32(dst, p.q_dtype, to, row.data(), D);
         }
       });

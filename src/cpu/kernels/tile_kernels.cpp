@@ -14,6 +14,7 @@
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 #include <hwy/contrib/math/math-inl.h>
+#include "cpu/kernels/codes-inl.hpp"
 // clang-format on
 
 #include "cpu/kernels/tile_kernels.hpp"
@@ -303,6 +304,23 @@ HWY_INLINE Vec LoadWidened(Tag tag, const hwy::float16_t* HWY_RESTRICT values) {
 #else
 constexpr bool kWidensF16 = false;
 #endif
+// Quantized cache codes, unscaled (cpu/kernels/codes-inl.hpp): the decode path multiplies each
+// key's scores, and weights each value row, by its scale.
+struct Fp8E4M3Code {
+  std::uint8_t bits;
+};
+struct Fp8E5M2Code {
+  std::uint8_t bits;
+};
+HWY_INLINE Vec LoadWidened(Tag tag, const std::int8_t* HWY_RESTRICT codes) {
+  return WidenInt8Codes(tag, codes);
+}
+HWY_INLINE Vec LoadWidened(Tag tag, const Fp8E4M3Code* HWY_RESTRICT codes) {
+  return WidenFp8E4M3Codes(tag, reinterpret_cast<const std::uint8_t*>(codes));
+}
+HWY_INLINE Vec LoadWidened(Tag tag, const Fp8E5M2Code* HWY_RESTRICT codes) {
+  return WidenFp8E5M2Codes(tag, reinterpret_cast<const std::uint8_t*>(codes));
+}
 
 // How a product reads rows of its second operand: Widened<T> one vector of T at a time, widened
 // to fp32 in the order of the dims; Bf16Pairs (the decode path's bf16 rows) 2N bf16 values at a
@@ -995,9 +1013,14 @@ HWY_INLINE void WithInputRows(const ScatteredRows& x, const ScatteredRows& ahead
       }
       return;
     case DType::int8:
+      WithRowsOf<std::int8_t>(x, ahead, all_rows);
+      return;
     case DType::fp8_e4m3:
+      WithRowsOf<Fp8E4M3Code>(x, ahead, all_rows);
+      return;
     case DType::fp8_e5m2:
-      HWY_ABORT("%s rows reach the products dequantized (util/quantize.hpp)", dtype_name(x_dtype));
+      WithRowsOf<Fp8E5M2Code>(x, ahead, all_rows);
+      return;
   }
 }
 

@@ -130,7 +130,7 @@ struct ScatteredRows {
 
 // Decode (few query rows against a long key sequence, flash_decode.cpp): fp32 rows padded with
 // zeros to n, a multiple of kTileLanes, against the x_count rows x[k] of n elements, of dtype
-// x_dtype (widened exactly in registers):
+// x_dtype (widened exactly in registers; a quantized dtype's codes unscaled):
 // out[r · out_stride + k] = rows[r · ld_rows .. + n) · x[k][0 .. n)   r < count, k < x_count
 void dot_rows(float* out, std::int64_t out_stride, const float* rows, std::int64_t ld_rows,
               std::int64_t count, const ScatteredRows& x, DType x_dtype, std::int64_t x_count,
