@@ -18,6 +18,7 @@ from ._api import (MultiHeadAttention, attention_reference, flash_attn_func,
                    flash_attn_with_kvcache, merge_attention_states)
 from ._dropout import get_block_size_n as _get_block_size_n  # S_dmask's blocks, as upstream's
 from ._flashattn import __version__, visible_pairs
+from ._quantized import quantize_kv
 
 __all__ = [
     "MultiHeadAttention",
@@ -30,5 +31,6 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "merge_attention_states",
+    "quantize_kv",
     "visible_pairs",
 ]

@@ -577,6 +577,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes=None,
                             num_splits: int = 0, return_softmax_lse: bool = False, *,
+                            k_scale=None, v_scale=None, cache_dtype: Optional[str] = None,
                             num_threads: int = 0, impl: str = "flash"):
     """One step of decoding (or a chunk of prefill) against a KV cache, appending in place.
 
@@ -603,10 +604,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     not. cache_batch_idx int32 [B] (dense caches): batch entry b uses row cache_batch_idx[b] of
     k_cache, v_cache [B_cache, capacity, Hkv, D]; distinct entries when appending.
     num_splits is accepted and unused (the split follows from the shape).
+
+    Quantized caches (docs/python.md, "Quantized KV caches"): k_cache, v_cache int8 or fp8
+    (torch.float8_e4m3fn / float8_e5m2, ml_dtypes' float8 types, or uint8 bytes with
+    cache_dtype="fp8_e4m3" / "fp8_e5m2" / "int8") hold codes whose values are code * scale;
+    k_scale, v_scale float32: a number (per tensor), [Hkv] (per KV head), the cache's
+    [dim 0, dim 1, Hkv] (per row) or [dim 0, dim 1, Hkv, groups] (per group of D / groups dims).
+    New rows k, v (any float dtype) are quantized in place: int8 computes each row's scales and
+    writes them into k_scale, v_scale (per row or group, writable), fp8 divides by the scales.
     """
+    from . import _quantized
     framework = _framework(q, "q")
-    _same_framework(k_cache, "k_cache", framework)
-    _same_framework(v_cache, "v_cache", framework)
+    _quantized.same_framework(k_cache, "k_cache", framework)
+    _quantized.same_framework(v_cache, "v_cache", framework)
     if (k is None) != (v is None):
         raise ValueError("k, v: give both new K and V rows, or neither")
     if k is not None:
@@ -628,6 +638,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         from . import _torch_ops
         left, right = _window(window_size)
         table = None if block_table is None else _torch_int32(block_table, "block_table")
+        quantized = _quantized.cache_format(k_cache, cache_dtype)
+        scales = (None, None) if not quantized else (
+            _quantized.scale_view(k_scale, "k_scale", k_cache, framework),
+            _quantized.scale_view(v_scale, "v_scale", v_cache, framework))
+        if not quantized and (k_scale is not None or v_scale is not None):
+            _quantized.kvcache_arguments(k_cache, v_cache, k_scale, v_scale, cache_dtype,
+                                         framework)  # raises, naming the scale
         out, lse = _torch_ops.kvcache_attention(
             q, k_cache, v_cache, _torch_int32(cache_seqlens, "cache_seqlens"), table, k, v,
             _torch_vector(alibi_slopes, "alibi_slopes"), _scale(softmax_scale), bool(causal),
@@ -635,7 +652,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             _torch_vector(rotary_cos, "rotary_cos"), _torch_vector(rotary_sin, "rotary_sin"),
             None if cache_leftpad is None else _torch_int32(cache_leftpad, "cache_leftpad"),
             None if cache_batch_idx is None else _torch_int32(cache_batch_idx, "cache_batch_idx"),
-            bool(rotary_interleaved))
+            bool(rotary_interleaved), scales[0], scales[1], cache_dtype)
     else:
         lengths = _int32(cache_seqlens, "cache_seqlens")
         table = None if block_table is None else _int32(block_table, "block_table")
@@ -644,10 +661,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = _empty(framework, q.shape, q.dtype)
         lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
         _flashattn.kvcache_forward(
-            impl, _native(q), _native(k_cache, writable=True, name="k_cache"),
-            _native(v_cache, writable=True, name="v_cache"), lengths, table,
-            None if k is None else _native(k), None if v is None else _native(v),
-            _native(out, writable=True, name="out"), _native(lse),
+            impl, _native(q), **_quantized.kvcache_arguments(k_cache, v_cache, k_scale, v_scale,
+                                                            cache_dtype, framework),
+            cache_seqlens=lengths, block_table=table,
+            k_new=None if k is None else _native(k), v_new=None if v is None else _native(v),
+            out=_native(out, writable=True, name="out"), lse=_native(lse),
             **_kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
                               cache_batch_idx), **options)
     return (out, lse) if return_softmax_lse else out

@@ -371,34 +371,40 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
                 impl: str, rotary_cos: Optional[Tensor] = None,
                 rotary_sin: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
                 cache_batch_idx: Optional[Tensor] = None,
-                rotary_interleaved: bool = True) -> Tuple[Tensor, Tensor]:
+                rotary_interleaved: bool = True, k_scale: Optional[Tensor] = None,
+                v_scale: Optional[Tensor] = None,
+                cache_dtype: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D], lse float32 [B, Hq, Sq]); k_new, v_new are written into the caches
     at cache_seqlens (int32 [B]) first, rotated by rotary_cos, rotary_sin [seqlen_ro,
     rotary_dim / 2] when given; cache_leftpad, cache_batch_idx int32 [B] (_api's
-    flash_attn_with_kvcache). No autograd: decoding is inference."""
+    flash_attn_with_kvcache); a quantized cache's k_scale, v_scale [dim 0, dim 1, Hkv, groups]
+    float32 (broadcast views allowed; int8 writes them). No autograd: decoding is inference."""
+    from . import _quantized
     options = _options(alibi_slopes, None, None, None, softmax_scale, causal, window_left,
                        window_right, softcap, num_threads)
     batch, seqlen_q, heads_q, _ = q.shape
     out = _empty_like(q)
     lse = _api._empty("torch", (batch, heads_q, seqlen_q), torch.float32)
     _flashattn.kvcache_forward(
-        impl, _api._native(q), _api._native(k_cache, writable=True, name="k_cache"),
-        _api._native(v_cache, writable=True, name="v_cache"), cache_seqlens, block_table,
-        None if k_new is None else _api._native(k_new),
-        None if v_new is None else _api._native(v_new), out, lse,
+        impl, _api._native(q), **_quantized.kvcache_arguments(
+            k_cache, v_cache, k_scale, v_scale, cache_dtype, "torch"),
+        cache_seqlens=cache_seqlens, block_table=block_table,
+        k_new=None if k_new is None else _api._native(k_new),
+        v_new=None if v_new is None else _api._native(v_new), out=out, lse=lse,
         **_api._kvcache_extras(rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
                                cache_batch_idx), **options)
     return out, lse
 
 
 kvcache_fwd = torch.library.custom_op(f"{_LIB}::kvcache_fwd", _kvcache_fwd,
-                                      mutates_args=("k_cache", "v_cache"))
+                                      mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slopes, softmax_scale,
       causal, window_left, window_right, softcap, num_threads, impl, rotary_cos=None,
-      rotary_sin=None, cache_leftpad=None, cache_batch_idx=None, rotary_interleaved=True):
+      rotary_sin=None, cache_leftpad=None, cache_batch_idx=None, rotary_interleaved=True,
+      k_scale=None, v_scale=None, cache_dtype=None):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 

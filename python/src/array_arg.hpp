@@ -66,7 +66,7 @@ struct TorchTypes {
     PyObject* object;
     nb::dlpack::dtype dlpack;
   };
-  std::array<Dtype, 9> dtypes{};
+  std::array<Dtype, 10> dtypes{};
 };
 
 inline const TorchTypes* torch_types() {
@@ -86,7 +86,7 @@ inline const TorchTypes* torch_types() {
       {"bfloat16", dtype(Code::Bfloat, 16)}, {"int32", dtype(Code::Int, 32)},
       {"int64", dtype(Code::Int, 64)},       {"int16", dtype(Code::Int, 16)},
       {"uint16", dtype(Code::UInt, 16)},     {"uint8", dtype(Code::UInt, 8)},
-      {"bool", dtype(Code::Bool, 8)}};
+      {"int8", dtype(Code::Int, 8)},         {"bool", dtype(Code::Bool, 8)}};
   try {
     types.tensor = module.attr("Tensor").inc_ref().ptr();
     for (std::size_t i = 0; i < types.dtypes.size(); ++i) {

@@ -335,11 +335,51 @@ void varlen_backward(const std::string& impl, const InArray& dout, const InArray
                                        dkv, dvv, o.options, grads);
 }
 
+// A quantized cache's dtype by name ("" for none), as the Python layer passes a cache of fp8
+// codes: seen as uint8 (DLPack has no fp8 every producer exports).
+DType cache_dtype_of(const std::string& name) {
+  for (const DType dtype : {DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
+    if (name == flashattn::dtype_name(dtype)) return dtype;
+  }
+  fail("cache_dtype: expected int8, fp8_e4m3 or fp8_e5m2, got ", name);
+}
+
+// A cache array: an int8 one as it is, uint8 codes as `cache_dtype` says.
+TensorView cache_view(const OutArray& array, const char* name, const std::string& cache_dtype) {
+  using Code = nb::dlpack::dtype_code;
+  TensorView view;
+  view.data = array.data();
+  if (!cache_dtype.empty()) {
+    view.dtype = cache_dtype_of(cache_dtype);
+    const bool bytes = is(array.dtype(), Code::UInt, 8) || is(array.dtype(), Code::Int, 8);
+    if (!bytes) {
+      fail(name, ": expected the bytes of ", cache_dtype, " codes (uint8 or int8), got ",
+           describe(array.dtype()));
+    }
+  } else if (is(array.dtype(), Code::Int, 8)) {
+    view.dtype = DType::int8;
+  } else {
+    view.dtype = element_type(array.dtype(), name);
+  }
+  dims4(array, name, view.shape, view.strides);
+  return view;
+}
+
+// A quantized cache's scales: read as an input, so that a broadcast (read-only) numpy view
+// passes; the library writes only int8 scales with an element per row, which the Python layer
+// checks are writable.
+TensorView scale_view(const std::optional<InArray>& scales, const char* name) {
+  const ConstTensorView view = in_view(scales, name);
+  return {const_cast<void*>(view.data), view.dtype, view.shape, view.strides};
+}
+
 void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& k_cache,
-                     const OutArray& v_cache, const InArray& cache_seqlens,
-                     const std::optional<InArray>& block_table, const std::optional<InArray>& k_new,
-                     const std::optional<InArray>& v_new, const OutArray& out,
-                     const std::optional<OutArray>& lse, const std::optional<InArray>& rotary_cos,
+                     const OutArray& v_cache, const std::string& cache_dtype,
+                     const std::optional<InArray>& k_scale, const std::optional<InArray>& v_scale,
+                     const InArray& cache_seqlens, const std::optional<InArray>& block_table,
+                     const std::optional<InArray>& k_new, const std::optional<InArray>& v_new,
+                     const OutArray& out, const std::optional<OutArray>& lse,
+                     const std::optional<InArray>& rotary_cos,
                      const std::optional<InArray>& rotary_sin, bool rotary_interleaved,
                      const std::optional<InArray>& cache_leftpad,
                      const std::optional<InArray>& cache_batch_idx, FLASHATTN_OPTION_ARGS) {
@@ -378,8 +418,10 @@ void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& 
     cache_options.cache_batch_idx =
         buffer<const std::int32_t>(*cache_batch_idx, "cache_batch_idx", batch);
   }
-  flashattn::KVCacheView cache{out_view(k_cache, "k_cache"), out_view(v_cache, "v_cache"), nullptr,
-                               0};
+  flashattn::KVCacheView cache{cache_view(k_cache, "k_cache", cache_dtype),
+                               cache_view(v_cache, "v_cache", cache_dtype), nullptr, 0};
+  cache.k_scale = scale_view(k_scale, "k_scale");
+  cache.v_scale = scale_view(v_scale, "v_scale");
   if (block_table) {
     if (block_table->ndim() != 2 || static_cast<std::int64_t>(block_table->shape(0)) != batch) {
       fail("block_table: expected an int32 array [batch = ", batch, ", pages_per_sequence]");
@@ -400,6 +442,15 @@ void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& 
   nb::gil_scoped_release release;
   flashattn::kvcache_attention_forward(qv, cache, lengths, new_kv, cache_options, ov, lse_data,
                                        o.options, path);
+}
+
+void quantize_kv(const InArray& values, const OutArray& cache, const std::string& cache_dtype,
+                 const InArray& scales, int num_threads) {
+  const ConstTensorView from = in_view(values, "values");
+  const TensorView to = cache_view(cache, "cache", cache_dtype);
+  const TensorView scales_view = scale_view(scales, "scales");
+  nb::gil_scoped_release release;
+  flashattn::quantize_kv(from, to, scales_view, num_threads);
 }
 
 void merge_states(const InArray& out_a, const InArray& lse_a, const InArray& out_b,
@@ -472,11 +523,14 @@ NB_MODULE(_flashattn, m) {
         "lse"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "dq"_a, "dk"_a, "dv"_a, "dsinks"_a.none(),
         FLASHATTN_OPTION_NAMES, "Packed-batch backward.");
   m.def("kvcache_forward", &kvcache_forward, "impl"_a, "q"_a, "k_cache"_a, "v_cache"_a,
-        "cache_seqlens"_a, "block_table"_a.none(), "k_new"_a.none(), "v_new"_a.none(), "out"_a,
-        "lse"_a.none(), "rotary_cos"_a.none(), "rotary_sin"_a.none(), "rotary_interleaved"_a,
+        "cache_dtype"_a, "k_scale"_a.none(), "v_scale"_a.none(), "cache_seqlens"_a,
+        "block_table"_a.none(), "k_new"_a.none(), "v_new"_a.none(), "out"_a, "lse"_a.none(),
+        "rotary_cos"_a.none(), "rotary_sin"_a.none(), "rotary_interleaved"_a,
         "cache_leftpad"_a.none(), "cache_batch_idx"_a.none(), FLASHATTN_OPTION_NAMES,
         "Appends k_new, v_new into the (dense or paged) cache in place (rotated by rotary_cos, "
         "rotary_sin when given), then attends.");
+  m.def("quantize_kv", &quantize_kv, "values"_a, "cache"_a, "cache_dtype"_a, "scales"_a,
+        "num_threads"_a, "Quantizes values into an int8 or fp8 cache (int8 writes the scales).");
   m.def("merge_states", &merge_states, "out_a"_a, "lse_a"_a, "out_b"_a, "lse_b"_a, "out"_a,
         "lse"_a.none(), "num_threads"_a, "Exact merge of two attention states over disjoint keys.");
   m.def(
