@@ -3,8 +3,10 @@
 // rows to append, the page size and the order of the pages, each tensor's memory layout, the
 // options, the data (NaN, ±inf and denormals included), for one input in four a rotary table
 // (KVCacheOptions) and, for one input in eight, a corruption that makes the call invalid (a
-// rotary table too short or of odd width, a cache_leftpad or cache_batch_idx out of range among
-// them).
+// rotary table too short or of odd width, a cache_leftpad or cache_batch_idx out of range, scales
+// of the wrong shape among them). One input in four uses a quantized cache (int8, fp8_e4m3,
+// fp8_e5m2: random codes, NaN codes included, and scales per row or per group, NaN, 0 and
+// infinity among them), whose new rows are quantized in place.
 //
 // Every call runs twice, on a dense cache and on a paged cache holding the same rows. Invalid
 // calls must raise flashattn::Error and leave out, lse and both caches untouched. Valid calls
@@ -12,12 +14,14 @@
 //  * dense and paged give the same out and lse bit for bit;
 //  * each cache afterwards is its old bytes with the new rows, rounded to the cache's dtype
 //    (the keys rotated first, in fp64, when a rotary table is given), at each sequence's cached
-//    length, and nothing else changed (padding and spare pages too);
+//    length, and nothing else changed (padding and spare pages too); a quantized cache's new
+//    rows are util/quantize.hpp's quantize_row of them, with their int8 scales;
 //  * nothing around out's view is written;
 //  * a row that sees no key has out 0 and lse −inf; a finite output lies within the values
 //    its row sees: |out| <= Vmax·(1 + (2·L + 16)·u + u_p + u_out) + floor, Vmax the largest
-//    |v| among the row's visible keys (the softmax weights are a convex combination, up to the
-//    roundings of their sum, of P to a 16-bit q's dtype (u_p) and of the output (u_out)).
+//    |v| (a quantized cache's code · scale) among the row's visible keys (the softmax weights are a
+//    convex combination, up to the roundings of their sum, of P to a 16-bit q's dtype (u_p) and of
+//    the output (u_out)).
 // The accuracy against the fp64 reference is fuzz_attention's and tests/test_kvcache.cpp's.
 
 #include <fuzzer/FuzzedDataProvider.h>
@@ -35,6 +39,7 @@
 
 #include "flashattn/flashattn.hpp"
 #include "fuzz_support.hpp"
+#include "util/quantize.hpp"
 
 namespace {
 
@@ -50,6 +55,10 @@ struct Problem {
   std::vector<std::int32_t> cached;  // cache_seqlens
   std::vector<std::int32_t> block_table;
   Tensor q, out, k_new, v_new, dense_k, dense_v, paged_k, paged_v;
+  // A quantized cache's scales [.., .., Hkv, groups] beside each cache; empty otherwise.
+  Tensor dense_k_scale, dense_v_scale, paged_k_scale, paged_v_scale;
+  std::int64_t groups = 1;
+  bool quantized() const { return flashattn::is_quantized(cache_dtype); }
   std::vector<std::uint8_t> lse_bytes;  // empty: lse = nullptr
   flashattn::AttentionOptions options;
   std::vector<float> cos, sin;                   // [positions, rotary_dim / 2], or empty: no rotary
@@ -86,6 +95,12 @@ Problem make_problem(FuzzedDataProvider& in) {
                                                               {DType::f32, DType::bf16}}};
   std::tie(p.q_dtype, p.cache_dtype) = kPairs[in.ConsumeIntegralInRange<std::size_t>(0, 4)];
   p.new_dtype = in.ConsumeBool() ? p.cache_dtype : p.q_dtype;
+  if (in.ConsumeIntegralInRange(0, 3) == 0) {
+    // A quantized cache under any q; new rows of any compute dtype.
+    p.cache_dtype = in.PickValueInArray({DType::int8, DType::fp8_e4m3, DType::fp8_e5m2});
+    p.q_dtype = in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
+    p.new_dtype = in.PickValueInArray({DType::f32, DType::f16, DType::bf16});
+  }
   p.batch = in.ConsumeIntegralInRange(0, 3);
   const bool prefill = in.ConsumeIntegralInRange(0, 7) == 0;
   p.seqlen_q = in.ConsumeIntegralInRange<std::int64_t>(0, prefill ? 40 : 4);
@@ -140,6 +155,15 @@ Problem make_problem(FuzzedDataProvider& in) {
       fuzzed_layout(in, p.cache_dtype, {p.num_pages, p.page_size, p.heads_kv, p.head_dim}, false);
   p.paged_v =
       fuzzed_layout(in, p.cache_dtype, {p.num_pages, p.page_size, p.heads_kv, p.head_dim}, false);
+  if (p.quantized()) {
+    p.groups = p.head_dim % 2 == 0 && in.ConsumeBool() ? 2 : 1;
+    const Shape dense_scales{p.batch, p.capacity, p.heads_kv, p.groups};
+    const Shape paged_scales{p.num_pages, p.page_size, p.heads_kv, p.groups};
+    p.dense_k_scale = fuzzed_layout(in, DType::f32, dense_scales, false);
+    p.dense_v_scale = fuzzed_layout(in, DType::f32, dense_scales, false);
+    p.paged_k_scale = fuzzed_layout(in, DType::f32, paged_scales, false);
+    p.paged_v_scale = fuzzed_layout(in, DType::f32, paged_scales, false);
+  }
   if (in.ConsumeBool()) {
     p.lse_bytes.assign(
         static_cast<std::size_t>(std::max<std::int64_t>(p.batch * p.heads_q() * p.seqlen_q, 1)) * 4,
@@ -153,10 +177,29 @@ Problem make_problem(FuzzedDataProvider& in) {
   const int v_exponent = in.ConsumeIntegralInRange(-12, 12);
   fill(p.k_new, p.new_dtype, in, k_exponent, specials, true);
   fill(p.v_new, p.new_dtype, in, v_exponent, specials, true);
-  // The same rows in both caches.
+  // The same rows in both caches: a quantized cache's codes are the input's bytes, its scales
+  // |values| of the input.
   for_each_index({p.batch, p.capacity, p.heads_kv, p.head_dim}, [&](auto b, auto j, auto h,
                                                                     auto d) {
     const auto [page, row] = p.page_row(b, j);
+    if (p.quantized()) {
+      for (auto [dense, paged] : {std::pair{&p.dense_k, &p.paged_k}, {&p.dense_v, &p.paged_v}}) {
+        const std::uint8_t code = in.ConsumeIntegral<std::uint8_t>();
+        dense->buffer.bytes[static_cast<std::size_t>(dense->offset(b, j, h, d))] = code;
+        paged->buffer.bytes[static_cast<std::size_t>(paged->offset(page, row, h, d))] = code;
+      }
+      if (d < p.groups) {
+        for (auto [dense, paged, exponent] :
+             {std::tuple{&p.dense_k_scale, &p.paged_k_scale, k_exponent - 6},
+              {&p.dense_v_scale, &p.paged_v_scale, v_exponent - 6}}) {
+          const float scale =
+              std::abs(value_from(in.ConsumeIntegral<std::uint8_t>(), exponent, specials, true));
+          store_f32(dense->buffer.bytes.data(), DType::f32, dense->offset(b, j, h, d), scale);
+          store_f32(paged->buffer.bytes.data(), DType::f32, paged->offset(page, row, h, d), scale);
+        }
+      }
+      return;
+    }
     const float k = value_from(in.ConsumeIntegral<std::uint8_t>(), k_exponent, specials, true);
     const float v = value_from(in.ConsumeIntegral<std::uint8_t>(), v_exponent, specials, true);
     store_f32(p.dense_k.buffer.bytes.data(), p.cache_dtype, p.dense_k.offset(b, j, h, d), k);
@@ -193,6 +236,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "paged_k", p.paged_k);
   describe_options(text, p.options);
   text << " lse " << !p.lse_bytes.empty() << " specials " << specials;
+  if (p.quantized()) text << " scale groups " << p.groups;
   if (!p.cos.empty()) {
     text << " rotary positions " << p.cache_options.rotary.positions << " dim "
          << p.cache_options.rotary.rotary_dim << " interleaved "
@@ -224,6 +268,10 @@ Call make_call(Problem& p, bool paged) {
           ? flashattn::KVCacheView{view(p.paged_k, p.cache_dtype), view(p.paged_v, p.cache_dtype),
                                    p.block_table.data(), p.pages_per_sequence}
           : flashattn::KVCacheView{view(p.dense_k, p.cache_dtype), view(p.dense_v, p.cache_dtype)};
+  if (p.quantized()) {
+    call.cache.k_scale = view(paged ? p.paged_k_scale : p.dense_k_scale, DType::f32);
+    call.cache.v_scale = view(paged ? p.paged_v_scale : p.dense_v_scale, DType::f32);
+  }
   call.cache_seqlens = p.cached.data();
   // Passed even with Snew = 0: a [B, 0, Hkv, D] append is valid and appends nothing.
   call.new_kv = {view(p.k_new, p.new_dtype), view(p.v_new, p.new_dtype)};
@@ -273,7 +321,7 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
       return true;
     }
     case 4:
-      if (p.q_dtype == DType::f32) return false;
+      if (p.q_dtype == DType::f32 || p.quantized()) return false;
       call.cache.k.dtype = call.cache.v.dtype = p.q_dtype == DType::f16 ? DType::bf16 : DType::f16;
       return true;
     case 5:
@@ -337,6 +385,15 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
       p.batch_idx[0] = static_cast<std::int32_t>(p.cached[0] % 2 ? -1 : p.batch);
       call.cache_options.cache_batch_idx = p.batch_idx.data();
       return true;
+    case 15:
+      // Scales that do not fit the cache, or scales for a cache that takes none.
+      if (p.quantized()) {
+        call.cache.v_scale.shape[3] = p.head_dim + 1;
+      } else {
+        call.cache.k_scale = call.cache.k;
+        call.cache.k_scale.dtype = DType::f32;
+      }
+      return true;
     default:
       return false;
   }
@@ -348,6 +405,7 @@ template <class RowOf>
 std::vector<std::uint8_t> appended(const Problem& p, const Tensor& cache, const Tensor& rows,
                                    bool rotate, RowOf&& row_of) {
   std::vector<std::uint8_t> bytes = cache.buffer.bytes;
+  if (p.quantized()) return bytes;  // quantized_appended
   for_each_index(
       {p.batch, p.seqlen_new, p.heads_kv, p.head_dim}, [&](auto b, auto i, auto h, auto d) {
         const auto [outer, row] = row_of(b, p.cached[b] + i);
@@ -373,6 +431,53 @@ std::vector<std::uint8_t> appended(const Problem& p, const Tensor& cache, const 
   return bytes;
 }
 
+// A quantized cache's codes and scales after a valid call: the new rows (rotated as `appended`
+// does) quantized by util/quantize.hpp's definition at each sequence's cached length.
+template <class RowOf>
+std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> quantized_appended(
+    const Problem& p, const Tensor& cache, const Tensor& scales, const Tensor& rows, bool rotate,
+    RowOf&& row_of) {
+  std::vector<std::uint8_t> codes = cache.buffer.bytes, scale_bytes = scales.buffer.bytes;
+  const flashattn::RotaryEmbedding& r = p.cache_options.rotary;
+  std::vector<float> row(static_cast<std::size_t>(p.head_dim));
+  for_each_index({p.batch, p.seqlen_new, p.heads_kv, 1}, [&](auto b, auto i, auto h, auto) {
+    const auto [outer, key] = row_of(b, p.cached[b] + i);
+    const auto load = [&](std::int64_t dim) {
+      return static_cast<double>(
+          load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, dim)));
+    };
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      double value = load(d);
+      if (rotate && d < r.rotary_dim) {
+        const std::int64_t half = r.rotary_dim / 2, pair = r.interleaved ? d / 2 : d % half;
+        const bool first = r.interleaved ? d % 2 == 0 : d < half;
+        const std::int64_t partner =
+            r.interleaved ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
+        const double c = r.cos[(p.cached[b] + i) * half + pair];
+        const double s = r.sin[(p.cached[b] + i) * half + pair];
+        value = first ? value * c - load(partner) * s : value * c + load(partner) * s;
+      }
+      row[static_cast<std::size_t>(d)] = static_cast<float>(value);
+    }
+    auto* scale_data = reinterpret_cast<float*>(scale_bytes.data());
+    flashattn::detail::quantize_row(codes.data(), p.cache_dtype, cache.offset(outer, key, h, 0),
+                                    row.data(), scale_data + scales.offset(outer, key, h, 0),
+                                    scales.strides[3], p.head_dim / p.groups, p.head_dim);
+  });
+  return {codes, scale_bytes};
+}
+
+// Value d of row (b, j, h) of the dense V cache as the call reads it: a quantized cache's
+// code · scale.
+double dense_value(const Problem& p, std::int64_t b, std::int64_t j, std::int64_t h,
+                   std::int64_t d) {
+  const double code =
+      load_f32(p.dense_v.buffer.bytes.data(), p.cache_dtype, p.dense_v.offset(b, j, h, d));
+  if (!p.quantized()) return code;
+  return code * load_f32(p.dense_v_scale.buffer.bytes.data(), DType::f32,
+                         p.dense_v_scale.offset(b, j, h, d / (p.head_dim / p.groups)));
+}
+
 // Rows that see no key, and the hull bound on the others, against the dense cache as it is
 // after the call.
 __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
@@ -396,8 +501,7 @@ __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
         bool finite = true;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            const double v = load_f32(p.dense_v.buffer.bytes.data(), p.cache_dtype,
-                                      p.dense_v.offset(b, j, h_kv, d));
+            const double v = dense_value(p, b, j, h_kv, d);
             finite = finite && std::isfinite(v);
             v_max = std::max(v_max, std::abs(v));
           }
@@ -429,7 +533,7 @@ __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider in(data, size);
   const int corruption =
-      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 14) : -1;
+      in.ConsumeIntegralInRange(0, 7) == 0 ? in.ConsumeIntegralInRange(0, 15) : -1;
   Problem p = make_problem(in);
   auto run = [&](const Call& call) {
     flashattn::kvcache_attention_forward(call.q, call.cache, call.cache_seqlens, call.new_kv,
@@ -446,13 +550,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         paged ? p.paged_k.buffer.bytes : p.dense_k.buffer.bytes;
     const std::vector<std::uint8_t> v_before =
         paged ? p.paged_v.buffer.bytes : p.dense_v.buffer.bytes;
+    const std::vector<std::uint8_t> k_scale_before =
+        paged ? p.paged_k_scale.buffer.bytes : p.dense_k_scale.buffer.bytes;
+    const std::vector<std::uint8_t> v_scale_before =
+        paged ? p.paged_v_scale.buffer.bytes : p.dense_v_scale.buffer.bytes;
     try {
       run(call);
     } catch (const flashattn::Error&) {
       const Tensor& k = paged ? p.paged_k : p.dense_k;
       const Tensor& v = paged ? p.paged_v : p.dense_v;
+      const Tensor& k_scale = paged ? p.paged_k_scale : p.dense_k_scale;
+      const Tensor& v_scale = paged ? p.paged_v_scale : p.dense_v_scale;
       if (p.out.buffer.bytes != out_before || p.lse_bytes != lse_before ||
-          k.buffer.bytes != k_before || v.buffer.bytes != v_before) {
+          k.buffer.bytes != k_before || v.buffer.bytes != v_before ||
+          k_scale.buffer.bytes != k_scale_before || v_scale.buffer.bytes != v_scale_before) {
         finding(p, "an invalid call wrote its output or the cache before raising Error");
       }
       return 0;
@@ -467,6 +578,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::vector<std::uint8_t> dense_v_want = appended(p, p.dense_v, p.v_new, false, dense_row);
   const std::vector<std::uint8_t> paged_k_want = appended(p, p.paged_k, p.k_new, rotary, paged_row);
   const std::vector<std::uint8_t> paged_v_want = appended(p, p.paged_v, p.v_new, false, paged_row);
+  // A quantized cache: its codes and scales.
+  std::vector<std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>>> quantized_want;
+  if (p.quantized()) {
+    quantized_want = {quantized_appended(p, p.dense_k, p.dense_k_scale, p.k_new, rotary, dense_row),
+                      quantized_appended(p, p.dense_v, p.dense_v_scale, p.v_new, false, dense_row),
+                      quantized_appended(p, p.paged_k, p.paged_k_scale, p.k_new, rotary, paged_row),
+                      quantized_appended(p, p.paged_v, p.paged_v_scale, p.v_new, false, paged_row)};
+  }
 
   std::vector<std::uint8_t> paged_out, paged_lse;
   try {
@@ -477,11 +596,26 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const flashattn::Error& error) {
     finding(p, std::string("a valid call raised Error: ") + error.what());
   }
-  if (p.dense_k.buffer.bytes != dense_k_want || p.dense_v.buffer.bytes != dense_v_want) {
-    finding(p, "the dense cache does not hold the old rows with the new ones appended");
-  }
-  if (p.paged_k.buffer.bytes != paged_k_want || p.paged_v.buffer.bytes != paged_v_want) {
-    finding(p, "the paged cache does not hold the old rows with the new ones appended");
+  if (p.quantized()) {
+    const std::pair<const Tensor*, const Tensor*> caches[] = {{&p.dense_k, &p.dense_k_scale},
+                                                              {&p.dense_v, &p.dense_v_scale},
+                                                              {&p.paged_k, &p.paged_k_scale},
+                                                              {&p.paged_v, &p.paged_v_scale}};
+    for (std::size_t i = 0; i < 4; ++i) {
+      if (caches[i].first->buffer.bytes != quantized_want[i].first ||
+          caches[i].second->buffer.bytes != quantized_want[i].second) {
+        finding(p, std::string(i < 2 ? "the dense " : "the paged ") + (i % 2 ? "V" : "K") +
+                       " cache does not hold its old codes and scales with the new rows "
+                       "quantized in");
+      }
+    }
+  } else {
+    if (p.dense_k.buffer.bytes != dense_k_want || p.dense_v.buffer.bytes != dense_v_want) {
+      finding(p, "the dense cache does not hold the old rows with the new ones appended");
+    }
+    if (p.paged_k.buffer.bytes != paged_k_want || p.paged_v.buffer.bytes != paged_v_want) {
+      finding(p, "the paged cache does not hold the old rows with the new ones appended");
+    }
   }
   if (p.out.buffer.bytes != paged_out || p.lse_bytes != paged_lse) {
     finding(p, "dense and paged caches gave different out or lse");

@@ -225,7 +225,7 @@ inline double half_smallest_denormal(DType dtype) {
 }
 
 inline double unit_roundoff(DType dtype) {
-  return dtype == DType::f32 ? 0x1p-24 : dtype == DType::f16 ? 0x1p-11 : 0x1p-8;
+  return std::ldexp(1.0, -flashattn::dtype_traits(dtype).significand_bits);
 }
 
 // The elements of a [batch, seq, heads, D] operand in fp64, contiguous.

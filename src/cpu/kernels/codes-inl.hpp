@@ -66,9 +66,26 @@ HWY_INLINE codes_hn::VFromD<DF> Fp8LanesToF32(
 // One vector of fp8 codes at `codes` as fp32.
 template <class DF>
 HWY_INLINE codes_hn::VFromD<DF> WidenFp8E4M3Codes(DF df, const std::uint8_t* HWY_RESTRICT codes) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+  // As an IEEE half 2^-8 times the value (the code's exponent and mantissa bits at the half's,
+  // whose bias is 8 more; subnormal codes are subnormal halves), converted (F16C) and scaled
+  // by 2^8, exactly; the NaN code S.1111.111 comes out as ±480, which no code is.
+  const codes_hn::Rebind<std::uint16_t, DF> d16;
+  const auto code =
+      codes_hn::PromoteTo(d16, codes_hn::LoadU(codes_hn::Rebind<std::uint8_t, DF>(), codes));
+  const auto halves =
+      codes_hn::Or(codes_hn::ShiftLeft<7>(codes_hn::And(code, codes_hn::Set(d16, 0x7f))),
+                   codes_hn::ShiftLeft<8>(codes_hn::And(code, codes_hn::Set(d16, 0x80))));
+  const auto value = codes_hn::Mul(
+      codes_hn::PromoteTo(df, codes_hn::BitCast(codes_hn::Rebind<hwy::float16_t, DF>(), halves)),
+      codes_hn::Set(df, 256.0f));
+  return codes_hn::IfThenElse(codes_hn::Eq(codes_hn::Abs(value), codes_hn::Set(df, 480.0f)),
+                              codes_hn::NaN(df), value);
+#else
   const codes_hn::RebindToUnsigned<DF> du;
   return Fp8LanesToF32<3, 7, false>(
       df, codes_hn::PromoteTo(du, codes_hn::LoadU(codes_hn::Rebind<std::uint8_t, DF>(), codes)));
+#endif
 }
 
 template <class DF>
