@@ -425,9 +425,11 @@ class KeyWalk {
         const bool strided = group_.contiguous && (ahead < 0 || ahead_.contiguous);
         const float* row_scales = nullptr;
         if (is_quantized(p_.dtype)) {
-          for (std::int64_t j = 0; j < count; ++j) {
-            row_scales_[j] = scales.data[p_.kv_offset(scales.strides, b_, key + j, h)];
-          }
+          // One block-table lookup per page, as for the rows.
+          float* scale = row_scales_;
+          for_each_key(scales.strides, key, key + count, [&](std::int64_t row) {
+            *scale++ = scales.data[row + h * scales.strides.head];
+          });
           row_scales = row_scales_;
         }
         inputs_ = {
