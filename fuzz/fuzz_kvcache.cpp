@@ -399,6 +399,25 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
   }
 }
 
+// Value d of new row (b, i, h) as the cache receives it: rotated at position cached + i when
+// `rotate` (kvcache.hpp's rotation, in fp64), else as given.
+double new_value(const Problem& p, const Tensor& rows, bool rotate, std::int64_t b, std::int64_t i,
+                 std::int64_t h, std::int64_t d) {
+  const auto load = [&](std::int64_t dim) {
+    return static_cast<double>(
+        load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, dim)));
+  };
+  const flashattn::RotaryEmbedding& r = p.cache_options.rotary;
+  if (!rotate || d >= r.rotary_dim) return load(d);
+  const std::int64_t half = r.rotary_dim / 2, pair = r.interleaved ? d / 2 : d % half;
+  const bool first = r.interleaved ? d % 2 == 0 : d < half;
+  const std::int64_t partner =
+      r.interleaved ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
+  const double c = r.cos[(p.cached[b] + i) * half + pair];
+  const double s = r.sin[(p.cached[b] + i) * half + pair];
+  return first ? load(d) * c - load(partner) * s : load(d) * c + load(partner) * s;
+}
+
 // What a valid call leaves in a cache: its old bytes with the new rows written in at each
 // sequence's cached length (through `row_of` for a paged cache).
 template <class RowOf>
@@ -406,28 +425,12 @@ std::vector<std::uint8_t> appended(const Problem& p, const Tensor& cache, const 
                                    bool rotate, RowOf&& row_of) {
   std::vector<std::uint8_t> bytes = cache.buffer.bytes;
   if (p.quantized()) return bytes;  // quantized_appended
-  for_each_index(
-      {p.batch, p.seqlen_new, p.heads_kv, p.head_dim}, [&](auto b, auto i, auto h, auto d) {
-        const auto [outer, row] = row_of(b, p.cached[b] + i);
-        const auto load = [&](std::int64_t dim) {
-          return static_cast<double>(
-              load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, dim)));
-        };
-        double value = load(d);
-        const flashattn::RotaryEmbedding& r = p.cache_options.rotary;
-        if (rotate && d < r.rotary_dim) {
-          // kvcache.hpp's rotation at position cached + i, in fp64.
-          const std::int64_t half = r.rotary_dim / 2, pair = r.interleaved ? d / 2 : d % half;
-          const bool first = r.interleaved ? d % 2 == 0 : d < half;
-          const std::int64_t partner =
-              r.interleaved ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
-          const double c = r.cos[(p.cached[b] + i) * half + pair];
-          const double s = r.sin[(p.cached[b] + i) * half + pair];
-          value = first ? value * c - load(partner) * s : value * c + load(partner) * s;
-        }
-        store_f32(bytes.data(), p.cache_dtype, cache.offset(outer, row, h, d),
-                  static_cast<float>(value));
-      });
+  for_each_index({p.batch, p.seqlen_new, p.heads_kv, p.head_dim},
+                 [&](auto b, auto i, auto h, auto d) {
+                   const auto [outer, row] = row_of(b, p.cached[b] + i);
+                   store_f32(bytes.data(), p.cache_dtype, cache.offset(outer, row, h, d),
+                             static_cast<float>(new_value(p, rows, rotate, b, i, h, d)));
+                 });
   return bytes;
 }
 
@@ -438,26 +441,11 @@ std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> quantized_append
     const Problem& p, const Tensor& cache, const Tensor& scales, const Tensor& rows, bool rotate,
     RowOf&& row_of) {
   std::vector<std::uint8_t> codes = cache.buffer.bytes, scale_bytes = scales.buffer.bytes;
-  const flashattn::RotaryEmbedding& r = p.cache_options.rotary;
   std::vector<float> row(static_cast<std::size_t>(p.head_dim));
   for_each_index({p.batch, p.seqlen_new, p.heads_kv, 1}, [&](auto b, auto i, auto h, auto) {
     const auto [outer, key] = row_of(b, p.cached[b] + i);
-    const auto load = [&](std::int64_t dim) {
-      return static_cast<double>(
-          load_f32(rows.buffer.bytes.data(), p.new_dtype, rows.offset(b, i, h, dim)));
-    };
     for (std::int64_t d = 0; d < p.head_dim; ++d) {
-      double value = load(d);
-      if (rotate && d < r.rotary_dim) {
-        const std::int64_t half = r.rotary_dim / 2, pair = r.interleaved ? d / 2 : d % half;
-        const bool first = r.interleaved ? d % 2 == 0 : d < half;
-        const std::int64_t partner =
-            r.interleaved ? (first ? d + 1 : d - 1) : (first ? d + half : d - half);
-        const double c = r.cos[(p.cached[b] + i) * half + pair];
-        const double s = r.sin[(p.cached[b] + i) * half + pair];
-        value = first ? value * c - load(partner) * s : value * c + load(partner) * s;
-      }
-      row[static_cast<std::size_t>(d)] = static_cast<float>(value);
+      row[static_cast<std::size_t>(d)] = static_cast<float>(new_value(p, rows, rotate, b, i, h, d));
     }
     auto* scale_data = reinterpret_cast<float*>(scale_bytes.data());
     flashattn::detail::quantize_row(codes.data(), p.cache_dtype, cache.offset(outer, key, h, 0),

@@ -8,7 +8,9 @@
 // a time (key_group) and within them head by head, the rows straight from the input (bf16 and
 // f16 widened in registers; bf16 in pairs, against query rows and accumulators in bf16 pair
 // order, see DecodePlan) or, where head_dim is not a whole number of vectors, widened into
-// padded rows, against all of their head's query rows. Per block of Bk
+// padded rows, against all of their head's query rows; a quantized cache's codes likewise, each
+// key's score and each value row's weight multiplied by the row's scale (or, with a scale per
+// group of dims, the rows dequantized first: cpu/kernels/dequantize.cpp). Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   softcap, ALiBi of scale·s (when asked for)         modify_scores
@@ -465,8 +467,9 @@ class KeyWalk {
   std::int64_t b_, chunk_begin_, chunk_end_;
   Prefetching prefetching_;
   std::int64_t element_bytes_;
-  // Whether the products read the rows where they lie (head_dim a whole number of vectors, a
-  // compute dtype); otherwise rows are widened or dequantized into padded fp32 rows first.
+  // Whether the products read the rows where they lie (head_dim a whole number of vectors; a
+  // quantized cache's codes too where each row has one scale, applied to the products' results);
+  // otherwise rows are widened, or dequantized group by group, into padded fp32 rows first.
   bool in_place_;
   std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
