@@ -74,6 +74,11 @@ def scale_view(scale: Any, name: str, cache: Any, framework: str, written: bool 
         raise ValueError(f"{name}: expected fp32 scales for the {_dtype_name(cache)} cache, "
                          "got None")
     d0, d1, heads = cache.shape[0], cache.shape[1], cache.shape[2]
+    # Arrays of the other framework would be copied, and int8's scales written to the copy.
+    if isinstance(scale, np.ndarray) if framework == "torch" else _api._is_torch(scale):
+        kind = "torch.Tensor" if framework == "torch" else "numpy.ndarray"
+        raise TypeError(f"{name}: expected a number or a {kind}, as the cache is, got "
+                        f"{type(scale).__name__}")
     if framework == "torch":
         torch = _api._torch()
         if not _api._is_torch(scale):

@@ -214,6 +214,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="k_scale: expected dtype float32, got torch.float64"):
         flashattn.flash_attn_with_kvcache(q, k, k.clone(), cache_seqlens=lengths,
                                           k_scale=scales.double(), v_scale=scales)
+    with pytest.raises(TypeError, match="k_scale: expected a number or a torch.Tensor"):
+        flashattn.flash_attn_with_kvcache(q, k, k.clone(), cache_seqlens=lengths,
+                                          k_scale=scales.numpy(), v_scale=scales)
     with pytest.raises(ValueError, match="name it with cache_dtype"):
         flashattn.flash_attn_with_kvcache(q, k.view(torch.uint8), k.view(torch.uint8),
                                           cache_seqlens=lengths, k_scale=1.0, v_scale=1.0)
