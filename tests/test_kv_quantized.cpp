@@ -638,6 +638,74 @@ TEST(QuantizedCache, ZeroTinyHugeAndNonFiniteRows) {
   }
 }
 
+// A varlen batch over a quantized pool (PagedKVView with scales): each sequence as the
+// KV-cache call gives it alone (batch 1, its row of the table), bit for bit, decode-sized and
+// gathered; bad scales refused by name.
+TEST(QuantizedCache, PagedVarlenIsTheKVCacheCallPerSequence) {
+  std::mt19937_64 rng(test_seed());
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  for (const auto& [dtype, scales, seqlen_q] :
+       {std::tuple{DType::int8, Scales::per_row, std::int64_t{1}},
+        {DType::fp8_e4m3, Scales::per_head, std::int64_t{1}},
+        {DType::int8, Scales::per_group32, std::int64_t{20}}}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)) + " Sq " + std::to_string(seqlen_q));
+    const QuantCase c = {{37, 5, 200}, seqlen_q, 0, 8, 2, 64, 210, 16, dtype, scales, true};
+    QuantCache cache(c, rng);
+    const std::int64_t B = 3, D = c.head_dim;
+    Tensor q(DType::f32, {1, B * seqlen_q, c.heads_q, D}), out(DType::f32, q.view.shape);
+    q.fill_normal(rng);
+    std::vector<float> lse(static_cast<std::size_t>(c.heads_q * B * seqlen_q));
+    std::vector<std::int32_t> cu_q = {0}, cu_k = {0};
+    for (std::int64_t b = 0; b < B; ++b) {
+      cu_q.push_back(static_cast<std::int32_t>((b + 1) * seqlen_q));
+      cu_k.push_back(cu_k.back() + c.cached[b]);
+    }
+    const KVCacheView pool = cache.paged();
+    PagedKVView kv{pool.k,       pool.v,      pool.block_table, pool.pages_per_sequence,
+                   pool.k_scale, pool.v_scale};
+    AttentionOptions options;
+    options.causal = true;
+    options.num_threads = 2;
+    varlen_attention_forward(AttentionImpl::flash, q.view, kv, cu_q.data(), cu_k.data(), B,
+                             out.view, lse.data(), options);
+    for (std::int64_t b = 0; b < B; ++b) {
+      Tensor q_b(DType::f32, {1, seqlen_q, c.heads_q, D}), out_b(DType::f32, q_b.view.shape);
+      q_b.for_each_index([&](auto, auto i, auto h, auto d) {
+        q_b.set(0, i, h, d, q.at(0, b * seqlen_q + i, h, d));
+      });
+      KVCacheView one = pool;
+      one.block_table = pool.block_table + b * pool.pages_per_sequence;
+      const std::int32_t length = c.cached[b];
+      std::vector<float> lse_b(static_cast<std::size_t>(c.heads_q * seqlen_q));
+      kvcache_attention_forward(q_b.view, one, &length, {}, out_b.view, lse_b.data(), options);
+      q_b.for_each_index([&](auto, auto i, auto h, auto d) {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(out.at(0, b * seqlen_q + i, h, d)),
+                  std::bit_cast<std::uint32_t>(out_b.at(0, i, h, d)))
+            << "sequence " << b << " row " << i << " head " << h << " dim " << d;
+      });
+      for (std::int64_t h = 0; h < c.heads_q; ++h) {
+        for (std::int64_t i = 0; i < seqlen_q; ++i) {
+          ASSERT_EQ(lse[h * B * seqlen_q + b * seqlen_q + i], lse_b[h * seqlen_q + i]);
+        }
+      }
+    }
+    PagedKVView unscaled = kv;
+    unscaled.v_scale = {};
+    EXPECT_THROW(
+        {
+          try {
+            varlen_attention_forward(AttentionImpl::flash, q.view, unscaled, cu_q.data(),
+                                     cu_k.data(), B, out.view, lse.data(), options);
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("v_scale: expected shape"), std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        Error);
+  }
+}
+
 // Bad input names the argument, the expected and the given value, and writes nothing.
 TEST(QuantizedCache, BadInputRaisesANamedError) {
   const std::int64_t D = 64, Hkv = 2;

@@ -43,10 +43,14 @@ void varlen_attention_forward(AttentionImpl impl, const ConstTensorView& q,
 //                 j % page_size of page block_table[b * pages_per_sequence + j / page_size]
 // Only the entries that cover a sequence's keys are read (and must lie in [0, num_pages)); the
 // rest may hold anything. Pages may be shared between sequences (a common prompt prefix).
+// A quantized pool (k, v int8, fp8_e4m3 or fp8_e5m2) takes its fp32 scales as KVCacheView does
+// (flashattn/kvcache.hpp): k_scale, v_scale [num_pages, page_size, heads_kv, groups], 0 strides
+// broadcasting; read only.
 struct PagedKVView {
   ConstTensorView k, v;
   const std::int32_t* block_table = nullptr;
   std::int64_t pages_per_sequence = 0;
+  ConstTensorView k_scale{}, v_scale{};  // quantized pools only
 };
 
 // The same attention with K and V in pages: q, out, lse, cu_seqlens_q, batch and options as
@@ -54,7 +58,7 @@ struct PagedKVView {
 // pages (FlashAttention's meaning of cu_seqlens_k with a block table: the offsets count keys,
 // they are not rows of k). cu_seqlens_k: batch + 1 int32 offsets from 0, never decreasing, each
 // L_b at most pages_per_sequence · page_size; block_table non-null for any batch > 0, even one
-// whose sequences hold no page yet. k, v, out in q's dtype.
+// whose sequences hold no page yet. k, v, out in q's dtype, or k, v quantized under any q.
 // The results are those of the packed forward above on the same rows, bit for bit, for any page
 // size and table order: the flash path reads the pages where they lie for up to 32 query rows
 // per KV head (decode), and otherwise gathers one sequence's rows at a time into a contiguous

@@ -1047,10 +1047,21 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
                                          const AttentionOptions& options) {
   const ConstTensorView &k = kv.k, &v = kv.v;
   check_view(caller, "q", q);
-  check_view(caller, "k", k);
-  check_view(caller, "v", v);
+  check_view(caller, "k", k, true);
+  check_view(caller, "v", v, true);
   check_view(caller, "out", out);
-  check_dtypes_as_q(caller, q, k, v, out);
+  const bool quantized = is_quantized(k.dtype);
+  if (quantized) {
+    if (v.dtype != k.dtype) {
+      fail(caller, "v: expected dtype ", dtype_name(k.dtype), " (as k), got ", dtype_name(v.dtype));
+    }
+    if (out.dtype != q.dtype) {
+      fail(caller, "out: expected dtype ", dtype_name(q.dtype), " (as q), got ",
+           dtype_name(out.dtype));
+    }
+  } else {
+    check_dtypes_as_q(caller, q, k, v, out);
+  }
   check_operand_shapes(caller, "k", "v", q, k, v, out);
   const std::int64_t num_pages = k.shape[0], page_size = k.shape[1];
   const std::int64_t capacity = paged_capacity(caller, "k", page_size, kv.pages_per_sequence);
@@ -1071,6 +1082,29 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
   const float scale = checked_scale(caller, options, q.shape[3]);
   refuse_dropout(caller, options, "a paged varlen batch (serving)");
   const auto [out_span, lse_span] = checked_output_spans(caller, q, k, v, out, lse);
+  // A quantized pool's scales, read only (the checks take a mutable view).
+  const auto mutable_view = [](const ConstTensorView& view) {
+    return TensorView{const_cast<void*>(view.data), view.dtype, view.shape, view.strides};
+  };
+  ScaleView k_scale, v_scale;
+  if (quantized) {
+    k_scale = checked_scales(caller, "k_scale", mutable_view(kv.k_scale), k, q.shape[3], false);
+    v_scale = checked_scales(caller, "v_scale", mutable_view(kv.v_scale), v, q.shape[3], false);
+    for (const auto& [name, view] : {std::pair{"k_scale", &kv.k_scale}, {"v_scale", &kv.v_scale}}) {
+      const ByteSpan span = byte_span(caller, name, *view);
+      if (span.overlaps(out_span) || span.overlaps(lse_span)) {
+        fail(caller, name, ": expected memory disjoint from out and lse, got overlapping buffers");
+      }
+    }
+  } else {
+    for (const auto& [name, view] : {std::pair{"k_scale", &kv.k_scale}, {"v_scale", &kv.v_scale}}) {
+      if (view->data != nullptr) {
+        fail(caller, name, ": expected none for a ", dtype_name(k.dtype),
+             " pool (scales belong to int8 and fp8 caches), got a ", shape_string(view->shape),
+             " view");
+      }
+    }
+  }
 
   AttentionParams params = checked_params(q, k, v, out, lse, options, scale, capacity);
   params.modifiers = checked_modifiers(caller, options, batch, params.heads_q,
@@ -1078,6 +1112,8 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
   params.block_table = kv.block_table;
   params.block_table_stride = kv.pages_per_sequence;
   params.page_size = page_size;
+  params.k_scale = k_scale;
+  params.v_scale = v_scale;
   return params;
 }
 

@@ -70,8 +70,8 @@ AttentionParams sequence(const AttentionParams& whole, const std::int32_t* cu_q,
   const std::int64_t q_begin = cu_q[b], k_begin = cu_k[b];
   s.seqlen_q = cu_q[b + 1] - q_begin;
   s.seqlen_kv = cu_k[b + 1] - k_begin;
-  s.q = at_row(whole.q, whole.dtype, q_begin, whole.q_strides.seq);
-  s.out = at_row(whole.out, whole.dtype, q_begin, whole.out_strides.seq);
+  s.q = at_row(whole.q, whole.q_dtype, q_begin, whole.q_strides.seq);
+  s.out = at_row(whole.out, whole.q_dtype, q_begin, whole.out_strides.seq);
   if (whole.block_table != nullptr) {
     s.block_table = whole.block_table + b * whole.block_table_stride;  // k, v: the pages
   } else {
