@@ -1,10 +1,10 @@
 // Quantized cache codes (flashattn/dtype.hpp) widened to fp32 lanes in registers, exactly and
 // unscaled, for the SIMD kernels of every Highway target (a per-target header: included from a
-// file that foreach_target re-includes). fp8 codes become fp32 bit patterns by integer
-// arithmetic (normal codes: exponent and mantissa moved into fp32's, the exponent rebiased;
-// subnormal codes: the mantissa converted and scaled; then the specials and the sign), so that a
-// denormals-are-zero mode cannot change them; E5M2, the top byte of an IEEE half, goes through
-// F16C where the CPU converts halves in registers.
+// file that foreach_target re-includes). Where the CPU converts halves in registers (F16C) fp8
+// codes go through a half: E5M2 is a half's top byte, E4M3 a half 2^-8 times its value. Elsewhere
+// they become fp32 bit patterns by integer arithmetic (normal codes: exponent and mantissa moved
+// into fp32's, the exponent rebiased; subnormal codes: the mantissa converted and scaled; then
+// the specials and the sign), so that a denormals-are-zero mode cannot change them.
 
 // Per-target include guard (Highway's convention for -inl headers).
 #if defined(FLASHATTN_CPU_KERNELS_CODES_INL_H_) == defined(HWY_TARGET_TOGGLE)
