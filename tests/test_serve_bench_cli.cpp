@@ -63,6 +63,25 @@ class ServeBenchCliTest : public flashattn::testing::CliFixture {
   }
 };
 
+// Quantized caches in both parts (HND too, whose scales keep the row-major layout): verified
+// against the fp64 reference on the dequantized values, dense and paged bit for bit.
+TEST_F(ServeBenchCliTest, QuantizedCachesAreVerified) {
+  const Completed completed =
+      run({"serve-bench", "--quick", "--no-prefill", "--cache-dtype", "int8", "--kv-layout", "HND",
+           "--page-size", "7", "--single-dtypes", "int8,fp8_e4m3,fp8_e5m2", "--out-dir",
+           results().string()});
+  ASSERT_EQ(completed.exit_code, 0) << completed.out << completed.err;
+  const auto rows = read_rows();
+  ASSERT_EQ(rows.size(), 7u);  // serve, then dense and paged per single dtype
+  EXPECT_EQ(rows[0].at("cache_dtype"), "int8");
+  const char* dtypes[] = {"int8", "fp8_e4m3", "fp8_e5m2"};
+  for (std::size_t i = 1; i < 7; ++i) EXPECT_EQ(rows[i].at("cache_dtype"), dtypes[(i - 1) / 2]);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row.at("verified"), "yes");
+    EXPECT_LE(std::stod(row.at("max_error")), std::stod(row.at("tolerance")));
+  }
+}
+
 TEST_F(ServeBenchCliTest, QuickRunVerifiesEveryPartAndWritesTheCsv) {
   const Completed completed = run(
       {"serve-bench", "--quick", "--single-dtypes", "f32,bf16", "--out-dir", results().string()});
