@@ -343,7 +343,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                            alibi_slopes=None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table=None, *, sinks=None,
                            return_lse: bool = False, num_threads: int = 0, impl: str = "flash",
-                           dropout_seed: Optional[int] = None, dropout_offset: int = 0):
+                           dropout_seed: Optional[int] = None, dropout_offset: int = 0,
+                           k_scale=None, v_scale=None, cache_dtype: Optional[str] = None):
     """Attention over a packed batch of sequences of different lengths.
 
     q [total_q, Hq, D], k, v [total_k, Hkv, D]: the sequences one after the other;
@@ -359,10 +360,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     block_table (int32 [B, pages_per_sequence], FlashAttention >= 2.5): k and v are a paged
     cache [num_pages, page_size, Hkv, D] and sequence b's keys are the first
     cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows of its pages, in table order. Forward only.
+    The pages may be an int8 or fp8 pool with k_scale, v_scale and cache_dtype as
+    flash_attn_with_kvcache takes them (read only here).
     """
+    from . import _quantized
     framework = _framework(q, "q")
-    _same_framework(k, "k", framework)
-    _same_framework(v, "v", framework)
+    _quantized.same_framework(k, "k", framework)
+    _quantized.same_framework(v, "v", framework)
+    quantized = (k_scale is not None or v_scale is not None or cache_dtype is not None or
+                 bool(_quantized.cache_format(k, cache_dtype)))
+    if quantized and block_table is None:
+        raise ValueError("k_scale, v_scale: a quantized k and v are a paged pool: expected a "
+                         "block_table")
+    if quantized and not _quantized.cache_format(k, cache_dtype):
+        _quantized.kvcache_arguments(k, v, k_scale, v_scale, cache_dtype, framework,
+                                     writable=False)  # raises, naming the scale
     impl = _impl(impl)
     dropout_p = _dropout.check_p(dropout_p)
     if dropout_p > 0.0 and block_table is not None:
@@ -388,9 +400,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                 raise NotImplementedError(
                     "block_table: the paged varlen call is a forward only (serving); call it "
                     "under torch.no_grad(), or pass k and v packed for a backward")
+            scales = (None, None)
+            if _quantized.cache_format(k, cache_dtype):
+                scales = (_quantized.scale_view(k_scale, "k_scale", k, framework),
+                          _quantized.scale_view(v_scale, "v_scale", v, framework))
             out, lse = _torch_ops.varlen_paged_attention(
                 q, k, v, _torch_int32(block_table, "block_table"), cu_q, cu_k, alibi_slopes,
-                sinks, *scalars)
+                sinks, *scalars, *scales, cache_dtype)
     else:
         cu_q = _int32(cu_seqlens_q, "cu_seqlens_q")
         cu_k = _int32(cu_seqlens_k, "cu_seqlens_k")
@@ -398,7 +414,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            sinks, None, None, num_threads)
         options.update(_dropout.options(dropout_p, rng))
-        out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, table)
+        out, lse = _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, table,
+                                          (k_scale, v_scale, cache_dtype))
     s_dmask = None
     if return_attn_probs and dropout_p > 0.0:
         s_dmask = _dropout.s_dmask(q, k, rng, dropout_p, softmax_scale, causal,
@@ -407,8 +424,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     return _results(out, lse, return_lse, return_attn_probs, s_dmask)
 
 
-def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_table=None):
-    """The varlen forward's (out, lse); with block_table, k and v are pages."""
+def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_table=None,
+                           quantization=(None, None, None)):
+    """The varlen forward's (out, lse); with block_table, k and v are pages (a quantized pool
+    with `quantization` = (k_scale, v_scale, cache_dtype))."""
     if q.ndim != 3:
         raise ValueError(f"q: expected 3 dims [total_q, heads_q, head_dim], got {q.ndim}")
     total_q, heads_q, _ = q.shape
@@ -422,8 +441,11 @@ def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_
         if k.ndim != 4:
             raise ValueError(f"k: expected a paged cache [num_pages, page_size, heads_kv, "
                              f"head_dim] with block_table, got {k.ndim} dims")
-        _flashattn.varlen_paged_forward(impl, _native(q), _native(k), _native(v), block_table,
-                                        cu_q, cu_k, *outputs, **options)
+        from . import _quantized
+        cache = _quantized.kvcache_arguments(k, v, *quantization, framework, writable=False)
+        _flashattn.varlen_paged_forward(impl, _native(q), cache["k_cache"], cache["v_cache"],
+                                        cache["cache_dtype"], cache["k_scale"], cache["v_scale"],
+                                        block_table, cu_q, cu_k, *outputs, **options)
     return out, lse
 
 

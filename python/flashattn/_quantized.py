@@ -117,7 +117,7 @@ def scale_view(scale: Any, name: str, cache: Any, framework: str, written: bool 
 
 
 def kvcache_arguments(k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
-                      cache_dtype: Optional[str], framework: str) -> dict:
+                      cache_dtype: Optional[str], framework: str, writable: bool = True) -> dict:
     """kvcache_forward's cache keywords: the caches (codes as bytes where fp8), their format and
     scales; a float cache as it is, without scales."""
     fmt = cache_format(k_cache, cache_dtype)
@@ -126,16 +126,18 @@ def kvcache_arguments(k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
             if scale is not None:
                 raise ValueError(f"{name}: expected None for a {_dtype_name(k_cache)} cache "
                                  "(scales belong to int8 and fp8 caches)")
-        return dict(k_cache=_api._native(k_cache, writable=True, name="k_cache"),
-                    v_cache=_api._native(v_cache, writable=True, name="v_cache"),
+        return dict(k_cache=_api._native(k_cache, writable=writable, name="k_cache"),
+                    v_cache=_api._native(v_cache, writable=writable, name="v_cache"),
                     cache_dtype="", k_scale=None, v_scale=None)
     if cache_format(v_cache, cache_dtype) != fmt:
         raise ValueError(f"v_cache: expected dtype {_dtype_name(k_cache)} (as k_cache), got "
                          f"{_dtype_name(v_cache)}")
-    return dict(k_cache=codes(k_cache, "k_cache", True), v_cache=codes(v_cache, "v_cache", True),
+    written = writable and fmt == "int8"
+    return dict(k_cache=codes(k_cache, "k_cache", writable),
+                v_cache=codes(v_cache, "v_cache", writable),
                 cache_dtype="" if fmt == "int8" and _dtype_name(k_cache) == "int8" else fmt,
-                k_scale=scale_view(k_scale, "k_scale", k_cache, framework, fmt == "int8"),
-                v_scale=scale_view(v_scale, "v_scale", v_cache, framework, fmt == "int8"))
+                k_scale=scale_view(k_scale, "k_scale", k_cache, framework, written),
+                v_scale=scale_view(v_scale, "v_scale", v_cache, framework, written))
 
 
 def quantize_kv(values: Any, cache: Any = None, scales: Any = None, *, dtype: str = "int8",

@@ -226,13 +226,16 @@ def _varlen_paged_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: 
                       cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, alibi_slopes: Optional[Tensor],
                       sinks: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
                       window_left: int, window_right: int, softcap: float, num_threads: int,
-                      impl: str) -> Tuple[Tensor, Tensor]:
+                      impl: str, k_scale: Optional[Tensor] = None,
+                      v_scale: Optional[Tensor] = None,
+                      cache_dtype: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """varlen_fwd with K and V in pages [num_pages, page_size, Hkv, D] read through block_table
-    [B, pages]; cu_seqlens_k counts each sequence's keys. Forward only (serving)."""
+    [B, pages]; cu_seqlens_k counts each sequence's keys; an int8 or fp8 pool with its scales
+    [num_pages, page_size, Hkv, groups] (broadcast views allowed). Forward only (serving)."""
     options = _options(alibi_slopes, sinks, None, None, softmax_scale, causal, window_left,
                        window_right, softcap, num_threads)
     return _api._varlen_forward_arrays("torch", q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
-                                       options, impl, block_table)
+                                       options, impl, block_table, (k_scale, v_scale, cache_dtype))
 
 
 varlen_paged_fwd = torch.library.custom_op(f"{_LIB}::varlen_paged_fwd", _varlen_paged_fwd,
@@ -241,7 +244,8 @@ varlen_paged_fwd = torch.library.custom_op(f"{_LIB}::varlen_paged_fwd", _varlen_
 
 @varlen_paged_fwd.register_fake
 def _(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks,
-      softmax_scale, causal, window_left, window_right, softcap, num_threads, impl):
+      softmax_scale, causal, window_left, window_right, softcap, num_threads, impl, k_scale=None,
+      v_scale=None, cache_dtype=None):
     total_q, heads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
 

@@ -284,10 +284,51 @@ void varlen_forward(const std::string& impl, const InArray& q, const InArray& k,
   flashattn::varlen_attention_forward(path, qv, kv, vv, cu_q, cu_k, batch, ov, lse_data, o.options);
 }
 
+// A quantized cache's dtype by name ("" for none), as the Python layer passes a cache of fp8
+// codes: seen as uint8 (DLPack has no fp8 every producer exports).
+DType cache_dtype_of(const std::string& name) {
+  for (const DType dtype : {DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
+    if (name == flashattn::dtype_name(dtype)) return dtype;
+  }
+  fail("cache_dtype: expected int8, fp8_e4m3 or fp8_e5m2, got ", name);
+}
+
+// A cache array: an int8 one as it is, uint8 codes as `cache_dtype` says.
+template <class Array>
+TensorView cache_view(const Array& array, const char* name, const std::string& cache_dtype) {
+  using Code = nb::dlpack::dtype_code;
+  TensorView view;
+  view.data = array.data();
+  if (!cache_dtype.empty()) {
+    view.dtype = cache_dtype_of(cache_dtype);
+    const bool bytes = is(array.dtype(), Code::UInt, 8) || is(array.dtype(), Code::Int, 8);
+    if (!bytes) {
+      fail(name, ": expected the bytes of ", cache_dtype, " codes (uint8 or int8), got ",
+           describe(array.dtype()));
+    }
+  } else if (is(array.dtype(), Code::Int, 8)) {
+    view.dtype = DType::int8;
+  } else {
+    view.dtype = element_type(array.dtype(), name);
+  }
+  dims4(array, name, view.shape, view.strides);
+  return view;
+}
+
+// A quantized cache's scales: read as an input, so that a broadcast (read-only) numpy view
+// passes; the library writes only int8 scales with an element per row, which the Python layer
+// checks are writable.
+TensorView scale_view(const std::optional<InArray>& scales, const char* name) {
+  const ConstTensorView view = in_view(scales, name);
+  return {const_cast<void*>(view.data), view.dtype, view.shape, view.strides};
+}
+
 // K and V in a paged cache [num_pages, page_size, Hkv, D] read through block_table
 // [batch, pages_per_sequence]; cu_seqlens_k counts each sequence's keys.
 void varlen_paged_forward(const std::string& impl, const InArray& q, const InArray& k_cache,
-                          const InArray& v_cache, const InArray& block_table,
+                          const InArray& v_cache, const std::string& cache_dtype,
+                          const std::optional<InArray>& k_scale,
+                          const std::optional<InArray>& v_scale, const InArray& block_table,
                           const InArray& cu_seqlens_q, const InArray& cu_seqlens_k,
                           const OutArray& out, const std::optional<OutArray>& lse,
                           FLASHATTN_OPTION_ARGS) {
@@ -298,8 +339,10 @@ void varlen_paged_forward(const std::string& impl, const InArray& q, const InArr
   if (block_table.ndim() != 2 || static_cast<std::int64_t>(block_table.shape(0)) != batch) {
     fail("block_table: expected an int32 array [batch = ", batch, ", pages_per_sequence]");
   }
-  flashattn::PagedKVView kv{in_view(k_cache, "k"), in_view(v_cache, "v"), nullptr,
-                            static_cast<std::int64_t>(block_table.shape(1))};
+  flashattn::PagedKVView kv{cache_view(k_cache, "k", cache_dtype),
+                            cache_view(v_cache, "v", cache_dtype), nullptr,
+                            static_cast<std::int64_t>(block_table.shape(1)),
+                            in_view(k_scale, "k_scale"), in_view(v_scale, "v_scale")};
   // The library needs a non-null table even with no page (varlen.hpp): one int32 stands in.
   static const std::int32_t no_page = 0;
   kv.block_table =
@@ -333,44 +376,6 @@ void varlen_backward(const std::string& impl, const InArray& dout, const InArray
   nb::gil_scoped_release release;
   flashattn::varlen_attention_backward(path, dov, qv, kv, vv, ov, lse_data, cu_q, cu_k, batch, dqv,
                                        dkv, dvv, o.options, grads);
-}
-
-// A quantized cache's dtype by name ("" for none), as the Python layer passes a cache of fp8
-// codes: seen as uint8 (DLPack has no fp8 every producer exports).
-DType cache_dtype_of(const std::string& name) {
-  for (const DType dtype : {DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
-    if (name == flashattn::dtype_name(dtype)) return dtype;
-  }
-  fail("cache_dtype: expected int8, fp8_e4m3 or fp8_e5m2, got ", name);
-}
-
-// A cache array: an int8 one as it is, uint8 codes as `cache_dtype` says.
-TensorView cache_view(const OutArray& array, const char* name, const std::string& cache_dtype) {
-  using Code = nb::dlpack::dtype_code;
-  TensorView view;
-  view.data = array.data();
-  if (!cache_dtype.empty()) {
-    view.dtype = cache_dtype_of(cache_dtype);
-    const bool bytes = is(array.dtype(), Code::UInt, 8) || is(array.dtype(), Code::Int, 8);
-    if (!bytes) {
-      fail(name, ": expected the bytes of ", cache_dtype, " codes (uint8 or int8), got ",
-           describe(array.dtype()));
-    }
-  } else if (is(array.dtype(), Code::Int, 8)) {
-    view.dtype = DType::int8;
-  } else {
-    view.dtype = element_type(array.dtype(), name);
-  }
-  dims4(array, name, view.shape, view.strides);
-  return view;
-}
-
-// A quantized cache's scales: read as an input, so that a broadcast (read-only) numpy view
-// passes; the library writes only int8 scales with an element per row, which the Python layer
-// checks are writable.
-TensorView scale_view(const std::optional<InArray>& scales, const char* name) {
-  const ConstTensorView view = in_view(scales, name);
-  return {const_cast<void*>(view.data), view.dtype, view.shape, view.strides};
 }
 
 void kvcache_forward(const std::string& impl, const InArray& q, const OutArray& k_cache,
@@ -515,7 +520,7 @@ NB_MODULE(_flashattn, m) {
         "cu_seqlens_k"_a, "out"_a, "lse"_a.none(), FLASHATTN_OPTION_NAMES,
         "Packed-batch forward: q [total_q, Hq, D], k, v [total_k, Hkv, D], lse [Hq, total_q].");
   m.def("varlen_paged_forward", &varlen_paged_forward, "impl"_a, "q"_a, "k_cache"_a, "v_cache"_a,
-        "block_table"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a, "lse"_a.none(),
+        "cache_dtype"_a, "k_scale"_a.none(), "v_scale"_a.none(), "block_table"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a, "lse"_a.none(),
         FLASHATTN_OPTION_NAMES,
         "Packed-batch forward with K, V in pages [num_pages, page_size, Hkv, D] read through "
         "block_table [B, pages]; cu_seqlens_k counts each sequence's keys.");

@@ -250,3 +250,49 @@ def test_the_op_passes_opcheck_with_an_int8_cache():
             torch.randn(1, 1, 2, 32), None, None, False, -1, -1, 0.0, 1, "flash", None, None,
             None, None, True, ks.unsqueeze(-1), vs.unsqueeze(-1), None)
     torch.library.opcheck(_torch_ops.kvcache_fwd, args)
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_paged_varlen_over_a_quantized_pool_is_the_kvcache_call(framework, fmt):
+    """flash_attn_varlen_func(block_table=) over an int8 / fp8 pool: each sequence bit for bit
+    what flash_attn_with_kvcache gives it alone (the same C++ step)."""
+    rng = np.random.default_rng()
+    pages, page, hkv, hq, d = 12, 16, 2, 8, 64
+    values = rng.standard_normal((pages, page, hkv, d)).astype(np.float32)
+    if fmt == "int8":
+        k, k_scale = flashattn.quantize_kv(values)
+        v, v_scale = flashattn.quantize_kv(values[::-1].copy())
+    else:
+        k = np.empty(values.shape, dtype=FP8[fmt][1])
+        v = np.empty(values.shape, dtype=FP8[fmt][1])
+        k_scale = v_scale = np.float32(4.0 / FP8[fmt][2])
+        flashattn.quantize_kv(values, k, k_scale)
+        flashattn.quantize_kv(values[::-1].copy(), v, v_scale)
+    table = rng.permutation(pages).reshape(3, 4).astype(np.int32)
+    lengths = [40, 7, 64]
+    q = rng.standard_normal((3, hq, d)).astype(np.float32)  # one decode row per sequence
+    cu_q = np.arange(4, dtype=np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    if framework == "torch":
+        def t(x):
+            if np.ndim(x) == 0:
+                return float(x)
+            if x.dtype.name.startswith("float8"):
+                return torch.from_numpy(x.view(np.uint8)).view(FP8[fmt][0])
+            return torch.from_numpy(x)
+        q, k, v, k_scale, v_scale, table_in = (t(x) for x in (q, k, v, k_scale, v_scale, table))
+        cu_q, cu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
+    else:
+        table_in = table
+    out = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, block_table=table_in, causal=True,
+                                           k_scale=k_scale, v_scale=v_scale)
+    for b in range(3):
+        row = table_in[b:b + 1]
+        want = flashattn.flash_attn_with_kvcache(
+            q[b:b + 1][None], k, v, cache_seqlens=np.array([lengths[b]], np.int32)
+            if framework == "numpy" else torch.tensor([lengths[b]], dtype=torch.int32),
+            block_table=row, causal=True, k_scale=k_scale, v_scale=v_scale)
+        np.testing.assert_array_equal(np.asarray(out[b]), np.asarray(want[0, 0]))
+    with pytest.raises(ValueError, match="expected a block_table"):
+        flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, k_scale=k_scale, v_scale=v_scale)
