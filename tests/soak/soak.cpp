@@ -14,7 +14,9 @@
 //   varlen     varlen_attention_forward on a packed ragged batch: bit for bit each sequence's
 //              attention_forward on the same rows;
 //   kvcache    kvcache_attention_forward with appends, dense and paged caches holding the same
-//              rows: bit for bit the same, and the first sequence against the reference;
+//              rows: bit for bit the same, and the first sequence against the reference; one
+//              call in three on an int8 (scales per row) or fp8 (one scale per KV head) cache,
+//              the reference over its values code · scale;
 //   merge      merge_attention_states of two key halves: against the reference over all keys.
 // A failed check, an exception, or RSS growing by more than --max-rss-growth-mib from the end of
 // the first tenth of the run to its end (not judged under ASan or TSan), fails the run (exit 1).
@@ -315,8 +317,11 @@ class User {
   }
 
   void kvcache() {
-    const DType cache_type = dtype();
-    const DType q_type = rng_() % 2 ? DType::f32 : cache_type;
+    const bool quantized = rng_() % 3 == 0;
+    const DType cache_type =
+        quantized ? std::array{DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}[rng_() % 3] : dtype();
+    const DType q_type = quantized ? dtype() : (rng_() % 2 ? DType::f32 : cache_type);
+    const DType new_type = quantized ? q_type : cache_type;
     const std::int64_t B = between(1, 3), Hkv = between(1, 2), Hq = Hkv * between(1, 4);
     const std::int64_t D = between(1, 4) * 16, Sq = between(1, 4), Snew = between(0, Sq);
     const std::int64_t page = std::array<std::int64_t, 4>{1, 5, 16, 7}[rng_() % 4];
@@ -329,26 +334,63 @@ class User {
     std::iota(table.begin(), table.end(), 0);
     std::shuffle(table.begin(), table.end(), rng_);
     table.reserve(1);  // a non-null table says "paged", also when no sequence has a page
-    Tensor dense_k = random_tensor(rng_, cache_type, {B, capacity, Hkv, D}, false);
-    Tensor dense_v = random_tensor(rng_, cache_type, {B, capacity, Hkv, D}, false);
+    Tensor dense_k =
+        random_tensor(rng_, quantized ? DType::f32 : cache_type, {B, capacity, Hkv, D}, false);
+    Tensor dense_v =
+        random_tensor(rng_, quantized ? DType::f32 : cache_type, {B, capacity, Hkv, D}, false);
+    // A quantized cache: int8 with a scale per row (quantize_kv writes them), fp8 with one
+    // scale per KV head (0 strides) fitted to N(0, 1) values.
+    const std::array<std::int64_t, 4> dense_scales{B, capacity, Hkv, 1};
+    const std::array<std::int64_t, 4> paged_scales{B * pages, page, Hkv, 1};
+    const auto scales_of = [&](const std::array<std::int64_t, 4>& shape) {
+      if (cache_type != DType::int8) {
+        Tensor per_head(DType::f32, shape, {0, 0, 1, 0});
+        for (std::int64_t h = 0; h < Hkv; ++h) {
+          per_head.set(0, 0, h, 0, 4.0f / dtype_traits(cache_type).max_code);
+        }
+        return per_head;
+      }
+      return Tensor(DType::f32, shape);
+    };
+    Tensor dense_k_scale = scales_of(dense_scales), dense_v_scale = scales_of(dense_scales);
+    Tensor paged_k_scale = scales_of(paged_scales), paged_v_scale = scales_of(paged_scales);
+    if (quantized) {
+      Tensor k_codes(cache_type, dense_k.view.shape), v_codes(cache_type, dense_v.view.shape);
+      quantize_kv(dense_k.view, k_codes.view, dense_k_scale.view);
+      quantize_kv(dense_v.view, v_codes.view, dense_v_scale.view);
+      dense_k = std::move(k_codes);
+      dense_v = std::move(v_codes);
+    }
     Tensor paged_k(cache_type, {B * pages, page, Hkv, D}),
         paged_v(cache_type, {B * pages, page, Hkv, D});
     dense_k.for_each_index([&](auto b, auto j, auto h, auto d) {
       const std::int64_t p = table[b * pages + j / page];
       paged_k.set(p, j % page, h, d, dense_k.at(b, j, h, d));
       paged_v.set(p, j % page, h, d, dense_v.at(b, j, h, d));
+      if (quantized && cache_type == DType::int8 && d == 0) {
+        paged_k_scale.set(p, j % page, h, 0, dense_k_scale.at(b, j, h, 0));
+        paged_v_scale.set(p, j % page, h, 0, dense_v_scale.at(b, j, h, 0));
+      }
     });
     const Tensor q = random_tensor(rng_, q_type, {B, Sq, Hq, D}, false);
-    const Tensor k_new = random_tensor(rng_, cache_type, {B, Snew, Hkv, D}, false);
-    const Tensor v_new = random_tensor(rng_, cache_type, {B, Snew, Hkv, D}, false);
+    const Tensor k_new = random_tensor(rng_, new_type, {B, Snew, Hkv, D}, false);
+    const Tensor v_new = random_tensor(rng_, new_type, {B, Snew, Hkv, D}, false);
     Tensor out_dense(q_type, q.view.shape), out_paged(q_type, q.view.shape);
     AttentionOptions options = random_options(rng_);
     NewKeysValues new_kv;
     if (Snew > 0) new_kv = {k_new.view, v_new.view};
-    kvcache_attention_forward(q.view, {dense_k.view, dense_v.view}, cached.data(), new_kv,
-                              out_dense.view, nullptr, options);
-    kvcache_attention_forward(q.view, {paged_k.view, paged_v.view, table.data(), pages},
-                              cached.data(), new_kv, out_paged.view, nullptr, options);
+    KVCacheView dense{dense_k.view, dense_v.view};
+    KVCacheView paged{paged_k.view, paged_v.view, table.data(), pages};
+    if (quantized) {
+      dense.k_scale = dense_k_scale.view;
+      dense.v_scale = dense_v_scale.view;
+      paged.k_scale = paged_k_scale.view;
+      paged.v_scale = paged_v_scale.view;
+    }
+    kvcache_attention_forward(q.view, dense, cached.data(), new_kv, out_dense.view, nullptr,
+                              options);
+    kvcache_attention_forward(q.view, paged, cached.data(), new_kv, out_paged.view, nullptr,
+                              options);
     check(kKVCache, out_dense.bytes == out_paged.bytes ? 0.0 : INFINITY,
           "dense and paged caches differ");
     // Sequence 0 against the reference over its keys, in q's dtype (the 16-bit ones widen
@@ -361,8 +403,10 @@ class User {
       o0.set(0, i, h, d, out_dense.at(0, i, h, d));
     });
     k0.for_each_index([&](auto, auto j, auto h, auto d) {
-      k0.set(0, j, h, d, dense_k.at(0, j, h, d));
-      v0.set(0, j, h, d, dense_v.at(0, j, h, d));
+      const float k_scale = quantized ? dense_k_scale.at(0, j, h, 0) : 1.0f;
+      const float v_scale = quantized ? dense_v_scale.at(0, j, h, 0) : 1.0f;
+      k0.set(0, j, h, d, dense_k.at(0, j, h, d) * k_scale);
+      v0.set(0, j, h, d, dense_v.at(0, j, h, d) * v_scale);
     });
     check(kKVCache, forward_ratio(q0, k0, v0, o0, options, 1.0, q_type, 0.0),
           "sequence 0 beyond its bound");
