@@ -23,7 +23,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu/kernels/dequantize.hpp"
+#include "cpu/kernels/cache_rows.hpp"
 #include "flashattn/kvcache.hpp"
 #include "test_support.hpp"
 #include "util/quantize.hpp"
@@ -148,6 +148,50 @@ TEST(Dequantize, EveryTargetIsTheDefinition) {
             ASSERT_EQ(std::bit_cast<std::uint32_t>(got[d]), std::bit_cast<std::uint32_t>(want[d]))
                 << "n " << n << " group " << group_dims << " dim " << d << " code " << int{codes[d]}
                 << ": got " << got[d] << ", want " << want[d];
+          }
+        }
+      }
+    }
+  });
+}
+
+// The SIMD quantizer of every target against the scalar definition, codes and scales bit for
+// bit: random rows across magnitudes, groups that are not a whole number of vectors, zero, tiny
+// and non-finite groups, values on the rounding ties.
+TEST(QuantizeRow, EveryTargetIsTheDefinition) {
+  std::mt19937_64 rng(test_seed());
+  SCOPED_TRACE("seed " + std::to_string(test_seed()));
+  const std::pair<std::int64_t, std::int64_t> shapes[] = {{128, 128}, {128, 32}, {96, 3},
+                                                          {100, 20},  {37, 37},  {64, 16}};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  on_every_target([&] {
+    for (const DType dtype : {DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      for (const auto& [n, group_dims] : shapes) {
+        for (int round = 0; round < 20; ++round) {
+          std::vector<float> row(static_cast<std::size_t>(n));
+          const float magnitude = std::ldexp(1.0f, static_cast<int>(rng() % 60) - 30);
+          for (float& x : row) x = normal(rng) * magnitude;
+          if (round == 1) std::fill(row.begin(), row.end(), 0.0f);
+          if (round == 2) row[static_cast<std::size_t>(n - 1)] = NAN;
+          if (round == 3) row[0] = -INFINITY;
+          if (round == 4) std::fill(row.begin(), row.end(), 1e-44f);
+          if (round == 5) {  // x / scale on the half-way points
+            for (std::int64_t d = 0; d < n; ++d) row[d] = static_cast<float>(d % 255 - 127) + 0.5f;
+          }
+          const std::int64_t groups = (n + group_dims - 1) / group_dims;
+          std::vector<float> want_scales(static_cast<std::size_t>(groups), 0.25f),
+              got_scales = want_scales;
+          std::vector<std::uint8_t> want(static_cast<std::size_t>(n)), got(want.size(), 0xAB);
+          detail::quantize_row(want.data(), dtype, 0, row.data(), want_scales.data(), 1, group_dims,
+                               n);
+          detail::cpu::quantize_row(got.data(), dtype, row.data(), got_scales.data(), 1, group_dims,
+                                    n);
+          ASSERT_EQ(got, want) << "n " << n << " group " << group_dims << " round " << round;
+          for (std::int64_t g = 0; g < groups; ++g) {
+            ASSERT_TRUE(std::isnan(want_scales[g]) ? std::isnan(got_scales[g])
+                                                   : got_scales[g] == want_scales[g])
+                << "group " << g << ": got " << got_scales[g] << ", want " << want_scales[g];
           }
         }
       }

@@ -10,7 +10,7 @@
 // order, see DecodePlan) or, where head_dim is not a whole number of vectors, widened into
 // padded rows, against all of their head's query rows; a quantized cache's codes likewise, each
 // key's score and each value row's weight multiplied by the row's scale (or, with a scale per
-// group of dims, the rows dequantized first: cpu/kernels/dequantize.cpp). Per block of Bk
+// group of dims, the rows dequantized first: cpu/kernels/cache_rows.cpp). Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   softcap, ALiBi of scale·s (when asked for)         modify_scores
@@ -44,7 +44,7 @@
 #include <numeric>
 #include <vector>
 
-#include "cpu/kernels/dequantize.hpp"
+#include "cpu/kernels/cache_rows.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"

@@ -16,11 +16,10 @@
 #include "api/backends.hpp"
 #include "api/memory.hpp"
 #include "cpu/flash_decode.hpp"
-#include "cpu/kernels/dequantize.hpp"
+#include "cpu/kernels/cache_rows.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
 #include "util/parallel.hpp"
-#include "util/quantize.hpp"
 
 namespace flashattn::detail {
 namespace {
@@ -150,13 +149,13 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
   return most;
 }
 
-// Row (b, key, h) of a quantized cache = `row` quantized (util/quantize.hpp).
+// Row (b, key, h) of a quantized cache = `row` quantized (util/quantize.hpp's definition).
 void quantize_into(const AttentionParams& p, void* cache, const Strides& strides,
                    const ScaleView& scales, std::int64_t b, std::int64_t key, std::int64_t h,
                    const float* row) {
-  quantize_row(cache, p.dtype, p.kv_offset(strides, b, key, h), row,
-               scales.data + p.kv_offset(scales.strides, b, key, h), scales.group_stride,
-               scales.group_dims, p.head_dim);
+  cpu::quantize_row(static_cast<std::uint8_t*>(cache) + p.kv_offset(strides, b, key, h), p.dtype,
+                    row, scales.data + p.kv_offset(scales.strides, b, key, h), scales.group_stride,
+                    scales.group_dims, p.head_dim);
 }
 
 void append_to_cache(const KVCacheParams& params) {
@@ -211,9 +210,10 @@ void quantize_rows(const QuantizeParams& params) {
           load_row_f32(row.data(), params.values, params.values_dtype,
                        params.values_strides.offset(b, i, h), D);
           const ScaleView& scales = params.scales;
-          quantize_row(params.cache, params.dtype, params.cache_strides.offset(b, i, h), row.data(),
-                       scales.data + scales.strides.offset(b, i, h), scales.group_stride,
-                       scales.group_dims, D);
+          cpu::quantize_row(
+              static_cast<std::uint8_t*>(params.cache) + params.cache_strides.offset(b, i, h),
+              params.dtype, row.data(), scales.data + scales.strides.offset(b, i, h),
+              scales.group_stride, scales.group_dims, D);
         }
       });
 }
