@@ -485,10 +485,14 @@ TEST_P(QuantizedCacheAgainstReference, MatchesTheReferenceOnTheDequantizedCache)
   std::vector<std::int32_t> after = c.cached;
   for (auto& length : after) length += static_cast<std::int32_t>(c.seqlen_new);
   if (c.seqlen_new > 0) {
-    for (const auto& [values, codes, scales, paged_codes, paged_scales] :
+    // Plain locals rather than structured bindings, which lambdas may not capture (C++20).
+    for (const auto& operands :
          {std::tuple{&k_new, &cache.dense_k, &cache.dense_k_scale, &cache.paged_k,
                      &cache.paged_k_scale},
           {&v_new, &cache.dense_v, &cache.dense_v_scale, &cache.paged_v, &cache.paged_v_scale}}) {
+      const Tensor* values = std::get<0>(operands);
+      const Tensor *codes = std::get<1>(operands), *scales = std::get<2>(operands);
+      const Tensor *paged_codes = std::get<3>(operands), *paged_scales = std::get<4>(operands);
       // fp8 divides by the scales of the rows written, int8 writes them.
       Tensor want(c.cache_dtype, values->view.shape);
       Tensor want_scales = QuantCache::scale_tensor(c, B, c.seqlen_new, cache.groups);
@@ -688,10 +692,11 @@ TEST(QuantizedCache, ZeroTinyHugeAndNonFiniteRows) {
 TEST(QuantizedCache, PagedVarlenIsTheKVCacheCallPerSequence) {
   std::mt19937_64 rng(test_seed());
   SCOPED_TRACE("seed " + std::to_string(test_seed()));
-  for (const auto& [dtype, scales, seqlen_q] :
-       {std::tuple{DType::int8, Scales::per_row, std::int64_t{1}},
-        {DType::fp8_e4m3, Scales::per_head, std::int64_t{1}},
-        {DType::int8, Scales::per_group32, std::int64_t{20}}}) {
+  for (const auto& layout : {std::tuple{DType::int8, Scales::per_row, std::int64_t{1}},
+                             {DType::fp8_e4m3, Scales::per_head, std::int64_t{1}},
+                             {DType::int8, Scales::per_group32, std::int64_t{20}}}) {
+    const auto [dtype, scales, rows] = layout;
+    const std::int64_t seqlen_q = rows;  // captured below: not a structured binding
     SCOPED_TRACE(std::string(dtype_name(dtype)) + " Sq " + std::to_string(seqlen_q));
     const QuantCase c = {{37, 5, 200}, seqlen_q, 0, 8, 2, 64, 210, 16, dtype, scales, true};
     QuantCache cache(c, rng);
