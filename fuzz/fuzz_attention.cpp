@@ -20,8 +20,8 @@
 // bounds the error of every fp32 score (a length-D dot product, then the scale). Perturbing
 // each score by at most Δ changes each softmax weight by a factor in [e^(−2Δ), e^(2Δ)], hence
 // the first term; (2·Skv + 16)·u covers the exp, the sum of the weights and the P·V sum;
-// u_out·|ref| the final rounding to the output dtype; floor = (Skv + D + 16)·2^-149 plus half
-// the smallest denormal of the output dtype covers denormal arithmetic, whose spacing is
+// u_out·|ref| the final rounding to the output dtype; floor = (Skv + max(D, Dv) + 16)·2^-149 plus
+// half the smallest denormal of the output dtype covers denormal arithmetic, whose spacing is
 // absolute. When Δ is large (huge scores whose rounding can reorder them) the bound degrades
 // to what is always true: every output lies within the visible values (the convex hull).
 // Values are small integers times 2^e (|x| <= 2^15) and the scale at most 2^60, so no finite
@@ -199,8 +199,8 @@ Problem make_problem(FuzzedDataProvider& in) {
 
   p.q = fuzzed_layout(in, p.dtype, q_shape, true);
   p.k = fuzzed_layout(in, p.dtype, kv_shape, true);
-  p.v = fuzzed_layout(in, p.dtype, kv_shape, true);
-  p.out = fuzzed_layout(in, p.dtype, q_shape, false);
+  p.v = fuzzed_layout(in, p.dtype, shape.v(), true);
+  p.out = fuzzed_layout(in, p.dtype, shape.out(), false);
   mark_view(p.out);
   if (in.ConsumeBool()) {
     p.lse_bytes.assign(
@@ -338,15 +338,16 @@ Kind kind_of(double x) {
 __attribute__((no_sanitize("coverage"))) void check_against_reference(
     Problem& p, const flashattn::detail::AttentionParams& params) {
   const std::int64_t B = params.batch, Sq = params.seqlen_q, Hq = params.heads_q,
-                     D = params.head_dim, Skv = params.seqlen_kv, Hkv = params.heads_kv;
-  std::vector<double> ref_out(static_cast<std::size_t>(B * Sq * Hq * D));
+                     D = params.head_dim, Dv = params.head_dim_v, Skv = params.seqlen_kv,
+                     Hkv = params.heads_kv;
+  std::vector<double> ref_out(static_cast<std::size_t>(B * Sq * Hq * Dv));
   std::vector<double> ref_lse(static_cast<std::size_t>(B * Hq * Sq));
   flashattn::detail::reference_forward_f64(params, ref_out.data(), ref_lse.data());
 
   const bool exact = p.impl == AttentionImpl::reference;
   const double u_out = unit_roundoff(p.dtype);
   const double floor =
-      static_cast<double>(Skv + D + 16) * 0x1p-149 + half_smallest_denormal(p.dtype);
+      static_cast<double>(Skv + std::max(D, Dv) + 16) * 0x1p-149 + half_smallest_denormal(p.dtype);
   const flashattn::detail::ScoreModifiers& modifiers = params.modifiers;
   const double softcap = modifiers.softcap;
   const bool sinks = modifiers.sinks != nullptr;
@@ -356,8 +357,9 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   // fp32 intermediates below 2^-126 (scores' products, P·V products, the accumulator between
   // blocks): at most (Skv + D + 16)·2^-126 more, absolute.
   const double u_p = exact || p.dtype == DType::f32 ? 0.0 : unit_roundoff(p.dtype);
-  const double flushed =
-      exact || p.dtype != DType::bf16 ? 0.0 : static_cast<double>(Skv + D + 16) * 0x1p-126;
+  const double flushed = exact || p.dtype != DType::bf16
+                             ? 0.0
+                             : static_cast<double>(Skv + std::max(D, Dv) + 16) * 0x1p-126;
   const std::uint8_t* out = p.out.buffer.bytes.data();
   const float* lse = p.lse();
 
@@ -366,12 +368,12 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   const std::vector<double> k_abs =
       finite_magnitudes(params.k, p.dtype, params.k_strides, B, Skv, Hkv, D);
   const std::vector<double> v_abs =
-      finite_magnitudes(params.v, p.dtype, params.v_strides, B, Skv, Hkv, D);
+      finite_magnitudes(params.v, p.dtype, params.v_strides, B, Skv, Hkv, Dv);
   // Per key row: the largest finite |v|.
   std::vector<double> v_row_max(static_cast<std::size_t>(B * Skv * Hkv), 0.0);
   for (std::size_t row = 0; row < v_row_max.size(); ++row) {
-    for (std::int64_t d = 0; d < D; ++d) {
-      v_row_max[row] = std::max(v_row_max[row], v_abs[row * D + d]);
+    for (std::int64_t d = 0; d < Dv; ++d) {
+      v_row_max[row] = std::max(v_row_max[row], v_abs[row * Dv + d]);
     }
   }
   for (std::int64_t b = 0; b < B; ++b) {
@@ -424,8 +426,8 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
         // Both got and want lie in the hull, so 2·hull bounds their distance whatever Δ is.
         const double hull = v_max * (1.0 + mixing) + floor;
         const double mixed = delta < 20 ? v_max * (std::expm1(2.0 * delta) + mixing) : INFINITY;
-        for (std::int64_t d = 0; d < D; ++d) {
-          const double want = ref_out[static_cast<std::size_t>(((b * Sq + row) * Hq + h) * D + d)];
+        for (std::int64_t d = 0; d < Dv; ++d) {
+          const double want = ref_out[static_cast<std::size_t>(((b * Sq + row) * Hq + h) * Dv + d)];
           const double got = load_f32(out, p.dtype, p.out.offset(b, row, h, d));
           const double tolerance = (exact ? 0.0 : std::min(mixed, 2.0 * hull)) + u_p * v_max +
                                    u_out * std::abs(want) + floor + flushed;

@@ -5,8 +5,8 @@
 // with or without dbias, a mask; each sometimes a value, length, shape or dsinks buffer the API
 // must refuse) and, for one input in eight,
 // a corruption that makes the call invalid (a dropout_p outside [0, 1) among them; dropout's own
-// backward is checked against the reference by tests/test_score_modifiers.cpp's grid). out and lse come from the flash forward of the same
-// inputs and valid modifiers, as in training.
+// backward is checked against the reference by tests/test_score_modifiers.cpp's grid). out and lse
+// come from the flash forward of the same inputs and valid modifiers, as in training.
 //
 // Invalid calls must raise flashattn::Error and leave dq, dk, dv and dsinks untouched. Valid
 // calls must not throw, must write nothing around the three gradients, and must match the fp64
@@ -230,12 +230,12 @@ Problem make_problem(FuzzedDataProvider& in) {
   const Shape q_shape = shape.q(), kv_shape = shape.kv();
   p.q = fuzzed_layout(in, p.dtype, q_shape, true);
   p.k = fuzzed_layout(in, p.dtype, kv_shape, true);
-  p.v = fuzzed_layout(in, p.dtype, kv_shape, true);
-  p.dout = fuzzed_layout(in, p.dtype, q_shape, true);
-  p.out = fuzzed_layout(in, p.dtype, q_shape, false);
+  p.v = fuzzed_layout(in, p.dtype, shape.v(), true);
+  p.dout = fuzzed_layout(in, p.dtype, shape.out(), true);
+  p.out = fuzzed_layout(in, p.dtype, shape.out(), false);
   p.dq = fuzzed_layout(in, p.dtype, q_shape, false);
   p.dk = fuzzed_layout(in, p.dtype, kv_shape, false);
-  p.dv = fuzzed_layout(in, p.dtype, kv_shape, false);
+  p.dv = fuzzed_layout(in, p.dtype, shape.v(), false);
   for (Tensor* gradient : {&p.dq, &p.dk, &p.dv}) mark_view(*gradient);
   p.lse.assign(static_cast<std::size_t>(std::max<std::int64_t>(shape.lse_elements(), 1)), 0.0f);
   p.options = fuzzed_options(in);
@@ -338,7 +338,7 @@ bool corrupt(Problem& p, int kind, Call& c) {
   }
 }
 
-// fp64 copies of the operands, [batch, seq, heads, D] contiguous.
+// fp64 copies of the operands, [batch, seq, heads, D] contiguous (v, out and dout: Dv).
 struct Operands {
   std::vector<double> q, k, v, out, dout;
 };
@@ -354,7 +354,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
     const Problem& p, const flashattn::detail::BackwardParams& bp, const Operands& x) {
   const flashattn::detail::AttentionParams& f = bp.forward;
   const std::int64_t B = f.batch, Sq = f.seqlen_q, Skv = f.seqlen_kv, Hq = f.heads_q,
-                     Hkv = f.heads_kv, D = f.head_dim, group = f.group_size();
+                     Hkv = f.heads_kv, D = f.head_dim, Dv = f.head_dim_v, group = f.group_size();
   const double u = kU32, scale = f.scale;
   const double u_p = p.dtype == DType::f32 ? 0.0 : unit_roundoff(p.dtype);
   const double t = p.dtype == DType::bf16 ? 0x1p-126 : 0x1p-149;
@@ -363,7 +363,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
   const flashattn::detail::ScoreModifiers& modifiers = f.modifiers;
   const double softcap = modifiers.softcap;
   Bounds bound{std::vector<double>(x.q.size()), std::vector<double>(x.k.size()),
-               std::vector<double>(x.k.size()), std::vector<double>(static_cast<std::size_t>(Hq)),
+               std::vector<double>(x.v.size()), std::vector<double>(static_cast<std::size_t>(Hq)),
                std::vector<double>(
                    bp.dbias.data == nullptr ? 0 : static_cast<std::size_t>(B * Hq * Sq * Skv))};
   // Per visible key of one row: the logit, its d/d(scale·s), dP, and the upper bounds and
@@ -378,21 +378,20 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
       const double sink = flashattn::detail::reference_sink(f, h);
       // dsinks_h's bound: the rows' terms, and the magnitudes their fp64 sums round against.
       double dsink_error = 0.0, dsink_magnitude = 0.0;
-      auto kv_row = [&](const std::vector<double>& m, std::int64_t j) {
-        return m.data() + ((b * Skv + j) * Hkv + h_kv) * D;
-      };
+      auto k_row = [&](std::int64_t j) { return x.k.data() + ((b * Skv + j) * Hkv + h_kv) * D; };
+      auto v_row = [&](std::int64_t j) { return x.v.data() + ((b * Skv + j) * Hkv + h_kv) * Dv; };
       for (std::int64_t i = 0; i < Sq; ++i) {
         const flashattn::detail::KeyRange keys = f.key_range(i);
         if (keys.empty()) continue;
         const double* q = x.q.data() + ((b * Sq + i) * Hq + h) * D;
-        const double* dout = x.dout.data() + ((b * Sq + i) * Hq + h) * D;
-        const double* out = x.out.data() + ((b * Sq + i) * Hq + h) * D;
+        const double* dout = x.dout.data() + ((b * Sq + i) * Hq + h) * Dv;
+        const double* out = x.out.data() + ((b * Sq + i) * Hq + h) * Dv;
         // The exact softmax of the row (the sink's logit in it), and D_i exact and as the fast
         // paths get it.
         double max_score = sink;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           double s = 0.0;
-          for (std::int64_t d = 0; d < D; ++d) s += q[d] * kv_row(x.k, j)[d];
+          for (std::int64_t d = 0; d < D; ++d) s += q[d] * k_row(j)[d];
           scores[j] = flashattn::detail::reference_logit(f, b, h, i, j, scale * s, &derivative[j]);
           max_score = std::max(max_score, scores[j]);
         }
@@ -407,17 +406,17 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
           if (dropped(j)) continue;
           double dot = 0.0;
-          for (std::int64_t d = 0; d < D; ++d) dot += dout[d] * kv_row(x.v, j)[d];
+          for (std::int64_t d = 0; d < Dv; ++d) dot += dout[d] * v_row(j)[d];
           dp[j] = dot;
           delta_exact += std::exp(scores[j] - lse_exact) * dot;
         }
-        for (std::int64_t d = 0; d < D; ++d) {
+        for (std::int64_t d = 0; d < Dv; ++d) {
           delta_given += dout[d] * out[d];
           delta_abs += std::abs(dout[d] * out[d]);
         }
         const double delta_err = std::abs(delta_given - delta_exact) +
-                                 static_cast<double>(D + 2) * u * delta_abs +
-                                 static_cast<double>(D) * t;
+                                 static_cast<double>(Dv + 2) * u * delta_abs +
+                                 static_cast<double>(Dv) * t;
         if (modifiers.sinks != nullptr) {
           // The fast paths' term against the reference's (exp(σ − lse_exact)·D_i,exact).
           const double weight = std::exp(sink - lse), weight_exact = std::exp(sink - lse_exact);
@@ -427,7 +426,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           }
           dsink_error +=
               std::abs(weight * delta_given - weight_exact * delta_exact) +
-              weight * (static_cast<double>(D + 3) * u * delta_abs + static_cast<double>(D) * t);
+              weight * (static_cast<double>(Dv + 3) * u * delta_abs + static_cast<double>(Dv) * t);
           dsink_magnitude += weight * delta_abs + weight_exact * weighted_abs;
         }
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
@@ -436,10 +435,8 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
             continue;
           }
           double magnitude = 0.0, dp_abs = 0.0;
-          for (std::int64_t d = 0; d < D; ++d) {
-            magnitude += std::abs(q[d] * kv_row(x.k, j)[d]);
-            dp_abs += std::abs(dout[d] * kv_row(x.v, j)[d]);
-          }
+          for (std::int64_t d = 0; d < D; ++d) magnitude += std::abs(q[d] * k_row(j)[d]);
+          for (std::int64_t d = 0; d < Dv; ++d) dp_abs += std::abs(dout[d] * v_row(j)[d]);
           const double exact = std::exp(scores[j] - lse_exact);
           // The fp32 logit's error and a bound of its magnitude (see the top of the file).
           const double score_error = static_cast<double>(D + 3) * u * scale * magnitude +
@@ -463,7 +460,7 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
           p_err[j] = exact * std::expm1(epsilon) + 0x1p-125;
           p_hi[j] = exact + p_err[j];
           const double dp_err =
-              static_cast<double>(D + 2) * u * dp_abs + static_cast<double>(D) * t;
+              static_cast<double>(Dv + 2) * u * dp_abs + static_cast<double>(Dv) * t;
           const double centered = std::abs(dp[j] - delta_exact) + dp_err + delta_err;
           ds_err[j] =
               p_err[j] * centered + exact * (dp_err + delta_err) + 3 * u * p_hi[j] * centered;
@@ -489,14 +486,16 @@ __attribute__((no_sanitize("coverage"))) Bounds gradient_bounds(
         // dQ_i = scale·Σ_j dS_ij K_j; dK_j += scale·dS_ij Q_i; dV_j += P_ij dO_i.
         double* dq = bound.dq.data() + ((b * Sq + i) * Hq + h) * D;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-          const double* k = kv_row(x.k, j);
+          const double* k = k_row(j);
           double* dk = bound.dk.data() + ((b * Skv + j) * Hkv + h_kv) * D;
-          double* dv = bound.dv.data() + ((b * Skv + j) * Hkv + h_kv) * D;
+          double* dv = bound.dv.data() + ((b * Skv + j) * Hkv + h_kv) * Dv;
           for (std::int64_t d = 0; d < D; ++d) {
             dq[d] += (scale * (ds_err[j] + gamma_q * ds_hi[j]) + ds_tiny[j]) * std::abs(k[d]) +
                      t * (std::abs(k[d]) + 2);
             dk[d] += (scale * (ds_err[j] + gamma_kv * ds_hi[j]) + ds_tiny[j]) * std::abs(q[d]) +
                      t * (std::abs(q[d]) + 2);
+          }
+          for (std::int64_t d = 0; d < Dv; ++d) {
             dv[d] +=
                 (p_err[j] + gamma_kv * p_hi[j]) * std::abs(dout[d]) + t * (std::abs(dout[d]) + 2);
           }
@@ -517,9 +516,10 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
     const Problem& p, const flashattn::detail::BackwardParams& bp) {
   const flashattn::detail::AttentionParams& f = bp.forward;
   const std::int64_t B = f.batch, Sq = f.seqlen_q, Skv = f.seqlen_kv, Hq = f.heads_q,
-                     Hkv = f.heads_kv, D = f.head_dim;
+                     Hkv = f.heads_kv, D = f.head_dim, Dv = f.head_dim_v;
   std::vector<double> ref_dq(static_cast<std::size_t>(B * Sq * Hq * D));
-  std::vector<double> ref_dk(static_cast<std::size_t>(B * Skv * Hkv * D)), ref_dv(ref_dk.size());
+  std::vector<double> ref_dk(static_cast<std::size_t>(B * Skv * Hkv * D));
+  std::vector<double> ref_dv(static_cast<std::size_t>(B * Skv * Hkv * Dv));
   std::vector<double> ref_dsinks(bp.dsinks == nullptr ? 0 : static_cast<std::size_t>(Hq));
   std::vector<double> ref_dlogits(
       bp.dbias.data == nullptr ? 0 : static_cast<std::size_t>(B * Hq * Sq * Skv));
@@ -532,9 +532,9 @@ __attribute__((no_sanitize("coverage"))) void check_against_reference(
   if (!exact) {
     const Operands x{to_f64(f.q, p.dtype, f.q_strides, B, Sq, Hq, D),
                      to_f64(f.k, p.dtype, f.k_strides, B, Skv, Hkv, D),
-                     to_f64(f.v, p.dtype, f.v_strides, B, Skv, Hkv, D),
-                     to_f64(f.out, p.dtype, f.out_strides, B, Sq, Hq, D),
-                     to_f64(bp.dout, p.dtype, bp.dout_strides, B, Sq, Hq, D)};
+                     to_f64(f.v, p.dtype, f.v_strides, B, Skv, Hkv, Dv),
+                     to_f64(f.out, p.dtype, f.out_strides, B, Sq, Hq, Dv),
+                     to_f64(bp.dout, p.dtype, bp.dout_strides, B, Sq, Hq, Dv)};
     bound = gradient_bounds(p, bp, x);
   }
   const double u_out = unit_roundoff(p.dtype), floor = half_smallest_denormal(p.dtype);

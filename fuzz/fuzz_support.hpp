@@ -92,12 +92,15 @@ inline DType fuzzed_dtype(FuzzedDataProvider& in) {
 
 // A small problem shape picked by the input, at most `max_multiply_adds` of the forward's
 // score products (batch · heads_q · seqlen_q · seqlen_kv · head_dim) so that the fuzzer stays
-// fast under ASan: the head dim is halved first, then the longer sequence.
+// fast under ASan: the head dim is halved first, then the longer sequence. v's and out's head
+// dim (head_dim_v) is picked on its own, mostly head_dim's.
 struct FuzzedShape {
-  std::int64_t batch, seqlen_q, seqlen_kv, heads_kv, group, head_dim;
+  std::int64_t batch, seqlen_q, seqlen_kv, heads_kv, group, head_dim, head_dim_v;
 
   Shape q() const { return {batch, seqlen_q, heads_kv * group, head_dim}; }
   Shape kv() const { return {batch, seqlen_kv, heads_kv, head_dim}; }
+  Shape v() const { return {batch, seqlen_kv, heads_kv, head_dim_v}; }
+  Shape out() const { return {batch, seqlen_q, heads_kv * group, head_dim_v}; }
   std::int64_t lse_elements() const { return batch * heads_kv * group * seqlen_q; }
 };
 
@@ -111,6 +114,8 @@ inline FuzzedShape fuzzed_shape(FuzzedDataProvider& in, std::int64_t max_multipl
   s.heads_kv = in.ConsumeIntegralInRange(1, 3);
   s.group = in.PickValueInArray({1, 1, 2, 3, 8});
   s.head_dim = in.PickValueInArray({1, 2, 3, 8, 16, 17, 32, 40, 64, 80});
+  // 0: head_dim's (the first value is what an exhausted input picks).
+  s.head_dim_v = in.PickValueInArray({0, 0, 0, 1, 5, 16, 24, 33});
   while (s.batch * s.heads_kv * s.group * s.seqlen_q * s.seqlen_kv * s.head_dim >
          max_multiply_adds) {
     if (s.head_dim > 1) {
@@ -121,6 +126,7 @@ inline FuzzedShape fuzzed_shape(FuzzedDataProvider& in, std::int64_t max_multipl
       s.seqlen_q /= 2;
     }
   }
+  if (s.head_dim_v == 0) s.head_dim_v = s.head_dim;
   return s;
 }
 

@@ -42,7 +42,7 @@ using namespace fuzz_support;
 struct Problem {
   AttentionImpl impl = AttentionImpl::flash;
   DType dtype = DType::f32;
-  std::int64_t batch = 0, heads_q = 1, heads_kv = 1, head_dim = 1;
+  std::int64_t batch = 0, heads_q = 1, heads_kv = 1, head_dim = 1, head_dim_v = 1;
   std::vector<std::int32_t> cu_q = {0}, cu_k = {0};
   Tensor q, k, v, dout, out, dq, dk, dv;
   std::vector<float> lse;
@@ -76,21 +76,25 @@ Problem make_problem(FuzzedDataProvider& in) {
   p.heads_kv = in.ConsumeIntegralInRange(1, 2);
   p.heads_q = p.heads_kv * in.PickValueInArray({1, 2, 4});
   p.head_dim = in.PickValueInArray({1, 3, 8, 16, 17, 32, 64});
+  // v's and out's head dim: mostly head_dim's (0, what an exhausted input picks).
+  p.head_dim_v = in.PickValueInArray({0, 0, 0, 1, 5, 24});
+  if (p.head_dim_v == 0) p.head_dim_v = p.head_dim;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     p.cu_q.push_back(p.cu_q.back() + in.ConsumeIntegralInRange(0, 40));
     p.cu_k.push_back(p.cu_k.back() + in.ConsumeIntegralInRange(0, 40));
   }
   const std::int64_t total_q = p.cu_q.back(), total_k = p.cu_k.back();
   const Shape q_shape{1, total_q, p.heads_q, p.head_dim},
-      k_shape{1, total_k, p.heads_kv, p.head_dim};
+      k_shape{1, total_k, p.heads_kv, p.head_dim}, v_shape{1, total_k, p.heads_kv, p.head_dim_v},
+      out_shape{1, total_q, p.heads_q, p.head_dim_v};
   p.q = fuzzed_layout(in, p.dtype, q_shape, true);
   p.k = fuzzed_layout(in, p.dtype, k_shape, true);
-  p.v = fuzzed_layout(in, p.dtype, k_shape, true);
-  p.dout = fuzzed_layout(in, p.dtype, q_shape, true);
-  p.out = fuzzed_layout(in, p.dtype, q_shape, false);
+  p.v = fuzzed_layout(in, p.dtype, v_shape, true);
+  p.dout = fuzzed_layout(in, p.dtype, out_shape, true);
+  p.out = fuzzed_layout(in, p.dtype, out_shape, false);
   p.dq = fuzzed_layout(in, p.dtype, q_shape, false);
   p.dk = fuzzed_layout(in, p.dtype, k_shape, false);
-  p.dv = fuzzed_layout(in, p.dtype, k_shape, false);
+  p.dv = fuzzed_layout(in, p.dtype, v_shape, false);
   for (Tensor* t : {&p.out, &p.dq, &p.dk, &p.dv}) mark_view(*t);
   p.lse.assign(static_cast<std::size_t>(std::max<std::int64_t>(p.heads_q * total_q, 1)), NAN);
   p.options = fuzzed_options(in);
@@ -106,6 +110,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   text << "]";
   describe_tensor(text, "q", p.q);
   describe_tensor(text, "k", p.k);
+  describe_tensor(text, "v", p.v);
   describe_tensor(text, "out", p.out);
   describe_options(text, p.options);
   p.description = text.str();
@@ -206,10 +211,11 @@ PagedProblem make_paged(FuzzedDataProvider& in, Problem& p) {
   paged.num_pages += in.ConsumeIntegralInRange(0, 2);
   paged.pages_per_sequence = most + in.ConsumeIntegralInRange(0, 2);
   const Shape pool{paged.num_pages, paged.page_size, p.heads_kv, p.head_dim};
+  const Shape value_pool{paged.num_pages, paged.page_size, p.heads_kv, p.head_dim_v};
   const int order = in.ConsumeIntegralInRange(0, 5);
   const std::array<int, 4> pad{0, 0, in.ConsumeIntegralInRange(0, 1), 0};
   paged.k_pages = make_tensor(p.dtype, pool, order, pad, -1);
-  paged.v_pages = make_tensor(p.dtype, pool, order, pad, -1);
+  paged.v_pages = make_tensor(p.dtype, value_pool, order, pad, -1);
   std::vector<std::int32_t> free_pages(static_cast<std::size_t>(paged.num_pages));
   std::iota(free_pages.begin(), free_pages.end(), 0);
   std::shuffle(free_pages.begin(), free_pages.end(),
@@ -227,7 +233,7 @@ PagedProblem make_paged(FuzzedDataProvider& in, Problem& p) {
   }
   const std::size_t element = flashattn::dtype_size(p.dtype);
   for (Tensor* t : {&paged.k_pages, &paged.v_pages}) {
-    for_each_index(pool, [&](auto a, auto b, auto c, auto d) {
+    for_each_index(t->shape, [&](auto a, auto b, auto c, auto d) {
       store_f32(t->buffer.bytes.data(), p.dtype, t->offset(a, b, c, d), NAN);
     });
   }
@@ -241,12 +247,12 @@ PagedProblem make_paged(FuzzedDataProvider& in, Problem& p) {
               pages_tensor->buffer.bytes.data() +
                   pages_tensor->offset(page, j % paged.page_size, h, 0) * element,
               packed->buffer.bytes.data() + packed->offset(0, p.cu_k[b] + j, h, 0) * element,
-              static_cast<std::size_t>(p.head_dim) * element);
+              static_cast<std::size_t>(packed->shape[3]) * element);
         }
       }
     }
   }
-  paged.out = fuzzed_layout(in, p.dtype, p.q.shape, false);
+  paged.out = fuzzed_layout(in, p.dtype, p.out.shape, false);
   mark_view(paged.out);
   paged.lse.assign(p.lse.size(), NAN);
   return paged;
@@ -319,7 +325,7 @@ void check_paged(FuzzedDataProvider& in, Problem& p) {
   const std::int64_t written = written_around_view(paged.out, p.dtype);
   if (written >= 0) finding(p, "wrote padding element " + std::to_string(written) + what);
   const std::size_t element = flashattn::dtype_size(p.dtype);
-  for_each_index(p.q.shape, [&](auto a, auto s, auto h, auto d) {
+  for_each_index(p.out.shape, [&](auto a, auto s, auto h, auto d) {
     if (std::memcmp(paged.out.buffer.bytes.data() + paged.out.offset(a, s, h, d) * element,
                     p.out.buffer.bytes.data() + p.out.offset(a, s, h, d) * element, element) != 0) {
       finding(p, "out differs from the packed forward's at row " + std::to_string(s) + what);
@@ -370,28 +376,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
 
   const std::size_t element = flashattn::dtype_size(p.dtype);
-  const std::int64_t total_q = p.cu_q.back(), Hq = p.heads_q, Hkv = p.heads_kv, D = p.head_dim;
+  const std::int64_t total_q = p.cu_q.back(), Hq = p.heads_q, Hkv = p.heads_kv, D = p.head_dim,
+                     Dv = p.head_dim_v;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t q0 = p.cu_q[b], Lq = p.cu_q[b + 1] - q0;
     const std::int64_t k0 = p.cu_k[b], Lk = p.cu_k[b + 1] - k0;
-    std::vector<std::uint8_t> out(static_cast<std::size_t>(Lq * Hq * D) * element + 1);
-    std::vector<std::uint8_t> dq(out.size()),
+    std::vector<std::uint8_t> out(static_cast<std::size_t>(Lq * Hq * Dv) * element + 1);
+    std::vector<std::uint8_t> dq(static_cast<std::size_t>(Lq * Hq * D) * element + 1),
         dk(static_cast<std::size_t>(Lk * Hkv * D) * element + 1);
-    std::vector<std::uint8_t> dv(dk.size());
+    std::vector<std::uint8_t> dv(static_cast<std::size_t>(Lk * Hkv * Dv) * element + 1);
     std::vector<float> lse(static_cast<std::size_t>(Hq * Lq) + 1);
     const auto contiguous = [&](std::vector<std::uint8_t>& bytes, std::int64_t rows,
-                                std::int64_t heads) {
+                                std::int64_t heads, std::int64_t dims) {
       return flashattn::contiguous_view(static_cast<void*>(bytes.data()), p.dtype,
-                                        {1, rows, heads, D});
+                                        {1, rows, heads, dims});
     };
     try {
       flashattn::attention_forward(p.impl, p.rows(p.q, q0, Lq), p.rows(p.k, k0, Lk),
-                                   p.rows(p.v, k0, Lk), contiguous(out, Lq, Hq), lse.data(),
+                                   p.rows(p.v, k0, Lk), contiguous(out, Lq, Hq, Dv), lse.data(),
                                    p.options);
-      flashattn::attention_backward(p.impl, p.rows(p.dout, q0, Lq), p.rows(p.q, q0, Lq),
-                                    p.rows(p.k, k0, Lk), p.rows(p.v, k0, Lk),
-                                    contiguous(out, Lq, Hq), lse.data(), contiguous(dq, Lq, Hq),
-                                    contiguous(dk, Lk, Hkv), contiguous(dv, Lk, Hkv), p.options);
+      flashattn::attention_backward(
+          p.impl, p.rows(p.dout, q0, Lq), p.rows(p.q, q0, Lq), p.rows(p.k, k0, Lk),
+          p.rows(p.v, k0, Lk), contiguous(out, Lq, Hq, Dv), lse.data(), contiguous(dq, Lq, Hq, D),
+          contiguous(dk, Lk, Hkv, D), contiguous(dv, Lk, Hkv, Dv), p.options);
     } catch (const flashattn::Error& error) {
       finding(p, std::string("the sequence alone raised Error: ") + error.what());
     }

@@ -47,13 +47,18 @@ struct Case {
   DType dtype = DType::f32;
   int threads = 2;
   Layout layout = Layout::bshd;
+  std::int64_t head_dim_v = 0;  // v's and out's head dim; 0: head_dim
+
+  std::int64_t value_dims() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 std::string describe(const Case& c) {
   static const char* layouts[] = {"bshd", "bhsd", "padded"};
   std::ostringstream text;
   text << "B" << c.batch << "_Sq" << c.seqlen_q << "_Skv" << c.seqlen_kv << "_Hq" << c.heads_q
-       << "_Hkv" << c.heads_kv << "_D" << c.head_dim << (c.causal ? "_causal" : "")
+       << "_Hkv" << c.heads_kv << "_D" << c.head_dim
+       << (c.head_dim_v > 0 ? "_Dv" + std::to_string(c.head_dim_v) : "")
+       << (c.causal ? "_causal" : "")
        << (c.window_left >= 0 || c.window_right >= 0
                ? "_win" + std::to_string(c.window_left) + "," + std::to_string(c.window_right)
                : "")
@@ -153,6 +158,33 @@ std::vector<Case> make_grid() {
     c.layout = Layout::padded;
     grid.push_back(c);
   }
+  // A value head dim unlike the key head dim (DeepSeek's MLA: 192/128 in prefill, 576/512 in
+  // decode), smaller and larger, whole and ragged numbers of vectors, every dtype and layout,
+  // causal both alignments, windows and GQA.
+  const std::pair<std::int64_t, std::int64_t> value_dims[] = {
+      {192, 128}, {128, 64}, {64, 128}, {40, 59}, {59, 17}, {96, 40}, {16, 111}, {576, 512}};
+  int v = 0;
+  for (const auto& [d, dv] : value_dims) {
+    for (const auto& [sq, skv] :
+         {std::pair<std::int64_t, std::int64_t>{129, 129}, {70, 203}, {203, 70}}) {
+      Case c{v % 2 == 0 ? 2 : 1, sq, skv, 4, v % 3 == 0 ? 1 : 2, d};
+      c.head_dim_v = dv;
+      c.causal = v % 4 != 3;
+      if (v % 5 == 4) {
+        c.window_left = 23;
+        c.window_right = 5;
+      }
+      c.threads = thread_counts[v % 3];
+      c.dtype = dtypes[(v / 2) % 3];
+      c.layout = layouts[v % 3];
+      if (d == 576) {
+        c.seqlen_q = std::min<std::int64_t>(sq, 70);
+        c.seqlen_kv = std::min<std::int64_t>(skv, 129);
+      }
+      grid.push_back(c);
+      ++v;
+    }
+  }
   return grid;
 }
 
@@ -174,9 +206,11 @@ void check_against_reference(const Case& c) {
   std::mt19937_64 rng(seed);
   const std::array<std::int64_t, 4> q_shape{c.batch, c.seqlen_q, c.heads_q, c.head_dim};
   const std::array<std::int64_t, 4> kv_shape{c.batch, c.seqlen_kv, c.heads_kv, c.head_dim};
+  const std::array<std::int64_t, 4> v_shape{c.batch, c.seqlen_kv, c.heads_kv, c.value_dims()};
+  const std::array<std::int64_t, 4> out_shape{c.batch, c.seqlen_q, c.heads_q, c.value_dims()};
   Tensor q(c.dtype, q_shape, strides_for(c.layout, q_shape));
   Tensor k(c.dtype, kv_shape, strides_for(c.layout, kv_shape));
-  Tensor v(c.dtype, kv_shape, strides_for(c.layout, kv_shape));
+  Tensor v(c.dtype, v_shape, strides_for(c.layout, v_shape));
   q.fill_normal(rng);
   k.fill_normal(rng);
   v.fill_normal(rng);
@@ -189,7 +223,7 @@ void check_against_reference(const Case& c) {
   const ReferenceResult ref = reference(q, k, v, options);
 
   auto run = [&](AttentionImpl impl, std::vector<float>& lse) {
-    Tensor out(c.dtype, q_shape, strides_for(c.layout, q_shape));
+    Tensor out(c.dtype, out_shape, strides_for(c.layout, out_shape));
     out.poison();
     lse.assign(static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q), NAN);
     attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
@@ -274,6 +308,10 @@ TEST(AttentionVsReferencePerTarget, EveryCompiledTargetMatches) {
     Case wide{1, 70, 40, 2, 2, 256};
     wide.dtype = DType::f16;
     check_against_reference(wide);
+    Case value_dims{1, 77, 150, 4, 2, 59};
+    value_dims.head_dim_v = 37;
+    value_dims.causal = true;
+    check_against_reference(value_dims);
   }
   detail::cpu::force_simd_target(0);
 }
@@ -578,6 +616,21 @@ std::vector<Case> make_decode_grid() {
       }
     }
   }
+  // Value head dims unlike the key head dim: MLA's absorbed decode (576/512, every query head on
+  // one KV head), and ragged pairs either way.
+  const std::pair<std::int64_t, std::int64_t> value_dims[] = {{576, 512}, {59, 96}, {128, 40}};
+  for (const auto& [d, dv] : value_dims) {
+    for (const std::int64_t sq : {1, 2}) {
+      Case c{1, sq, sq == 1 ? 700 : 5000, d == 576 ? 16 : 8, d == 576 ? 1 : 2, d};
+      c.head_dim_v = dv;
+      c.causal = sq == 2;
+      c.threads = thread_counts[n % 3];
+      c.dtype = dtypes[n % 3];
+      c.layout = layouts[n % 3];
+      grid.push_back(c);
+      ++n;
+    }
+  }
   return grid;
 }
 
@@ -587,14 +640,15 @@ TEST_P(DecodeVsReference, FlashAndStandardMatchFp64Reference) {
   const Case& c = GetParam();
   // The case takes the decode path: this test's coverage must not slip away unnoticed.
   Tensor q(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
-  Tensor kv(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim});
-  Tensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+  Tensor k(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim});
+  Tensor v(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.value_dims()});
+  Tensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dims()});
   AttentionOptions options;
   options.causal = c.causal;
   options.window_left = c.window_left;
   options.window_right = c.window_right;
   ASSERT_TRUE(detail::cpu::use_flash_decode(
-      detail::make_params("test", q.view, kv.view, kv.view, out.view, nullptr, options)));
+      detail::make_params("test", q.view, k.view, v.view, out.view, nullptr, options)));
   check_against_reference(c);
 }
 
@@ -616,6 +670,13 @@ TEST(DecodeVsReferencePerTarget, EveryCompiledTargetMatches) {
     half.dtype = DType::f16;
     half.layout = Layout::bhsd;
     check_against_reference(half);
+    Case latent{1, 1, 600, 16, 1, 576};
+    latent.head_dim_v = 512;
+    latent.dtype = DType::bf16;
+    check_against_reference(latent);
+    Case ragged_values{1, 1, 400, 4, 2, 64};
+    ragged_values.head_dim_v = 45;
+    check_against_reference(ragged_values);
   });
 }
 

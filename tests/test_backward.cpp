@@ -36,13 +36,18 @@ struct BackwardCase {
   std::int64_t window_left = -1, window_right = -1;
   DType dtype = DType::f32;
   int threads = 2;
-  bool head_major = false;  // the seed's [B, H, S, D] memory seen as [B, S, H, D]
+  bool head_major = false;      // the seed's [B, H, S, D] memory seen as [B, S, H, D]
+  std::int64_t head_dim_v = 0;  // v's, out's, dO's and dV's head dim; 0: head_dim
+
+  std::int64_t value_dims() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 std::string describe(const BackwardCase& c) {
   std::ostringstream text;
   text << "B" << c.batch << "_Sq" << c.seqlen_q << "_Skv" << c.seqlen_kv << "_Hq" << c.heads_q
-       << "_Hkv" << c.heads_kv << "_D" << c.head_dim << (c.causal ? "_causal" : "");
+       << "_Hkv" << c.heads_kv << "_D" << c.head_dim
+       << (c.head_dim_v > 0 ? "_Dv" + std::to_string(c.head_dim_v) : "")
+       << (c.causal ? "_causal" : "");
   if (c.window_left >= 0 || c.window_right >= 0) {
     text << "_win" << c.window_left << "_" << c.window_right;
   }
@@ -69,9 +74,11 @@ struct Problem {
           strides_for(c.head_major, {c.batch, c.seqlen_q, c.heads_q, c.head_dim})),
         k(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim},
           strides_for(c.head_major, {c.batch, c.seqlen_kv, c.heads_kv, c.head_dim})),
-        v(c.dtype, k.view.shape, k.view.strides),
-        out(c.dtype, q.view.shape, q.view.strides),
-        dout(c.dtype, q.view.shape, q.view.strides),
+        v(c.dtype, {c.batch, c.seqlen_kv, c.heads_kv, c.value_dims()},
+          strides_for(c.head_major, {c.batch, c.seqlen_kv, c.heads_kv, c.value_dims()})),
+        out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dims()},
+            strides_for(c.head_major, {c.batch, c.seqlen_q, c.heads_q, c.value_dims()})),
+        dout(c.dtype, out.view.shape, out.view.strides),
         lse(static_cast<std::size_t>(c.batch * c.heads_q * c.seqlen_q)) {
     std::mt19937_64 rng(seed);
     q.fill_normal(rng);
@@ -91,7 +98,7 @@ struct Problem {
   Gradients run(AttentionImpl impl, int threads) const {
     Gradients g{Tensor(c.dtype, q.view.shape, q.view.strides),
                 Tensor(c.dtype, k.view.shape, k.view.strides),
-                Tensor(c.dtype, k.view.shape, k.view.strides)};
+                Tensor(c.dtype, v.view.shape, v.view.strides)};
     g.dq.poison();
     g.dk.poison();
     g.dv.poison();
@@ -109,14 +116,14 @@ struct ReferenceGradients {
 
 ReferenceGradients reference_gradients(const Problem& p) {
   Tensor dq(p.c.dtype, p.q.view.shape), dk(p.c.dtype, p.k.view.shape),
-      dv(p.c.dtype, p.k.view.shape);
+      dv(p.c.dtype, p.v.view.shape);
   const detail::BackwardParams params =
       detail::make_backward_params("reference", p.dout.view, p.q.view, p.k.view, p.v.view,
                                    p.out.view, p.lse.data(), dq.view, dk.view, dv.view, p.options);
   ReferenceGradients ref;
   ref.dq.resize(static_cast<std::size_t>(p.q.view.numel()));
   ref.dk.resize(static_cast<std::size_t>(p.k.view.numel()));
-  ref.dv.resize(ref.dk.size());
+  ref.dv.resize(static_cast<std::size_t>(p.v.view.numel()));
   detail::reference_backward_f64(params, ref.dq.data(), ref.dk.data(), ref.dv.data());
   return ref;
 }
@@ -136,17 +143,18 @@ OperandRounding operand_rounding(const Problem& p, const detail::AttentionParams
   if (p.c.dtype == DType::f32) return bound;
   const double u = unit_roundoff(p.c.dtype), scale = params.scale;
   const std::int64_t B = p.c.batch, Hq = p.c.heads_q, Sq = p.c.seqlen_q, Skv = p.c.seqlen_kv;
-  const std::int64_t D = p.c.head_dim, group = Hq / p.c.heads_kv;
+  const std::int64_t D = p.c.head_dim, Dv = p.c.value_dims(), group = Hq / p.c.heads_kv;
   std::vector<double> p_row(static_cast<std::size_t>(Skv)), ds_row(p_row.size());
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h_kv = 0; h_kv < p.c.heads_kv; ++h_kv) {
       // Column sums over the group's rows, per key and dim, for dV and dK.
-      std::vector<double> dv_sum(static_cast<std::size_t>(Skv * D)), dk_sum(dv_sum.size());
+      std::vector<double> dv_sum(static_cast<std::size_t>(Skv * Dv)),
+          dk_sum(static_cast<std::size_t>(Skv * D));
       for (std::int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
         for (std::int64_t i = 0; i < Sq; ++i) {
           const double lse = p.lse[static_cast<std::size_t>((b * Hq + h) * Sq + i)];
           double delta = 0.0;
-          for (std::int64_t d = 0; d < D; ++d)
+          for (std::int64_t d = 0; d < Dv; ++d)
             delta += p.dout.at(b, i, h, d) * p.out.at(b, i, h, d);
           const detail::KeyRange visible = params.key_range(i);
           for (std::int64_t j = 0; j < Skv; ++j) {
@@ -155,6 +163,8 @@ OperandRounding operand_rounding(const Problem& p, const detail::AttentionParams
             double s = 0.0, dp = 0.0;
             for (std::int64_t d = 0; d < D; ++d) {
               s += static_cast<double>(p.q.at(b, i, h, d)) * p.k.at(b, j, h_kv, d);
+            }
+            for (std::int64_t d = 0; d < Dv; ++d) {
               dp += static_cast<double>(p.dout.at(b, i, h, d)) * p.v.at(b, j, h_kv, d);
             }
             p_row[j] = std::exp(s * scale - lse);
@@ -164,17 +174,19 @@ OperandRounding operand_rounding(const Problem& p, const detail::AttentionParams
             double dq_sum = 0.0;
             for (std::int64_t j = 0; j < Skv; ++j) {
               dq_sum += ds_row[j] * std::abs(p.k.at(b, j, h_kv, d));
-              dv_sum[j * D + d] += p_row[j] * std::abs(p.dout.at(b, i, h, d));
               dk_sum[j * D + d] += ds_row[j] * std::abs(p.q.at(b, i, h, d));
             }
             bound.dq = std::max(bound.dq, u * scale * dq_sum);
           }
+          for (std::int64_t d = 0; d < Dv; ++d) {
+            for (std::int64_t j = 0; j < Skv; ++j) {
+              dv_sum[j * Dv + d] += p_row[j] * std::abs(p.dout.at(b, i, h, d));
+            }
+          }
         }
       }
-      for (std::size_t e = 0; e < dv_sum.size(); ++e) {
-        bound.dv = std::max(bound.dv, u * dv_sum[e]);
-        bound.dk = std::max(bound.dk, u * scale * dk_sum[e]);
-      }
+      for (const double sum : dv_sum) bound.dv = std::max(bound.dv, u * sum);
+      for (const double sum : dk_sum) bound.dk = std::max(bound.dk, u * scale * sum);
     }
   }
   return bound;
@@ -195,7 +207,7 @@ void expect_backward_matches_reference(const Problem& p, std::uint64_t seed) {
       4.0 * scale * c.head_dim * qk + 2.0 * (c.seqlen_kv + c.seqlen_q) + 16.0;
   const double score_rounding = u32 * scale * std::sqrt(static_cast<double>(c.head_dim)) * qk;
   Tensor scratch_dq(c.dtype, p.q.view.shape), scratch_dk(c.dtype, p.k.view.shape),
-      scratch_dv(c.dtype, p.k.view.shape);
+      scratch_dv(c.dtype, p.v.view.shape);
   const detail::BackwardParams params = detail::make_backward_params(
       "flash", p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view, p.lse.data(), scratch_dq.view,
       scratch_dk.view, scratch_dv.view, p.options);
@@ -294,6 +306,24 @@ std::vector<BackwardCase> backward_grid() {
     grid.push_back(c);
   }
   grid.back().head_major = true;
+  // A value head dim unlike the key head dim, smaller and larger, whole and ragged numbers of
+  // vectors: fp32, f16 and bf16 on every bf16 product path, GQA, causal both alignments, a
+  // window, head-major strides, and enough groups for tasks that own their query rows.
+  const std::pair<BackwardCase, std::int64_t> value_dims[] = {
+      {{1, 113, 203, 4, 2, 192, true}, 128},      {{1, 203, 113, 4, 2, 64, true}, 128},
+      {{2, 129, 129, 2, 1, 59, true}, 96},        {{1, 97, 131, 6, 1, 40, false}, 17},
+      {{1, 150, 150, 2, 2, 48, true, 40, 8}, 80}, {{2, 97, 131, 8, 4, 96, true}, 40},
+      {{1, 129, 129, 4, 2, 192, true}, 128},      {{1, 65, 70, 2, 2, 64, false}, 80},
+      {{1, 131, 97, 4, 2, 80, true}, 59}};
+  int n = 0;
+  for (auto [c, dv] : value_dims) {
+    c.head_dim_v = dv;
+    c.threads = 1 + n % 3;
+    if (n >= 6) c.dtype = n == 8 ? DType::f16 : DType::bf16;
+    c.head_major = n % 4 == 3;
+    grid.push_back(c);
+    ++n;
+  }
   return grid;
 }
 
@@ -614,7 +644,7 @@ TEST(Backward, BadInputNamesTheArgument) {
   EXPECT_NE(message([&] {
               flash_attention_backward(wrong_dout.view, p.q.view, p.k.view, p.v.view, p.out.view,
                                        p.lse.data(), dq.view, dk.view, dv.view);
-            }).find("dout: expected shape [1, 5, 2, 8] (as q), got [1, 4, 2, 8]"),
+            }).find("dout: expected shape [1, 5, 2, 8] (as out), got [1, 4, 2, 8]"),
             std::string::npos);
   EXPECT_NE(message([&] {
               flash_attention_backward(p.dout.view, p.q.view, p.k.view, p.v.view, p.out.view,

@@ -292,8 +292,10 @@ TEST_F(CliBackwardErrorTest, DoutThatDoesNotFitQ) {
   Tensor wrong(DType::f32, {2, 7, 4, 9});
   wrong.fill_normal(rng);
   save(wrong, path("do.npy"));
-  expect_clean_failure(
-      args(), 1, "dout: expected shape (2, 7, 4, 8) (as q), got (2, 7, 4, 9) in " + path("do.npy"));
+  expect_clean_failure(args(), 1,
+                       "dout: expected shape (2, 7, 4, 8) (as out: q's leading dims, v's "
+                       "head_dim_v), got (2, 7, 4, 9) in " +
+                           path("do.npy"));
 
   Tensor half(DType::f16, {2, 7, 4, 8});
   half.fill_normal(rng);

@@ -105,18 +105,23 @@ inline double probability_rounding_bound(DType dtype, double max_abs_v) {
   return dtype == DType::f32 ? 0.0 : unit_roundoff(dtype) * max_abs_v;
 }
 
+// out's shape: q's [batch, seqlen_q, heads_q] and v's head dim (head_dim_v).
+inline std::array<std::int64_t, 4> out_shape_of(const Tensor& q, const Tensor& v) {
+  return {q.view.shape[0], q.view.shape[1], q.view.shape[2], v.view.shape[3]};
+}
+
 struct ReferenceResult {
-  std::vector<double> out;  // contiguous [B, Sq, Hq, D]
+  std::vector<double> out;  // contiguous [B, Sq, Hq, Dv]
   std::vector<double> lse;  // contiguous [B, Hq, Sq]
 };
 
 inline ReferenceResult reference(const Tensor& q, const Tensor& k, const Tensor& v,
                                  const AttentionOptions& options) {
-  Tensor unused_out(q.view.dtype, q.view.shape);
+  Tensor unused_out(q.view.dtype, out_shape_of(q, v));
   const detail::AttentionParams params =
       detail::make_params("reference", q.view, k.view, v.view, unused_out.view, nullptr, options);
   ReferenceResult result;
-  result.out.resize(static_cast<std::size_t>(q.view.numel()));
+  result.out.resize(static_cast<std::size_t>(unused_out.view.numel()));
   result.lse.resize(static_cast<std::size_t>(params.batch * params.heads_q * params.seqlen_q));
   detail::reference_forward_f64(params, result.out.data(), result.lse.data());
   return result;
@@ -191,7 +196,7 @@ inline GradientOracle gradient_oracle(const Tensor& dout, const Tensor& q, const
   GradientOracle oracle;
   oracle.dq.resize(static_cast<std::size_t>(q.view.numel()));
   oracle.dk.resize(static_cast<std::size_t>(k.view.numel()));
-  oracle.dv.resize(oracle.dk.size());
+  oracle.dv.resize(static_cast<std::size_t>(v.view.numel()));
   detail::reference_backward_f64(params, oracle.dq.data(), oracle.dk.data(), oracle.dv.data());
   flash_attention_backward(dout.view, q.view, k.view, v.view, out.view, lse, dq.view, dk.view,
                            dv.view, options);

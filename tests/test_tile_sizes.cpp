@@ -12,7 +12,7 @@ constexpr CacheSizes kServerCore{48 * 1024, 2 * 1024 * 1024};  // e.g. Sapphire 
 constexpr CacheSizes kSmallCore{32 * 1024, 256 * 1024};        // e.g. an older client core
 
 TEST(TileSizes, MeasuredChoiceOnALargeL2Core) {
-  const TileSizes tiles = choose_tile_sizes(128, kServerCore);
+  const TileSizes tiles = choose_tile_sizes(128, 128, kServerCore);
   EXPECT_EQ(tiles.rows, 256);
   EXPECT_EQ(tiles.keys, 128);
   EXPECT_EQ(tiles.blocks_per_task, 4);
@@ -20,11 +20,11 @@ TEST(TileSizes, MeasuredChoiceOnALargeL2Core) {
 
 // The choices measured on the two AMD cores (tile_sizes.cpp): Bc from the L1, Br from the L2.
 TEST(TileSizes, MeasuredChoiceOnSmallerL2Cores) {
-  const TileSizes zen3 = choose_tile_sizes(128, {32 * 1024, 512 * 1024});
+  const TileSizes zen3 = choose_tile_sizes(128, 128, {32 * 1024, 512 * 1024});
   EXPECT_EQ(zen3.rows, 128);
   EXPECT_EQ(zen3.keys, 80);
   EXPECT_EQ(zen3.blocks_per_task, 8);
-  const TileSizes zen5 = choose_tile_sizes(128, {48 * 1024, 1024 * 1024});
+  const TileSizes zen5 = choose_tile_sizes(128, 128, {48 * 1024, 1024 * 1024});
   EXPECT_EQ(zen5.rows, 256);
   EXPECT_EQ(zen5.keys, 128);
   EXPECT_EQ(zen5.blocks_per_task, 4);
@@ -33,7 +33,7 @@ TEST(TileSizes, MeasuredChoiceOnSmallerL2Cores) {
 TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
   for (const CacheSizes caches : {kServerCore, kSmallCore, kFallbackCaches}) {
     for (std::int64_t head_dim : {1, 32, 40, 59, 64, 111, 128, 256}) {
-      const TileSizes tiles = choose_tile_sizes(head_dim, caches);
+      const TileSizes tiles = choose_tile_sizes(head_dim, head_dim, caches);
       const std::int64_t dims = pad_to_lanes(head_dim);
       SCOPED_TRACE(testing::Message() << "head_dim " << head_dim << ", L2 " << caches.l2_bytes);
       EXPECT_EQ(tiles.keys % kTileLanes, 0);
@@ -57,10 +57,32 @@ TEST(TileSizes, WorkingSetFitsHalfOfL2AndTilesAreWholeVectors) {
   }
 }
 
+// Q and K rows of head_dim, V and accumulator rows of head_dim_v: the working set counts each.
+TEST(TileSizes, UnequalHeadDimsFitHalfOfL2) {
+  for (const CacheSizes caches : {kServerCore, kSmallCore, kFallbackCaches}) {
+    for (const auto& [d, dv] :
+         {std::pair<std::int64_t, std::int64_t>{192, 128}, {576, 512}, {64, 256}, {59, 17}}) {
+      const TileSizes tiles = choose_tile_sizes(d, dv, caches);
+      const std::int64_t dims = pad_to_lanes(d) + pad_to_lanes(dv);
+      SCOPED_TRACE(testing::Message()
+                   << "head dims " << d << "/" << dv << ", L2 " << caches.l2_bytes);
+      EXPECT_EQ(tiles.rows % kTileLanes, 0);
+      if (tiles.rows > kTileLanes) {
+        EXPECT_LE((tiles.rows * (dims + tiles.keys) + tiles.keys * dims) * 4, caches.l2_bytes / 2);
+      }
+      // Equal dims of the mean width give the same tiles.
+      if ((pad_to_lanes(d) + pad_to_lanes(dv)) % (2 * kTileLanes) == 0) {
+        const std::int64_t mean = (pad_to_lanes(d) + pad_to_lanes(dv)) / 2;
+        EXPECT_EQ(tiles.rows, choose_tile_sizes(mean, mean, caches).rows);
+      }
+    }
+  }
+}
+
 TEST(TileSizes, SmallerCachesNeverGiveLargerTiles) {
   for (std::int64_t head_dim : {64, 128, 256}) {
-    const TileSizes large = choose_tile_sizes(head_dim, kServerCore);
-    const TileSizes small = choose_tile_sizes(head_dim, kSmallCore);
+    const TileSizes large = choose_tile_sizes(head_dim, head_dim, kServerCore);
+    const TileSizes small = choose_tile_sizes(head_dim, head_dim, kSmallCore);
     EXPECT_LE(small.rows, large.rows) << "head_dim " << head_dim;
     EXPECT_LE(small.keys, large.keys) << "head_dim " << head_dim;
   }

@@ -53,7 +53,18 @@ std::vector<BadCase> bad_cases() {
        [](Problem& p) {
          p.v = Tensor(DType::f32, {2, 6, 2, 8});
        },
-       {"v: expected shape [2, 7, 2, 8] (as k), got [2, 6, 2, 8]"}},
+       {"v: expected shape [2, 7, 2, head_dim_v] (as k but for its head dim), got [2, 6, 2, 8]"}},
+      {"ValueHeadDimUnlikeOut",
+       [](Problem& p) {
+         p.v = Tensor(DType::f32, {2, 7, 2, 16});
+       },
+       {"out: expected shape [2, 5, 4, 16] (q's [batch, seqlen_q, heads_q] and v's head_dim_v = "
+        "16), got [2, 5, 4, 8]"}},
+      {"ValueHeadDimZero",
+       [](Problem& p) {
+         p.v = Tensor(DType::f32, {2, 7, 2, 0});
+       },
+       {"v: expected head_dim_v >= 1, got 0"}},
       {"BatchMismatch",
        [](Problem& p) {
          p.k = Tensor(DType::f32, {1, 7, 2, 8});
@@ -64,7 +75,8 @@ std::vector<BadCase> bad_cases() {
        [](Problem& p) {
          p.replace_out(Tensor(DType::f32, {2, 5, 4, 7}));
        },
-       {"out: expected shape [2, 5, 4, 8] (as q), got [2, 5, 4, 7]"}},
+       {"out: expected shape [2, 5, 4, 8] (q's [batch, seqlen_q, heads_q] and v's head_dim_v = 8), "
+        "got [2, 5, 4, 7]"}},
       {"DtypeMismatch",
        [](Problem& p) {
          p.v = Tensor(DType::bf16, {2, 7, 2, 8});

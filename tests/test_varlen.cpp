@@ -612,7 +612,7 @@ std::vector<BadPagedVarlen> bad_paged_varlen() {
        },
        "k: expected head_dim 8 (as q), got 4"},
       {"v_shape", [](PagedCall& c) { c.kv.v.shape[1] = 2; },
-       "v: expected shape [5, 4, 1, 8] (as k), got [5, 2, 1, 8]"},
+       "v: expected shape [5, 4, 1, head_dim_v] (as k but for its head dim), got [5, 2, 1, 8]"},
       {"heads_kv",
        [](PagedCall& c) {
          c.kv.k.shape[2] = 3;

@@ -219,14 +219,17 @@ int run_attention(const RunOptions& options) {
 
   const npy::Array q = read_operand("q", "[batch, seqlen_q, heads_q, head_dim]", options.q_path);
   const npy::Array k = read_operand("k", "[batch, seqlen_kv, heads_kv, head_dim]", options.k_path);
-  const npy::Array v = read_operand("v", "[batch, seqlen_kv, heads_kv, head_dim]", options.v_path);
+  const npy::Array v =
+      read_operand("v", "[batch, seqlen_kv, heads_kv, head_dim_v]", options.v_path);
   npy::Array dout;
   if (backward) {
     // Checked here rather than by the library, so that a bad dO fails before the forward runs.
-    dout = read_operand("dout", "[batch, seqlen_q, heads_q, head_dim]", options.dout_path);
-    if (dout.shape != q.shape) {
-      throw Error("dout: expected shape " + shape_text(q.shape) + " (as q), got " +
-                  shape_text(dout.shape) + " in " + options.dout_path);
+    // out's shape: q's [batch, seqlen_q, heads_q] and v's head dim.
+    dout = read_operand("dout", "[batch, seqlen_q, heads_q, head_dim_v]", options.dout_path);
+    const std::vector<std::int64_t> out_shape{q.shape[0], q.shape[1], q.shape[2], v.shape[3]};
+    if (dout.shape != out_shape) {
+      throw Error("dout: expected shape " + shape_text(out_shape) + " (as out: q's leading dims, " +
+                  "v's head_dim_v), got " + shape_text(dout.shape) + " in " + options.dout_path);
     }
     if (dout.dtype != q.dtype) {
       throw Error(std::string("dout: expected dtype ") + dtype_name(q.dtype) + " (as q), got " +
@@ -283,9 +286,11 @@ int run_attention(const RunOptions& options) {
 
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
                      head_dim = q.shape[3], seqlen_kv = k.shape[1], heads_kv = k.shape[2];
+  const std::int64_t head_dim_v = v.shape[3];
   const std::array<std::int64_t, 4> q_shape{batch, seqlen_q, heads_q, head_dim};
   const std::array<std::int64_t, 4> kv_shape{batch, seqlen_kv, heads_kv, head_dim};
-  Output out(q.dtype, q_shape);
+  const std::array<std::int64_t, 4> v_shape{batch, seqlen_kv, heads_kv, head_dim_v};
+  Output out(q.dtype, {batch, seqlen_q, heads_q, head_dim_v});
   std::vector<float> lse(static_cast<std::size_t>(batch * heads_q * seqlen_q));
 
   double seconds = 0.0;
@@ -316,7 +321,7 @@ int run_attention(const RunOptions& options) {
   if (backward) {
     dq.emplace(q.dtype, q_shape);
     dk.emplace(q.dtype, kv_shape);
-    dv.emplace(q.dtype, kv_shape);
+    dv.emplace(q.dtype, v_shape);
     ModifierGradients modifier_gradients;
     if (dsinks) modifier_gradients.dsinks = sink_gradients.data();
     if (dbias) {

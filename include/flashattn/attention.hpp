@@ -14,8 +14,10 @@ const char* impl_name(AttentionImpl impl);
 
 // Shapes (docs/design.md, "The contract"):
 //   q    [batch, seqlen_q,  heads_q,  head_dim]
-//   k, v [batch, seqlen_kv, heads_kv, head_dim]   heads_q % heads_kv == 0 (GQA / MQA)
-//   out  [batch, seqlen_q,  heads_q,  head_dim]   same dtype as q, k, v
+//   k    [batch, seqlen_kv, heads_kv, head_dim]     heads_q % heads_kv == 0 (GQA / MQA)
+//   v    [batch, seqlen_kv, heads_kv, head_dim_v]   head_dim_v >= 1, any (192 against 128 for
+//                                                   DeepSeek's MLA); most calls have head_dim
+//   out  [batch, seqlen_q,  heads_q,  head_dim_v]   same dtype as q, k, v
 //   lse  fp32, contiguous [batch, heads_q, seqlen_q]; may be null
 // Any element strides with the last dim contiguous. `out` must not overlap q, k, v or lse, nor
 // `lse` q, k or v.

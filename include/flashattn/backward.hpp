@@ -5,7 +5,7 @@
 namespace flashattn {
 
 // Gradients of attention (training). Shapes as for the forward (attention.hpp):
-//   dout, out        [batch, seqlen_q, heads_q, head_dim]   out and lse as the forward wrote them
+//   dout, out        [batch, seqlen_q, heads_q, head_dim_v]  out and lse as the forward wrote them
 //   lse              fp32 contiguous [batch, heads_q, seqlen_q], required
 //   dq               like q;  dk, dv like k and v (GQA: a KV head's gradient sums over the query
 //                    heads that read it)

@@ -21,9 +21,10 @@
 namespace flashattn {
 
 // The cache of one layer.
-//   dense (block_table null):  k, v [batch, capacity, heads_kv, head_dim]; sequence b's key j is
-//                              row (b, j)
-//   paged (block_table set):   k, v [num_pages, page_size, heads_kv, head_dim], page_size >= 1;
+//   dense (block_table null):  k, v [batch, capacity, heads_kv, head_dim (v: head_dim_v)];
+//                              sequence b's key j is row (b, j)
+//   paged (block_table set):   k, v [num_pages, page_size, heads_kv, head_dim (head_dim_v)],
+//                              page_size >= 1;
 //                              block_table int32 [batch, pages_per_sequence] row-major: sequence
 //                              b's key j is row j % page_size of page block_table[b, j / page_size]
 // Any element strides with the last dim contiguous: a cache that keeps each KV head's rows
@@ -48,6 +49,13 @@ namespace flashattn {
 // need one element per (row, group): no 0 strides), fp8 divides by the scales there. Scales are
 // not checked: a NaN scale makes its values NaN (the int8 quantizer writes one for a row holding
 // a NaN or an infinity). Rows of f32, f16 and bf16 caches take no scales.
+//
+// A shared cache (DeepSeek's MLA, absorbed: one latent row of 576 dims per token, whose first 512
+// are also its values): pass v as k's first head_dim_v dims, the same data and strides with
+// shape[3] = head_dim_v, and append new rows as NewKeysValues' k alone, which declares the cache
+// shared and writes each latent row once. A quantized shared cache passes v_scale as k_scale's
+// view: the same data and strides, one scale per row for both, or v's groups k's first ones of
+// the same width (group size).
 struct KVCacheView {
   TensorView k, v;
   const std::int32_t* block_table = nullptr;
@@ -55,9 +63,10 @@ struct KVCacheView {
   TensorView k_scale{}, v_scale{};  // quantized caches only
 };
 
-// The new rows to append, [batch, Snew, heads_kv, head_dim], in the cache's dtype or in q's
-// (then rounded to the cache's, to nearest even). Leave both empty (the default) to append
-// nothing.
+// The new rows to append, k [batch, Snew, heads_kv, head_dim] and v [.., head_dim_v], in the
+// cache's dtype or in q's (then rounded to the cache's, to nearest even). Leave both empty (the
+// default) to append nothing; k alone appends to a shared cache (KVCacheView), whose v must then
+// be a view of k's first head_dim_v dims.
 struct NewKeysValues {
   ConstTensorView k, v;
 };
@@ -101,7 +110,7 @@ struct KVCacheOptions {
 
 // q    [batch, Sq, heads_q, head_dim]: Sq = 1 decodes, a few speculate, more prefill a chunk,
 //      0 only appends
-// out  [batch, Sq, heads_q, head_dim] in q's dtype; must not overlap any other argument
+// out  [batch, Sq, heads_q, head_dim_v] in q's dtype; must not overlap any other argument
 // lse  fp32 contiguous [batch, heads_q, Sq], or null
 // cache_seqlens int32 [batch], each >= 0 and with Snew at most the sequence's capacity
 // dtypes (q, cache): (f32, f32), (f16, f16), (bf16, bf16), and f32 q with an f16 or bf16

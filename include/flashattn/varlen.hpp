@@ -18,8 +18,8 @@
 namespace flashattn {
 
 // The packed layout, as 4-d views whose first dim is 1:
-//   q, out       [1, total_q, heads_q, head_dim]
-//   k, v         [1, total_k, heads_kv, head_dim]   heads_q % heads_kv == 0
+//   q, out       [1, total_q, heads_q, head_dim] (out: head_dim_v)
+//   k, v         [1, total_k, heads_kv, head_dim] (v: head_dim_v)   heads_q % heads_kv == 0
 //   lse          fp32 contiguous [heads_q, total_q] (FlashAttention's varlen layout), or null
 //   cu_seqlens_q int32 [batch + 1]: 0, then the running totals of the query lengths, ending at
 //                total_q; cu_seqlens_k likewise for the keys, ending at total_k

@@ -239,11 +239,12 @@ def _forward_arrays(framework, q, k, v, options, impl, out_heads_first=False, wa
     returned as a [B, S, H, D] view of it."""
     if q.ndim != 4:
         raise ValueError(f"q: expected 4 dims [batch, seqlen_q, heads_q, head_dim], got {q.ndim}")
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, seqlen_q, heads_q, _ = q.shape
+    head_dim_v = v.shape[-1]  # out's: v's head dim, which may differ from q's and k's
     if out_heads_first:
-        out = _empty(framework, (batch, heads_q, seqlen_q, head_dim), q.dtype).transpose(1, 2)
+        out = _empty(framework, (batch, heads_q, seqlen_q, head_dim_v), q.dtype).transpose(1, 2)
     else:
-        out = _empty(framework, q.shape, q.dtype)
+        out = _empty(framework, (batch, seqlen_q, heads_q, head_dim_v), q.dtype)
     lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework)) if want_lse else None
     _flashattn.forward(impl, _native(q), _native(k), _native(v),
                        _native(out, writable=True, name="out"), lse, **options)
@@ -431,7 +432,7 @@ def _varlen_forward_arrays(framework, q, k, v, cu_q, cu_k, options, impl, block_
     if q.ndim != 3:
         raise ValueError(f"q: expected 3 dims [total_q, heads_q, head_dim], got {q.ndim}")
     total_q, heads_q, _ = q.shape
-    out = _empty(framework, q.shape, q.dtype)
+    out = _empty(framework, (total_q, heads_q, v.shape[-1]), q.dtype)
     lse = _empty(framework, (heads_q, total_q), _float32(framework))
     outputs = (_native(out, writable=True, name="out"), _native(lse))
     if block_table is None:
@@ -639,10 +640,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     framework = _framework(q, "q")
     _quantized.same_framework(k_cache, "k_cache", framework)
     _quantized.same_framework(v_cache, "v_cache", framework)
-    if (k is None) != (v is None):
-        raise ValueError("k, v: give both new K and V rows, or neither")
+    if v is not None and k is None:
+        raise ValueError("v: expected new K rows k beside the new V rows, got none")
     if k is not None:
         _same_framework(k, "k", framework)
+    if v is not None:
         _same_framework(v, "v", framework)
     if q.ndim != 4:
         raise ValueError(f"q: expected 4 dims [batch, seqlen_q, heads_q, head_dim], got {q.ndim}")
@@ -680,7 +682,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         table = None if block_table is None else _int32(block_table, "block_table")
         options = _options(framework, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            None, None, None, num_threads)
-        out = _empty(framework, q.shape, q.dtype)
+        out = _empty(framework, (batch, seqlen_q, heads_q, v_cache.shape[-1]), q.dtype)
         lse = _empty(framework, (batch, heads_q, seqlen_q), _float32(framework))
         _flashattn.kvcache_forward(
             impl, _native(q), **_quantized.kvcache_arguments(k_cache, v_cache, k_scale, v_scale,

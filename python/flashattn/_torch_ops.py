@@ -71,11 +71,12 @@ fwd = torch.library.custom_op(f"{_LIB}::fwd", _fwd, mutates_args=())
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, sinks, attn_bias, attn_mask, softmax_scale, causal, window_left,
       window_right, softcap, num_threads, impl, out_heads_first, dropout_p=0.0, dropout_rng=None):
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, seqlen_q, heads_q, _ = q.shape
+    head_dim_v = v.shape[-1]
     if out_heads_first:
-        out = q.new_empty((batch, heads_q, seqlen_q, head_dim)).transpose(1, 2)
+        out = q.new_empty((batch, heads_q, seqlen_q, head_dim_v)).transpose(1, 2)
     else:
-        out = q.new_empty((batch, seqlen_q, heads_q, head_dim))
+        out = q.new_empty((batch, seqlen_q, heads_q, head_dim_v))
     return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
@@ -167,7 +168,8 @@ varlen_fwd = torch.library.custom_op(f"{_LIB}::varlen_fwd", _varlen_fwd, mutates
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, softmax_scale, causal,
       window_left, window_right, softcap, num_threads, impl, dropout_p=0.0, dropout_rng=None):
     total_q, heads_q, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+    return (q.new_empty((total_q, heads_q, v.shape[-1])),
+            q.new_empty((heads_q, total_q), dtype=torch.float32))
 
 
 @torch.library.custom_op(f"{_LIB}::varlen_bwd", mutates_args=())
@@ -247,7 +249,8 @@ def _(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, alibi_slopes
       softmax_scale, causal, window_left, window_right, softcap, num_threads, impl, k_scale=None,
       v_scale=None, cache_dtype=None):
     total_q, heads_q, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((heads_q, total_q), dtype=torch.float32)
+    return (q.new_empty((total_q, heads_q, v_cache.shape[-1])),
+            q.new_empty((heads_q, total_q), dtype=torch.float32))
 
 
 # --- packed q, k, v: FlashAttention's qkvpacked and kvpacked variants ----------------------------
@@ -387,7 +390,7 @@ def _kvcache_fwd(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
     options = _options(alibi_slopes, None, None, None, softmax_scale, causal, window_left,
                        window_right, softcap, num_threads)
     batch, seqlen_q, heads_q, _ = q.shape
-    out = _empty_like(q)
+    out = _api._empty("torch", (batch, seqlen_q, heads_q, v_cache.shape[-1]), q.dtype)
     lse = _api._empty("torch", (batch, heads_q, seqlen_q), torch.float32)
     _flashattn.kvcache_forward(
         impl, _api._native(q), **_quantized.kvcache_arguments(
@@ -410,7 +413,8 @@ def _(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, alibi_slope
       rotary_sin=None, cache_leftpad=None, cache_batch_idx=None, rotary_interleaved=True,
       k_scale=None, v_scale=None, cache_dtype=None):
     batch, seqlen_q, heads_q, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return (q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
 # --- the calls the package makes --------------------------------------------------------------

@@ -39,10 +39,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
       gives 0 here (torch gives NaN).
     - enable_gqa: Hq a multiple of Hkv, each KV head shared by Hq / Hkv query heads.
     - dropout_p: attention dropout as torch applies it (whatever the module's training flag),
-      the mask drawn from torch's default generator; a value head dim differing from E raises
-      NotImplementedError.
+      the mask drawn from torch's default generator.
+    - value's head dim Ev may differ from E (DeepSeek's MLA: E 192, Ev 128), where torch's own
+      CPU kernels raise; the output is then [..., Hq, L, Ev].
     Gradients flow to query, key, value and a float attn_mask through autograd.
-    The output is [..., Hq, L, E], contiguous, like torch's.
+    The output is [..., Hq, L, Ev], contiguous, like torch's.
     """
     dropout_p = _dropout.check_p(dropout_p)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -51,9 +52,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         if tensor.dim() < 3:
             raise ValueError(f"{name}: expected [..., heads, seqlen, head_dim], got "
                              f"{tensor.dim()} dims")
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(f"value: head dim {value.shape[-1]} differs from query's "
-                                  f"{query.shape[-1]}; flashattn needs them equal")
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: not together with is_causal (as torch)")
     heads_q, seqlen_q = query.shape[-3], query.shape[-2]
@@ -86,7 +84,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                   None if scale is None else float(scale), causal, -1, -1, 0.0, 0,
                                   "flash", True, dropout_p=dropout_p,
                                   dropout_rng=_dropout.draw("torch", dropout_p, None, 0))
-    return out.transpose(1, 2).reshape(*batch_shape, heads_q, seqlen_q, query.shape[-1])
+    return out.transpose(1, 2).reshape(*batch_shape, heads_q, seqlen_q, value.shape[-1])
 
 
 @contextlib.contextmanager

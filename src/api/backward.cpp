@@ -35,7 +35,7 @@ void add_sink_gradients(const BackwardParams& bp, double* sums) {
         double sum = 0.0;
         for (std::int64_t b = 0; b < p.batch; ++b) {
           row_deltas(deltas.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.q_dtype, b, h,
-                     0, p.seqlen_q, p.head_dim);
+                     0, p.seqlen_q, p.head_dim_v);
           for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
             // A row that sees no key (or whose keys a bias or mask masked) has output 0 and adds
             // nothing, whatever its dO holds.

@@ -52,15 +52,17 @@ std::int64_t memory_limit_bytes() {
 std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
   const __int128 rows = static_cast<__int128>(p.batch) * p.heads_q * p.seqlen_q;
   if (rows == 0) return 0;
-  const __int128 threads = p.num_threads, D = p.head_dim, Sq = p.seqlen_q, Skv = p.seqlen_kv;
-  const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
+  // Bounded with the larger head dim for every operand (v's and out's may differ from q's and k's).
+  const std::int64_t dims = std::max(p.head_dim, p.head_dim_v);
+  const __int128 threads = p.num_threads, D = dims, Sq = p.seqlen_q, Skv = p.seqlen_kv;
+  const __int128 D_padded = cpu::pad_to_lanes(dims);
   switch (impl) {
     case AttentionImpl::flash: {
       if (cpu::use_flash_decode(p)) return cpu::flash_decode_scratch_bytes(p);
       // Per thread: for each Q block of a task Q and accumulator tiles [rows x Dp], running
       // max and sum; packed K [D x Bc] and V [Bc x Dp], scores [rows x Bc]. A Q block holds at
       // least a whole GQA group.
-      const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
+      const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim, p.head_dim_v);
       const __int128 tile_rows = std::max(tiles.rows, p.group_size()), keys = tiles.keys;
       __int128 floats = tiles.blocks_per_task * (tile_rows * D_padded * 2 + 2 * tile_rows) +
                         D * keys + keys * D_padded + tile_rows * keys;
@@ -95,8 +97,10 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
   const __int128 rows = static_cast<__int128>(p.batch) * p.heads_q * p.seqlen_q;
   const __int128 kv_rows = static_cast<__int128>(p.batch) * p.heads_kv * p.seqlen_kv;
   if (rows == 0 && kv_rows == 0) return 0;
-  const __int128 threads = p.num_threads, D = p.head_dim, Sq = p.seqlen_q, Skv = p.seqlen_kv;
-  const __int128 D_padded = cpu::pad_to_lanes(p.head_dim);
+  // Bounded with the larger head dim for every operand (v's and out's may differ from q's and k's).
+  const std::int64_t dims = std::max(p.head_dim, p.head_dim_v);
+  const __int128 threads = p.num_threads, D = dims, Sq = p.seqlen_q, Skv = p.seqlen_kv;
+  const __int128 D_padded = cpu::pad_to_lanes(dims);
   switch (impl) {
     case AttentionImpl::flash: {
       // Per thread the K and V panels, two score-sized tiles and dK, dV accumulators. The
@@ -157,8 +161,9 @@ void check_scratch_fits(const char* caller, AttentionImpl impl, const AttentionP
                 " bytes (" + impl_name(impl) + " path, batch " + std::to_string(params.batch) +
                 ", seqlen_q " + std::to_string(params.seqlen_q) + ", seqlen_kv " +
                 std::to_string(params.seqlen_kv) + ", heads_q " + std::to_string(params.heads_q) +
-                ", head_dim " + std::to_string(params.head_dim) + ", " +
-                std::to_string(params.num_threads) + " threads)");
+                ", head_dim " + std::to_string(params.head_dim) + ", head_dim_v " +
+                std::to_string(params.head_dim_v) + ", " + std::to_string(params.num_threads) +
+                " threads)");
   }
 }
 
@@ -187,7 +192,7 @@ std::int64_t score_buffer_bytes(AttentionImpl impl, std::int64_t seqlen_q, std::
   __int128 bytes = 0;
   switch (impl) {
     case AttentionImpl::flash: {
-      const detail::cpu::TileSizes tiles = detail::cpu::flash_tiles(head_dim);
+      const detail::cpu::TileSizes tiles = detail::cpu::flash_tiles(head_dim, head_dim);
       bytes = threads * tiles.rows * tiles.keys * sizeof(float);
       break;
     }

@@ -181,24 +181,29 @@ Strides strides_of(const std::array<std::int64_t, 4>& strides) {
   return {strides[0], strides[1], strides[2]};
 }
 
-// The dims that q, k, v and out must share (k and v named `k_name`, `v_name`): head_dim and
-// heads at least 1, k's head_dim q's, v shaped as k, out as q, heads_kv dividing heads_q.
+// The dims that q, k, v and out must share (k and v named `k_name`, `v_name`): both head dims
+// and the heads at least 1, k's head_dim q's, v's leading dims k's and its head dim (head_dim_v)
+// out's, out's leading dims q's, heads_kv dividing heads_q.
 void check_operand_shapes(const char* caller, const char* k_name, const char* v_name,
                           const ConstTensorView& q, const ConstTensorView& k,
                           const ConstTensorView& v, const TensorView& out) {
   const std::int64_t heads_q = q.shape[2], head_dim = q.shape[3], heads_kv = k.shape[2];
+  const std::int64_t head_dim_v = v.shape[3];
   if (head_dim == 0) fail(caller, "q: expected head_dim >= 1, got 0");
   if (heads_q == 0) fail(caller, "q: expected heads_q >= 1, got 0");
   if (heads_kv == 0) fail(caller, k_name, ": expected heads_kv >= 1, got 0");
   if (k.shape[3] != head_dim) {
     fail(caller, k_name, ": expected head_dim ", head_dim, " (as q), got ", k.shape[3]);
   }
-  if (v.shape != k.shape) {
-    fail(caller, v_name, ": expected shape ", shape_string(k.shape), " (as ", k_name, "), got ",
-         shape_string(v.shape));
+  if (v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] || v.shape[2] != k.shape[2]) {
+    fail(caller, v_name, ": expected shape [", k.shape[0], ", ", k.shape[1], ", ", k.shape[2],
+         ", head_dim_v] (as ", k_name, " but for its head dim), got ", shape_string(v.shape));
   }
-  if (out.shape != q.shape) {
-    fail(caller, "out: expected shape ", shape_string(q.shape), " (as q), got ",
+  if (head_dim_v == 0) fail(caller, v_name, ": expected head_dim_v >= 1, got 0");
+  const std::array<std::int64_t, 4> out_shape{q.shape[0], q.shape[1], heads_q, head_dim_v};
+  if (out.shape != out_shape) {
+    fail(caller, "out: expected shape ", shape_string(out_shape), " (q's [batch, seqlen_q, ",
+         "heads_q] and ", v_name, "'s head_dim_v = ", head_dim_v, "), got ",
          shape_string(out.shape));
   }
   if (heads_q % heads_kv != 0) {
@@ -227,6 +232,7 @@ AttentionParams checked_params(const ConstTensorView& q, const ConstTensorView& 
   params.heads_q = q.shape[2];
   params.heads_kv = k.shape[2];
   params.head_dim = q.shape[3];
+  params.head_dim_v = v.shape[3];
   params.q_strides = strides_of(q.strides);
   params.k_strides = strides_of(k.strides);
   params.v_strides = strides_of(v.strides);
@@ -572,7 +578,7 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
   const std::pair<const char*, const TensorView*> gradients[] = {
       {"dq", &dq}, {"dk", &dk}, {"dv", &dv}};
   const std::pair<const char*, std::array<std::int64_t, 4>> expected_shapes[] = {
-      {"dout", q.shape}, {"dq", q.shape}, {"dk", k.shape}, {"dv", v.shape}};
+      {"dout", out.shape}, {"dq", q.shape}, {"dk", k.shape}, {"dv", v.shape}};
   check_view(caller, "dout", dout);
   for (const auto& [name, view] : gradients) check_view(caller, name, *view);
   const DType dtypes[] = {dout.dtype, dq.dtype, dk.dtype, dv.dtype};
@@ -585,7 +591,7 @@ BackwardParams make_backward_params(const char* caller, const ConstTensorView& d
     }
     if (shapes[i] != shape) {
       fail(caller, name, ": expected shape ", shape_string(shape), " (as ",
-           i < 2 ? "q" : (i == 2 ? "k" : "v"), "), got ", shape_string(shapes[i]));
+           std::array{"out", "q", "k", "v"}[i], "), got ", shape_string(shapes[i]));
     }
   }
 
@@ -709,9 +715,9 @@ ScaleView checked_scales(const char* caller, const char* name, const TensorView&
   if (scales.shape[0] != cache.shape[0] || scales.shape[1] != cache.shape[1] ||
       scales.shape[2] != cache.shape[2] || groups < 1 || head_dim % groups != 0) {
     fail(caller, name, ": expected shape [", cache.shape[0], ", ", cache.shape[1], ", ",
-         cache.shape[2],
-         ", groups] (the cache's leading dims, groups dividing head_dim = ", head_dim, "), got ",
-         shape_string(scales.shape));
+         cache.shape[2], ", groups] (the cache's leading dims, groups dividing ",
+         std::string_view(name) == "v_scale" ? "head_dim_v" : "head_dim", " = ", head_dim,
+         "), got ", shape_string(scales.shape));
   }
   if (scales.dtype != DType::f32) {
     fail(caller, name, ": expected dtype f32, got ", dtype_name(scales.dtype));
@@ -764,7 +770,7 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
 
   const std::int64_t batch = q.shape[0], seqlen_q = q.shape[1], heads_q = q.shape[2],
                      head_dim = q.shape[3];
-  const std::int64_t heads_kv = k_cache.shape[2];
+  const std::int64_t heads_kv = k_cache.shape[2], head_dim_v = v_cache.shape[3];
   check_operand_shapes(caller, "k_cache", "v_cache", q, k_cache, v_cache, out);
 
   // Capacity of every sequence.
@@ -784,22 +790,49 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
     capacity = k_cache.shape[1];
   }
 
-  // The rows to append.
-  const bool appending = new_kv.k.data != nullptr || new_kv.v.data != nullptr ||
-                         new_kv.k.shape != std::array<std::int64_t, 4>{} ||
-                         new_kv.v.shape != std::array<std::int64_t, 4>{};
+  // The rows to append; k_new alone declares a shared cache (MLA's latent rows), whose values
+  // are the first head_dim_v dims of its keys.
+  const auto given = [](const ConstTensorView& view) {
+    return view.data != nullptr || view.shape != std::array<std::int64_t, 4>{};
+  };
+  const bool appending = given(new_kv.k) || given(new_kv.v);
+  const bool values_in_keys = given(new_kv.k) && !given(new_kv.v);
   std::int64_t seqlen_new = 0;
+  if (values_in_keys) {
+    // v_cache must be k_cache[..., :head_dim_v]: the same rows, fewer dims.
+    const bool view_of_keys = v_cache.data == k_cache.data && v_cache.strides == k_cache.strides &&
+                              head_dim_v <= head_dim;
+    if (!view_of_keys) {
+      fail(caller, "v_cache: expected a view of k_cache's first head_dim_v dims (k_new without ",
+           "v_new appends to a shared cache, whose values are in its keys), got ",
+           v_cache.data == k_cache.data ? "strides " + shape_string(v_cache.strides) +
+                                              " for k_cache's " + shape_string(k_cache.strides)
+                                        : std::string("another buffer"),
+           " and head_dim_v ", head_dim_v, " with head_dim ", head_dim);
+    }
+    // The same scales: one per row for both, or v's groups the first of k's, as wide.
+    const std::int64_t k_groups = cache.k_scale.shape[3], v_groups = cache.v_scale.shape[3];
+    const bool same_groups =
+        (k_groups == 1 && v_groups == 1) || v_groups * head_dim == k_groups * head_dim_v;
+    if (quantized && (cache.v_scale.data != cache.k_scale.data ||
+                      cache.v_scale.strides != cache.k_scale.strides || !same_groups)) {
+      fail(caller, "v_scale: expected a view of k_scale's groups over the first head_dim_v dims ",
+           "(a shared cache's values are its keys' codes), got ", shape_string(cache.v_scale.shape),
+           " for k_scale's ", shape_string(cache.k_scale.shape));
+    }
+  }
   if (appending) {
     check_view(caller, "k_new", new_kv.k);
-    check_view(caller, "v_new", new_kv.v);
+    if (!values_in_keys) check_view(caller, "v_new", new_kv.v);
     const std::array<std::int64_t, 4> expected{batch, new_kv.k.shape[1], heads_kv, head_dim};
     if (new_kv.k.shape != expected) {
       fail(caller, "k_new: expected shape [", batch, ", Snew, ", heads_kv, ", ", head_dim,
            "], got ", shape_string(new_kv.k.shape));
     }
-    if (new_kv.v.shape != new_kv.k.shape) {
-      fail(caller, "v_new: expected shape ", shape_string(new_kv.k.shape), " (as k_new), got ",
-           shape_string(new_kv.v.shape));
+    const std::array<std::int64_t, 4> expected_v{batch, new_kv.k.shape[1], heads_kv, head_dim_v};
+    if (!values_in_keys && new_kv.v.shape != expected_v) {
+      fail(caller, "v_new: expected shape ", shape_string(expected_v),
+           " (k_new's rows of v_cache's head_dim_v), got ", shape_string(new_kv.v.shape));
     }
     // Into a quantized cache rows of any compute dtype are quantized (check_view refused the
     // cache dtypes).
@@ -807,7 +840,7 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
       fail(caller, "k_new: expected dtype ", dtype_name(cache_dtype), " (as the cache) or ",
            dtype_name(q.dtype), " (as q), got ", dtype_name(new_kv.k.dtype));
     }
-    if (new_kv.v.dtype != new_kv.k.dtype) {
+    if (!values_in_keys && new_kv.v.dtype != new_kv.k.dtype) {
       fail(caller, "v_new: expected dtype ", dtype_name(new_kv.k.dtype), " (as k_new), got ",
            dtype_name(new_kv.v.dtype));
     }
@@ -821,7 +854,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   if (quantized) {
     const bool written = appending && seqlen_new > 0 && cache_dtype == DType::int8;
     k_scale = checked_scales(caller, "k_scale", cache.k_scale, k_cache, head_dim, written);
-    v_scale = checked_scales(caller, "v_scale", cache.v_scale, v_cache, head_dim, written);
+    v_scale = checked_scales(caller, "v_scale", cache.v_scale, v_cache, head_dim_v,
+                             written && !values_in_keys);
   } else {
     for (const auto& [name, view] :
          {std::pair{"k_scale", &cache.k_scale}, {"v_scale", &cache.v_scale}}) {
@@ -950,7 +984,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   const ByteSpan k_cache_span = byte_span(caller, "k_cache", k_cache);
   const ByteSpan v_cache_span = byte_span(caller, "v_cache", v_cache);
   const ByteSpan k_new_span = appending ? byte_span(caller, "k_new", new_kv.k) : ByteSpan{};
-  const ByteSpan v_new_span = appending ? byte_span(caller, "v_new", new_kv.v) : ByteSpan{};
+  const ByteSpan v_new_span =
+      appending && !values_in_keys ? byte_span(caller, "v_new", new_kv.v) : ByteSpan{};
   const ByteSpan lse_span = float_span(caller, "lse", lse, batch * heads_q * seqlen_q);
   const std::int64_t rotary_values = rotating ? rotary.positions * (rotary.rotary_dim / 2) : 0;
   const ByteSpan cos_span = float_span(caller, "rotary_cos", rotary.cos, rotary_values);
@@ -990,9 +1025,18 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   refuse_overlaps("k_scale", k_scale_span, {"v_scale"});
   refuse_overlaps("v_scale", v_scale_span, {"k_scale"});
   if (seqlen_new > 0) {
-    refuse_overlaps("k_cache", k_cache_span, {});
-    refuse_overlaps("v_cache", v_cache_span, {});
-    if (cache_dtype == DType::int8) {
+    // A shared cache is one buffer (and its scales another): only its k_new rows are written.
+    if (values_in_keys) {
+      refuse_overlaps("k_cache", k_cache_span, {"v_cache"});
+      refuse_overlaps("v_cache", v_cache_span, {"k_cache"});
+    } else {
+      refuse_overlaps("k_cache", k_cache_span, {});
+      refuse_overlaps("v_cache", v_cache_span, {});
+    }
+    if (cache_dtype == DType::int8 && values_in_keys) {
+      refuse_overlaps("k_scale", k_scale_span, {"v_scale"});
+      refuse_overlaps("v_scale", v_scale_span, {"k_scale"});
+    } else if (cache_dtype == DType::int8) {
       refuse_overlaps("k_scale", k_scale_span, {});
       refuse_overlaps("v_scale", v_scale_span, {});
     }
@@ -1029,7 +1073,8 @@ KVCacheParams make_kvcache_params(const char* caller, const ConstTensorView& q,
   a.kv_lengths = params.kv_lengths.data();
   params.cache_seqlens = cache_seqlens;
   params.k_new = new_kv.k.data;
-  params.v_new = new_kv.v.data;
+  params.v_new = values_in_keys ? nullptr : new_kv.v.data;
+  params.values_in_keys = values_in_keys;
   params.new_dtype = new_kv.k.dtype;
   params.k_new_strides = strides_of(new_kv.k.strides);
   params.v_new_strides = strides_of(new_kv.v.strides);
@@ -1088,8 +1133,8 @@ AttentionParams make_paged_varlen_params(const char* caller, const ConstTensorVi
   };
   ScaleView k_scale, v_scale;
   if (quantized) {
-    k_scale = checked_scales(caller, "k_scale", mutable_view(kv.k_scale), k, q.shape[3], false);
-    v_scale = checked_scales(caller, "v_scale", mutable_view(kv.v_scale), v, q.shape[3], false);
+    k_scale = checked_scales(caller, "k_scale", mutable_view(kv.k_scale), k, k.shape[3], false);
+    v_scale = checked_scales(caller, "v_scale", mutable_view(kv.v_scale), v, v.shape[3], false);
     for (const auto& [name, view] : {std::pair{"k_scale", &kv.k_scale}, {"v_scale", &kv.v_scale}}) {
       const ByteSpan span = byte_span(caller, name, *view);
       if (span.overlaps(out_span) || span.overlaps(lse_span)) {

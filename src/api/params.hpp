@@ -110,7 +110,10 @@ struct AttentionParams {
   float* lse = nullptr;  // [batch, heads_q, seqlen_q] (see lse_head_stride), or null
   DType dtype = DType::f32;
 
-  std::int64_t batch = 0, seqlen_q = 0, seqlen_kv = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::int64_t batch = 0, seqlen_q = 0, seqlen_kv = 0, heads_q = 0, heads_kv = 0;
+  // The pair of head dims: q and k have head_dim, v and out (dout, dv) head_dim_v (DeepSeek's
+  // MLA: 192 and 128 in prefill, 576 and 512 in decode).
+  std::int64_t head_dim = 0, head_dim_v = 0;
   Strides q_strides, k_strides, v_strides, out_strides;
 
   float scale = 1.0f;
@@ -267,9 +270,13 @@ struct KVCacheParams {
   AttentionParams attention;
   std::vector<std::int64_t> kv_lengths;  // [batch] cache_seqlens + seqlen_new
   const std::int32_t* cache_seqlens = nullptr;
-  // Appended rows [batch, seqlen_new, heads_kv, head_dim] of new_dtype, written to the cache.
+  // Appended rows [batch, seqlen_new, heads_kv, head_dim (head_dim_v for v)] of new_dtype,
+  // written to the cache.
   const void* k_new = nullptr;
-  const void* v_new = nullptr;
+  const void* v_new = nullptr;  // null with values_in_keys
+  // A shared cache (MLA's latent rows, flashattn/kvcache.hpp): v_cache is k_cache's first
+  // head_dim_v dims, and appending writes the k_new rows only.
+  bool values_in_keys = false;
   DType new_dtype = DType::f32;
   Strides k_new_strides, v_new_strides;
   std::int64_t seqlen_new = 0;

@@ -6,7 +6,7 @@
 //   S  = Q·Kᵀ                              [Br x Bc]  scores_tile
 //   Z  = scale · S, or its softcap, ALiBi  [Br x Bc]  modify_scores (when asked for)
 //   P  = exp(Z − lse), masked → 0          [Br x Bc]  probabilities_from_lse_tile
-//   dV += Pᵀ·dO                            [Bc x D]   accumulate_transposed_pv_tile
+//   dV += Pᵀ·dO                            [Bc x Dv]  accumulate_transposed_pv_tile
 //   dP = dO·Vᵀ                             [Br x Bc]  scores_tile
 // With dropout, M the forward's mask times 1/(1 − p) (dropout_multipliers), dV takes P ∘ M and
 // dP becomes dP ∘ M before dS; D_i = rowsum(dO_i ∘ O_i) stays as it is.
@@ -82,13 +82,15 @@ hwy::AlignedFreeUniquePtr<float[]> uninitialized_floats(std::int64_t n) {
   return buffer;
 }
 
+// D is q's and k's head dim, Dv v's and out's (dO, dV): each padded on its own.
 struct BackwardTiles {
-  std::int64_t rows, keys, dims_padded;
+  std::int64_t rows, keys, dims_padded, value_dims_padded;
   // The products in bf16 (bf16 inputs, AMX tiles or vdpbf16ps), or in fp32 (widened).
   cpu::Bf16Products products;
   bool stream_gradients;        // dQ, dK, dV written with non-temporal stores (cpu::stream_output)
   std::int64_t bf16_reduction;  // head_dim zero-padded to a whole AMX tile row (kAmxReduction)
-  std::int64_t bf16_rows;       // rows (Br) and keys (Bc) zero-padded the same way
+  std::int64_t value_bf16_reduction;  // head_dim_v the same way
+  std::int64_t bf16_rows;             // rows (Br) and keys (Bc) zero-padded the same way
   std::int64_t bf16_keys;
   std::int64_t ld_scores;  // row stride of the score-sized tiles (scores_stride)
 
@@ -122,16 +124,16 @@ class QueryBlocks {
         fp32_on_demand_(fp32_on_demand && tiles.bf16_operands()) {
     const std::int64_t heads = groups * p.group_size();
     q_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
-    dout_panels_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.dims_padded);
+    dout_panels_ =
+        uninitialized_floats(heads * blocks_per_head_ * tiles.rows * tiles.value_dims_padded);
     delta_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
     lse_ = uninitialized_floats(heads * blocks_per_head_ * tiles.rows);
     if (tiles.bf16_operands()) {
-      const std::int64_t bf16_block = tiles.rows * tiles.bf16_reduction;
-      const std::int64_t pairs_block = tiles.bf16_rows * tiles.dims_padded;
-      q_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
-      dout_bf16_.assign(heads * blocks_per_head_ * bf16_block, 0);
-      q_pairs_.assign(heads * blocks_per_head_ * pairs_block, 0);
-      dout_pairs_.assign(heads * blocks_per_head_ * pairs_block, 0);
+      const std::int64_t blocks = heads * blocks_per_head_;
+      q_bf16_.assign(blocks * tiles.rows * tiles.bf16_reduction, 0);
+      dout_bf16_.assign(blocks * tiles.rows * tiles.value_bf16_reduction, 0);
+      q_pairs_.assign(blocks * tiles.bf16_rows * tiles.dims_padded, 0);
+      dout_pairs_.assign(blocks * tiles.bf16_rows * tiles.value_dims_padded, 0);
       bf16_exact_.assign(heads * blocks_per_head_, 1);
     }
     finite_.assign(heads * blocks_per_head_, 1);
@@ -151,40 +153,41 @@ class QueryBlocks {
     fp32_packed_[index] = 0;  // a task's scratch serves one group after another
     float* delta = delta_.get() + index * tiles_.rows;
     row_deltas(delta, bp.dout, bp.dout_strides, p_.out, p_.out_strides, p_.dtype, b, h, row_begin,
-               rows(n), p_.head_dim);
+               rows(n), p_.head_dim_v);
     float* lse = lse_.get() + index * tiles_.rows;
     backward_row_lse(lse, p_, b, h, row_begin, rows(n));
     if (!tiles_.bf16_operands()) {
       pack_fp32(bp, slot, b, h_kv, g, n);
-      finite_[index] = cpu::all_finite(q_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
-                       cpu::all_finite(dout_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
-                       cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
+      finite_[index] =
+          cpu::all_finite(q_panels(slot, g, n), rows(n) * tiles_.dims_padded) &&
+          cpu::all_finite(dout_panels(slot, g, n), rows(n) * tiles_.value_dims_padded) &&
+          cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
       return;
     }
     // As pairs of rows, the right operand of dK += dSᵀ·Q and dV += Pᵀ·dO; packing them also
     // tells whether the block holds a subnormal.
-    const std::int64_t pairs_offset = index * tiles_.bf16_rows * tiles_.dims_padded;
+    const std::int64_t pairs_offset = index * tiles_.bf16_rows;
     const bool subnormal_q = cpu::pack_row_pairs_bf16(
-        q_pairs_.data() + pairs_offset, p_.q, p_.q_strides, b, h, row_begin, rows(n),
-        tiles_.bf16_rows, p_.head_dim, tiles_.dims_padded);
+        q_pairs_.data() + pairs_offset * tiles_.dims_padded, p_.q, p_.q_strides, b, h, row_begin,
+        rows(n), tiles_.bf16_rows, p_.head_dim, tiles_.dims_padded);
     const bool subnormal_dout = cpu::pack_row_pairs_bf16(
-        dout_pairs_.data() + pairs_offset, bp.dout, bp.dout_strides, b, h, row_begin, rows(n),
-        tiles_.bf16_rows, p_.head_dim, tiles_.dims_padded);
+        dout_pairs_.data() + pairs_offset * tiles_.value_dims_padded, bp.dout, bp.dout_strides, b,
+        h, row_begin, rows(n), tiles_.bf16_rows, p_.head_dim_v, tiles_.value_dims_padded);
     bf16_exact_[index] = !subnormal_q && !subnormal_dout;
-    // And as row-major bf16 rows, head_dim zero-padded (the padding is never written).
+    // And as row-major bf16 rows, each head dim zero-padded (the padding is never written).
     const auto* q_rows = static_cast<const std::uint16_t*>(p_.q);
     const auto* dout_rows = static_cast<const std::uint16_t*>(bp.dout);
     for (std::int64_t i = 0; i < rows(n); ++i) {
-      const std::int64_t row = (index * tiles_.rows + i) * tiles_.bf16_reduction;
+      const std::int64_t row = index * tiles_.rows + i;
       std::copy_n(q_rows + p_.q_strides.offset(b, row_begin + i, h), p_.head_dim,
-                  q_bf16_.data() + row);
-      std::copy_n(dout_rows + bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim,
-                  dout_bf16_.data() + row);
+                  q_bf16_.data() + row * tiles_.bf16_reduction);
+      std::copy_n(dout_rows + bp.dout_strides.offset(b, row_begin + i, h), p_.head_dim_v,
+                  dout_bf16_.data() + row * tiles_.value_bf16_reduction);
     }
-    const std::int64_t bf16_elements = rows(n) * tiles_.bf16_reduction;
-    finite_[index] = cpu::all_finite_bf16(q_bf16(slot, g, n), bf16_elements) &&
-                     cpu::all_finite_bf16(dout_bf16(slot, g, n), bf16_elements) &&
-                     cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
+    finite_[index] =
+        cpu::all_finite_bf16(q_bf16(slot, g, n), rows(n) * tiles_.bf16_reduction) &&
+        cpu::all_finite_bf16(dout_bf16(slot, g, n), rows(n) * tiles_.value_bf16_reduction) &&
+        cpu::all_finite(delta, rows(n)) && !any_nan(lse, rows(n));
     if (!fp32_on_demand_) pack_fp32(bp, slot, b, h_kv, g, n);
   }
 
@@ -195,11 +198,11 @@ class QueryBlocks {
     if (fp32_packed_[index]) return;
     const std::int64_t h = h_kv * p_.group_size() + g, row_begin = n * tiles_.rows;
     float* q = q_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
-    float* dout = dout_panels_.get() + index * tiles_.rows * tiles_.dims_padded;
+    float* dout = dout_panels_.get() + index * tiles_.rows * tiles_.value_dims_padded;
     cpu::pack_rows(q, p_.q, p_.dtype, p_.q_strides, b, h, row_begin, rows(n), p_.head_dim,
                    tiles_.dims_padded);
-    cpu::pack_rows(dout, bp.dout, p_.dtype, bp.dout_strides, b, h, row_begin, rows(n), p_.head_dim,
-                   tiles_.dims_padded);
+    cpu::pack_rows(dout, bp.dout, p_.dtype, bp.dout_strides, b, h, row_begin, rows(n),
+                   p_.head_dim_v, tiles_.value_dims_padded);
     fp32_packed_[index] = 1;
   }
 
@@ -207,7 +210,7 @@ class QueryBlocks {
     return q_panels_.get() + block_index(slot, g, n) * tiles_.rows * tiles_.dims_padded;
   }
   const float* dout_panels(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return dout_panels_.get() + block_index(slot, g, n) * tiles_.rows * tiles_.dims_padded;
+    return dout_panels_.get() + block_index(slot, g, n) * tiles_.rows * tiles_.value_dims_padded;
   }
   const float* delta(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return delta_.get() + block_index(slot, g, n) * tiles_.rows;
@@ -216,13 +219,13 @@ class QueryBlocks {
   const float* lse(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return lse_.get() + block_index(slot, g, n) * tiles_.rows;
   }
-  // bf16 products only: the block's Q and dO as bf16 rows [rows x bf16_reduction], and whether they
-  // hold no subnormal.
+  // bf16 products only: the block's Q and dO as bf16 rows [rows x bf16_reduction] and
+  // [rows x value_bf16_reduction], and whether they hold no subnormal.
   const std::uint16_t* q_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return q_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.bf16_reduction;
   }
   const std::uint16_t* dout_bf16(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return dout_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.bf16_reduction;
+    return dout_bf16_.data() + block_index(slot, g, n) * tiles_.rows * tiles_.value_bf16_reduction;
   }
   bool bf16_exact(std::int64_t slot, std::int64_t g, std::int64_t n) const {
     return bf16_exact_[block_index(slot, g, n)] != 0;
@@ -238,7 +241,8 @@ class QueryBlocks {
     return q_pairs_.data() + block_index(slot, g, n) * tiles_.bf16_rows * tiles_.dims_padded;
   }
   const std::uint16_t* dout_pairs(std::int64_t slot, std::int64_t g, std::int64_t n) const {
-    return dout_pairs_.data() + block_index(slot, g, n) * tiles_.bf16_rows * tiles_.dims_padded;
+    return dout_pairs_.data() +
+           block_index(slot, g, n) * tiles_.bf16_rows * tiles_.value_dims_padded;
   }
 
  private:
@@ -266,7 +270,7 @@ struct Scratch {
   AlignedVector<float> dropout_multipliers, kept_probabilities;
   AlignedVector<float> dk, dv;
   // Non-finite inputs only: a row block's Q and dO, a K/V block's K, as row-major fp32 rows
-  // [rows x head_dim].
+  // [rows x head_dim] ([rows x head_dim_v] for dO).
   std::vector<float> q_rows, dout_rows, k_rows;
   // With one chunk per group: the task's own query rows and dQ sums, [group x seqlen_q x Dp].
   std::optional<QueryBlocks> queries;
@@ -275,17 +279,17 @@ struct Scratch {
   Scratch(const AttentionParams& p, const BackwardTiles& tiles, bool task_owns_queries)
       : k_packed_t(p.head_dim * tiles.keys),
         k_packed(tiles.keys * tiles.dims_padded),
-        v_packed_t(p.head_dim * tiles.keys),
+        v_packed_t(p.head_dim_v * tiles.keys),
         probabilities(tiles.rows * tiles.ld_scores),
         dscores(tiles.rows * tiles.ld_scores),
         softcap_derivative(p.modifiers.softcap > 0.0f ? tiles.rows * tiles.ld_scores : 0),
         dropout_multipliers(p.dropout.on() ? tiles.rows * tiles.ld_scores : 0),
         kept_probabilities(p.dropout.on() ? tiles.rows * tiles.ld_scores : 0),
         dk(tiles.keys * tiles.dims_padded),
-        dv(tiles.keys * tiles.dims_padded) {
+        dv(tiles.keys * tiles.value_dims_padded) {
     if (tiles.bf16_operands()) {
       k_bf16.assign(tiles.keys * tiles.bf16_reduction, 0);
-      v_bf16.assign(tiles.keys * tiles.bf16_reduction, 0);
+      v_bf16.assign(tiles.keys * tiles.value_bf16_reduction, 0);
       k_pairs.assign(tiles.bf16_keys * tiles.dims_padded, 0);
       probabilities_t.assign(tiles.keys * tiles.bf16_rows, 0);
       dscores_t.assign(tiles.keys * tiles.bf16_rows, 0);
@@ -332,7 +336,7 @@ void pack_key_block_fp32(const AttentionParams& p, const BackwardTiles& tiles, S
   cpu::pack_rows_transposed(t.k_packed_t.data(), p.k, p.dtype, p.k_strides, b, h_kv, kv.begin,
                             kv.keys, kv.keys_padded, D);
   cpu::pack_rows_transposed(t.v_packed_t.data(), p.v, p.dtype, p.v_strides, b, h_kv, kv.begin,
-                            kv.keys, kv.keys_padded, D);
+                            kv.keys, kv.keys_padded, p.head_dim_v);
   cpu::pack_rows(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, kv.begin, kv.keys, D,
                  tiles.dims_padded);
   kv.fp32_packed = true;
@@ -341,34 +345,36 @@ void pack_key_block_fp32(const AttentionParams& p, const BackwardTiles& tiles, S
 // Prologue of one K/V block: pack K and V, zero the dK and dV accumulators.
 KeyBlock start_key_block(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
                          std::int64_t b, std::int64_t h_kv, std::int64_t block) {
-  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v, Dp = tiles.dims_padded;
   KeyBlock kv{};
   kv.begin = block * tiles.keys;
   kv.end = std::min(kv.begin + tiles.keys, p.seqlen_kv);
   kv.keys = kv.end - kv.begin;
   kv.keys_padded = cpu::pad_to_lanes(kv.keys);
   kv.bf16_keys = cpu::pad_to_amx_reduction(kv.keys);
-  const std::int64_t transposed_size =
+  const std::int64_t keys_transposed =
       (tiles.bf16_operands() ? tiles.bf16_reduction : D) * kv.keys_padded;
+  const std::int64_t values_transposed =
+      (tiles.bf16_operands() ? tiles.value_bf16_reduction : Dv) * kv.keys_padded;
   if (tiles.bf16_operands()) {
     const bool subnormal_keys =
         cpu::pack_rows_transposed_bf16(t.k_bf16.data(), p.k, p.k_strides, b, h_kv, kv.begin,
                                        kv.keys, kv.keys_padded, D, tiles.bf16_reduction);
     const bool subnormal_values =
         cpu::pack_rows_transposed_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, kv.begin,
-                                       kv.keys, kv.keys_padded, D, tiles.bf16_reduction);
+                                       kv.keys, kv.keys_padded, Dv, tiles.value_bf16_reduction);
     kv.bf16_exact = !subnormal_keys && !subnormal_values;
-    kv.finite = cpu::all_finite_bf16(t.k_bf16.data(), transposed_size) &&
-                cpu::all_finite_bf16(t.v_bf16.data(), transposed_size);
+    kv.finite = cpu::all_finite_bf16(t.k_bf16.data(), keys_transposed) &&
+                cpu::all_finite_bf16(t.v_bf16.data(), values_transposed);
     cpu::pack_row_pairs_bf16(t.k_pairs.data(), p.k, p.k_strides, b, h_kv, kv.begin, kv.keys,
                              kv.bf16_keys, D, Dp);
   } else {
     pack_key_block_fp32(p, tiles, t, b, h_kv, kv);
-    kv.finite = cpu::all_finite(t.k_packed_t.data(), transposed_size) &&
-                cpu::all_finite(t.v_packed_t.data(), transposed_size);
+    kv.finite = cpu::all_finite(t.k_packed_t.data(), keys_transposed) &&
+                cpu::all_finite(t.v_packed_t.data(), values_transposed);
   }
   std::fill_n(t.dk.begin(), kv.keys * Dp, 0.0f);
-  std::fill_n(t.dv.begin(), kv.keys * Dp, 0.0f);
+  std::fill_n(t.dv.begin(), kv.keys * tiles.value_dims_padded, 0.0f);
   return kv;
 }
 
@@ -413,19 +419,23 @@ BlockPair start_pair(const BackwardParams& bp, const BackwardTiles& tiles, Scrat
   return pair;
 }
 
+// The reduction of a score product: S = Q·Kᵀ sums over head_dim, dP = dO·Vᵀ over head_dim_v.
+struct Reduction {
+  std::int64_t dims, dims_padded, bf16_dims;
+};
+
 // out[rows x keys_padded] = A·Bᵀ of a row block against the K/V block, S = Q·Kᵀ or dP = dO·Vᵀ:
 // the bf16 rows a_bf16 against b_bf16 (Bᵀ packed in bf16), or the fp32 panels a against b_t.
 // a_bf16 is null for an fp32 pair: the bf16 copies exist only with bf16 products.
-void score_product(const AttentionParams& p, const BackwardTiles& tiles, float* out,
-                   const KeyBlock& kv, const BlockPair& pair, const std::uint16_t* a_bf16,
-                   const std::uint16_t* b_bf16, const float* a, const float* b_t) {
+void score_product(const BackwardTiles& tiles, Reduction reduction, float* out, const KeyBlock& kv,
+                   const BlockPair& pair, const std::uint16_t* a_bf16, const std::uint16_t* b_bf16,
+                   const float* a, const float* b_t) {
   if (pair.bf16) {
-    cpu::bf16_tile_product(tiles.products, out, tiles.ld_scores, false, a_bf16,
-                           tiles.bf16_reduction, b_bf16, pair.rows, kv.keys_padded,
-                           tiles.bf16_reduction);
+    cpu::bf16_tile_product(tiles.products, out, tiles.ld_scores, false, a_bf16, reduction.bf16_dims,
+                           b_bf16, pair.rows, kv.keys_padded, reduction.bf16_dims);
   } else {
-    cpu::scores_tile(out, tiles.ld_scores, {a, tiles.dims_padded, pair.rows}, b_t, pair.rows,
-                     kv.keys_padded, p.head_dim);
+    cpu::scores_tile(out, tiles.ld_scores, {a, reduction.dims_padded, pair.rows}, b_t, pair.rows,
+                     kv.keys_padded, reduction.dims);
   }
 }
 
@@ -435,7 +445,8 @@ void probabilities_step(const AttentionParams& p, const BackwardTiles& tiles, Sc
                         const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
-  score_product(p, tiles, t.probabilities.data(), kv, pair,
+  score_product(tiles, {p.head_dim, tiles.dims_padded, tiles.bf16_reduction},
+                t.probabilities.data(), kv, pair,
                 pair.bf16 ? queries.q_bf16(task.slot, pair.g, pair.n) : nullptr, t.k_bf16.data(),
                 pair.q, t.k_packed_t.data());
   const std::int64_t head = task.h_kv * p.group_size() + pair.g;
@@ -472,22 +483,22 @@ const float* kept_probabilities(const AttentionParams& p, const Scratch& t) {
   return p.dropout.on() ? t.kept_probabilities.data() : t.probabilities.data();
 }
 
-// dV += Pᵀ·dO                                                           [keys x Dp]
+// dV += Pᵀ·dO                                                           [keys x Dvp]
 // (visible_only pairs add theirs with dQ and dK, in gradients_step)
 void value_gradient_step(const AttentionParams& p, const BackwardTiles& tiles, Scratch& t,
                          const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   if (pair.visible_only) return;
-  const std::int64_t ld_s = tiles.ld_scores, Dp = tiles.dims_padded;
+  const std::int64_t ld_s = tiles.ld_scores, Dvp = tiles.value_dims_padded;
   const float* probabilities = kept_probabilities(p, t);
   if (pair.bf16) {
     cpu::round_transposed_bf16(t.probabilities_t.data(), tiles.bf16_rows, probabilities, ld_s,
                                pair.rows, tiles.bf16_rows, kv.keys_padded);
-    cpu::bf16_tile_product(tiles.products, t.dv.data(), Dp, true, t.probabilities_t.data(),
+    cpu::bf16_tile_product(tiles.products, t.dv.data(), Dvp, true, t.probabilities_t.data(),
                            tiles.bf16_rows, task.queries->dout_pairs(task.slot, pair.g, pair.n),
-                           kv.keys, Dp, tiles.bf16_rows);
+                           kv.keys, Dvp, tiles.bf16_rows);
   } else {
-    cpu::accumulate_transposed_pv_tile(t.dv.data(), Dp, probabilities, ld_s, pair.dout, pair.rows,
-                                       kv.keys, Dp);
+    cpu::accumulate_transposed_pv_tile(t.dv.data(), Dvp, probabilities, ld_s, pair.dout, pair.rows,
+                                       kv.keys, Dvp);
   }
 }
 
@@ -498,7 +509,8 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
   const AttentionParams& p = bp.forward;
   const QueryBlocks& queries = *task.queries;
   const std::int64_t ld_s = tiles.ld_scores;
-  score_product(p, tiles, t.dscores.data(), kv, pair,
+  score_product(tiles, {p.head_dim_v, tiles.value_dims_padded, tiles.value_bf16_reduction},
+                t.dscores.data(), kv, pair,
                 pair.bf16 ? queries.dout_bf16(task.slot, pair.g, pair.n) : nullptr, t.v_bf16.data(),
                 pair.dout, t.v_packed_t.data());
   if (p.dropout.on()) {
@@ -535,19 +547,20 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
 void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratch& t,
                     const Task& task, const KeyBlock& kv, const BlockPair& pair) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, ld_s = tiles.ld_scores;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v, Dp = tiles.dims_padded;
+  const std::int64_t ld_s = tiles.ld_scores;
   const std::int64_t rows = pair.rows, row_begin = pair.row_begin, b = task.b;
   float* dq = task.dq + (pair.g * p.seqlen_q + row_begin) * Dp;
   if (pair.visible_only) {
     const std::int64_t h = task.h_kv * p.group_size() + pair.g;
     t.q_rows.resize(static_cast<std::size_t>(rows * D));
-    t.dout_rows.resize(t.q_rows.size());
+    t.dout_rows.resize(static_cast<std::size_t>(rows * Dv));
     t.k_rows.resize(static_cast<std::size_t>(kv.keys * D));
     for (std::int64_t i = 0; i < rows; ++i) {
       load_row_f32(t.q_rows.data() + i * D, p.q, p.dtype, p.q_strides.offset(b, row_begin + i, h),
                    D);
-      load_row_f32(t.dout_rows.data() + i * D, bp.dout, p.dtype,
-                   bp.dout_strides.offset(b, row_begin + i, h), D);
+      load_row_f32(t.dout_rows.data() + i * Dv, bp.dout, p.dtype,
+                   bp.dout_strides.offset(b, row_begin + i, h), Dv);
     }
     for (std::int64_t j = 0; j < kv.keys; ++j) {
       load_row_f32(t.k_rows.data() + j * D, p.k, p.dtype,
@@ -560,6 +573,7 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
                                    kv.begin,
                                    kv.keys,
                                    D,
+                                   Dv,
                                    task.queries->lse(task.slot, pair.g, pair.n),
                                    kept_probabilities(p, t),
                                    t.dscores.data(),
@@ -567,14 +581,15 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
                                    t.q_rows.data(),
                                    D,
                                    t.dout_rows.data(),
-                                   D,
+                                   Dv,
                                    t.k_rows.data(),
                                    D,
                                    dq,
                                    Dp,
                                    t.dk.data(),
+                                   Dp,
                                    t.dv.data(),
-                                   Dp});
+                                   tiles.value_dims_padded});
   } else if (pair.bf16) {
     cpu::round_probabilities_bf16(t.dscores_bf16.data(), tiles.bf16_keys, t.dscores.data(), ld_s,
                                   rows, kv.keys_padded, kv.bf16_keys);
@@ -597,18 +612,19 @@ void gradients_step(const BackwardParams& bp, const BackwardTiles& tiles, Scratc
 void store_key_gradients(const BackwardParams& bp, const BackwardTiles& tiles, const Scratch& t,
                          const Task& task, const KeyBlock& kv) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim, Dp = tiles.dims_padded, b = task.b, h_kv = task.h_kv;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v, Dp = tiles.dims_padded;
+  const std::int64_t Dvp = tiles.value_dims_padded, b = task.b, h_kv = task.h_kv;
   for (std::int64_t j = 0; j < kv.keys; ++j) {
     if (j + kRowsAhead < kv.keys) {
       prefetch_store_row(bp.dk, p.dtype, bp.dk_strides.offset(b, kv.begin + j + kRowsAhead, h_kv),
                          D, tiles.stream_gradients);
       prefetch_store_row(bp.dv, p.dtype, bp.dv_strides.offset(b, kv.begin + j + kRowsAhead, h_kv),
-                         D, tiles.stream_gradients);
+                         Dv, tiles.stream_gradients);
     }
     store_row_f32(bp.dk, p.dtype, bp.dk_strides.offset(b, kv.begin + j, h_kv), t.dk.data() + j * Dp,
                   D, tiles.stream_gradients);
-    store_row_f32(bp.dv, p.dtype, bp.dv_strides.offset(b, kv.begin + j, h_kv), t.dv.data() + j * Dp,
-                  D, tiles.stream_gradients);
+    store_row_f32(bp.dv, p.dtype, bp.dv_strides.offset(b, kv.begin + j, h_kv),
+                  t.dv.data() + j * Dvp, Dv, tiles.stream_gradients);
   }
 }
 
@@ -652,20 +668,23 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
 
 void flash_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
   const cpu::TileSizes sizes = cpu::flash_backward_tiles(p);
   const cpu::Bf16Products products = cpu::backward_bf16_products(p);
   // Written with plain stores, the three gradients' rows were first read from memory
   // (write-allocate); too large for the caches, they are streamed (docs/tuning.md).
   const std::int64_t gradient_bytes =
-      static_cast<std::int64_t>(dtype_size(p.dtype)) * D *
-      (p.batch * p.seqlen_q * p.heads_q + 2 * p.batch * p.seqlen_kv * p.heads_kv);
+      static_cast<std::int64_t>(dtype_size(p.dtype)) *
+      ((p.batch * p.seqlen_q * p.heads_q + p.batch * p.seqlen_kv * p.heads_kv) * D +
+       p.batch * p.seqlen_kv * p.heads_kv * Dv);
   const BackwardTiles tiles{sizes.rows,
                             sizes.keys,
                             cpu::pad_to_lanes(D),
+                            cpu::pad_to_lanes(Dv),
                             products,
                             cpu::stream_output(gradient_bytes, p.num_threads),
                             cpu::pad_to_amx_reduction(D),
+                            cpu::pad_to_amx_reduction(Dv),
                             cpu::pad_to_amx_reduction(sizes.rows),
                             cpu::pad_to_amx_reduction(sizes.keys),
                             scores_stride(sizes.keys)};

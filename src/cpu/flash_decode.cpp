@@ -15,7 +15,7 @@
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   softcap, ALiBi of scale·s (when asked for)         modify_scores
 //   online softmax                                     online_softmax_tile
-//   acc[h][r] += p[h][r][j] · v[j, h]                  axpy_rows         [rows x D] per head
+//   acc[h][r] += p[h][r][j] · v[j, h]                  axpy_rows         [rows x Dv] per head
 // Masked (row, key) pairs are never computed: -inf scores, and no product with the value row,
 // so a non-finite value reaches only the rows that see it. (Read rates against the tiled
 // forward: docs/tuning.md.)
@@ -107,7 +107,7 @@ struct DecodePlan {
   std::int64_t total_chunks = 0;
   // The chunks, all entries' in a row, longest first: the order in which threads take them.
   std::vector<std::int64_t> order;
-  // bf16 rows read as they are (head_dim a whole number of vectors) whose products take them
+  // bf16 rows read as they are (both head dims whole numbers of vectors) whose products take them
   // in bf16 pairs (cpu::dot_rows_bf16_pairs): the query rows and accumulators are then kept in
   // bf16 pair order. Faster up to kMaxBf16PairRows rows per KV head, slower beyond them
   // (docs/tuning.md).
@@ -118,10 +118,12 @@ DecodePlan decode_plan(const AttentionParams& p) {
   DecodePlan plan;
   plan.rows = p.group_size() * p.seqlen_q;
   plan.key_group = key_group(p.dtype);
-  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
-  plan.bf16_pairs = p.dtype == DType::bf16 && p.head_dim == Dp &&
-                    Dp % cpu::bf16_pair_chunk() == 0 && plan.rows <= kMaxBf16PairRows;
-  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
+  auto pairs_fit = [](std::int64_t dims) {
+    return dims == cpu::pad_to_lanes(dims) && dims % cpu::bf16_pair_chunk() == 0;
+  };
+  plan.bf16_pairs = p.dtype == DType::bf16 && pairs_fit(p.head_dim) && pairs_fit(p.head_dim_v) &&
+                    plan.rows <= kMaxBf16PairRows;
+  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim, p.head_dim_v);
   const std::int64_t tile_floats = tiles.rows * tiles.keys;
   plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
                                    cpu::kTileLanes * cpu::kTileLanes,
@@ -163,16 +165,17 @@ DecodePlan decode_plan(const AttentionParams& p) {
 
 // Each chunk's running statistics and accumulator for every row of its batch entry: row
 // (h·rows + r) of chunk c of batch entry b is slot ((first_b + c)·Hkv + h)·rows + r.
+// Dp is head_dim padded to whole vectors (q and K rows), Dvp head_dim_v (V rows, acc, out).
 struct ChunkResults {
-  UninitializedAlignedVector<float> max, sum, acc;  // acc: Dp floats per slot
+  UninitializedAlignedVector<float> max, sum, acc;  // acc: Dvp floats per slot
 };
 
 struct Scratch {
   AlignedVector<float> q;       // [Hkv·rows x Dp] the batch entry's query rows
   std::int64_t q_entry = -1;    // whose rows q holds: a thread's chunks are often one entry's
   AlignedVector<float> scores;  // [Hkv·rows x Bk]
-  // [key group x Dp] K or V rows widened, zeros past head_dim (head_dim not a whole number of
-  // vectors, or f16 without F16C)
+  // [key group x max(Dp, Dvp)] K or V rows widened, zeros past their head dim (a head dim not a
+  // whole number of vectors, or f16 without F16C)
   AlignedVector<float> inputs;
 };
 
@@ -188,10 +191,10 @@ Positions positions_seeing(const KeyRange* ranges, std::int64_t count, std::int6
   return {first, last};
 }
 
-// Rows (b, key .. key + count, h) of K or V, Dp elements of `dtype` each: the input itself where
-// head_dim is a whole number of vectors (the kernels widen bf16 and f16 in registers), otherwise
-// rows widened to fp32 (floats past head_dim 0). A paged cache's rows are read in their pages,
-// in the same groups of keys as a dense cache's, so that the products give the same sums.
+// Rows (b, key .. key + count, h) of K or V, Dp (Dvp) elements of `dtype` each: the input itself
+// where both head dims are whole numbers of vectors (the kernels widen bf16 and f16 in registers),
+// otherwise rows widened to fp32 (floats past head_dim 0). A paged cache's rows are read in their
+// pages, in the same groups of keys as a dense cache's, so that the products give the same sums.
 struct InputRows {
   cpu::ScatteredRows rows;
   DType dtype;
@@ -248,9 +251,8 @@ class KeyWalk {
         prefetching_(prefetching_for(p.dtype)),
         element_bytes_(static_cast<std::int64_t>(dtype_size(p.dtype))),
         in_place_(p.head_dim == cpu::pad_to_lanes(p.head_dim) &&
-                  (!is_quantized(p.dtype) || (p.k_scale.groups == 1 && p.v_scale.groups == 1))),
-        calls_ahead_(std::max<std::int64_t>(
-            1, kBytesAhead / (plan.key_group * p.head_dim * element_bytes_))) {
+                  p.head_dim_v == cpu::pad_to_lanes(p.head_dim_v) &&
+                  (!is_quantized(p.dtype) || (p.k_scale.groups == 1 && p.v_scale.groups == 1))) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
       ranges_[position] = p.entry_key_range(b, position);
     }
@@ -261,10 +263,14 @@ class KeyWalk {
   std::int64_t batch_entry() const { return b_; }
 
   // fn(first_row, row_count, key, key_count, rows) over the keys [block, block + keys) of K or V
-  // (base, strides, and a quantized cache's scales), a key group at a time, with their input rows.
+  // (base, strides, rows of `dims` elements, and a quantized cache's scales), a key group at a
+  // time, with their input rows.
   template <class Fn>
   void walk_inputs(const void* base, const Strides& strides, const ScaleView& scales,
-                   std::int64_t block, std::int64_t keys, Fn&& fn) {
+                   std::int64_t dims, std::int64_t block, std::int64_t keys, Fn&& fn) {
+    dims_ = dims;
+    calls_ahead_ =
+        std::max<std::int64_t>(1, kBytesAhead / (plan_.key_group * dims * element_bytes_));
     inputs_head_ = -1;
     inputs_key_ = -1;
     ahead_.key = -1;
@@ -320,7 +326,7 @@ class KeyWalk {
   void prefetch_call(const void* base, const Strides& strides, Call call,
                      std::int64_t count) const {
     for_each_key(strides, call.key, std::min(call.key + count, chunk_end_), [&](std::int64_t row) {
-      prefetch_row(base, p_.dtype, row + call.head * strides.head, p_.head_dim);
+      prefetch_row(base, p_.dtype, row + call.head * strides.head, dims_);
     });
   }
 
@@ -357,7 +363,7 @@ class KeyWalk {
       const std::int64_t last = std::min(ahead + (h + 1) * group / p_.heads_kv, chunk_end_);
       for_each_key(strides, first, last, [&](std::int64_t row) {
         for (std::int64_t head = 0; head < p_.heads_kv; ++head) {
-          prefetch_row(base, p_.dtype, row + head * strides.head, p_.head_dim);
+          prefetch_row(base, p_.dtype, row + head * strides.head, dims_);
         }
       });
       return;
@@ -420,7 +426,7 @@ class KeyWalk {
       const bool first_call = first_block_ && inputs_key_ < 0;
       if (key != inputs_key_ || count != inputs_count_) locate(key, count, strides, group_);
       const std::int64_t ahead = head_ahead(base, strides, h, key, count, first_call);
-      const std::int64_t Dp = cpu::pad_to_lanes(p_.head_dim);
+      const std::int64_t Dp = cpu::pad_to_lanes(dims_);
       if (in_place_) {
         // Strided where both groups lie in a page: the kernels take the rows ahead in the same
         // form as the rows.
@@ -443,13 +449,13 @@ class KeyWalk {
           cpu::dequantize_row(
               widened, static_cast<const std::uint8_t*>(base) + p_.kv_offset(strides, b_, j, h),
               p_.dtype, scales.data + p_.kv_offset(scales.strides, b_, j, h), scales.group_stride,
-              scales.group_dims, p_.head_dim);
+              scales.group_dims, dims_);
         }
         inputs_ = {{t_.inputs.data(), Dp}, DType::f32, nullptr, {}};
       } else {
         float* widened = t_.inputs.data();
         for_each_key(strides, key, key + count, [&](std::int64_t row) {
-          load_row_f32(widened, base, p_.dtype, row + h * strides.head, p_.head_dim);
+          load_row_f32(widened, base, p_.dtype, row + h * strides.head, dims_);
           widened += Dp;
         });
         inputs_ = {{t_.inputs.data(), Dp}, DType::f32, nullptr, {}};
@@ -467,11 +473,12 @@ class KeyWalk {
   std::int64_t b_, chunk_begin_, chunk_end_;
   Prefetching prefetching_;
   std::int64_t element_bytes_;
-  // Whether the products read the rows where they lie (head_dim a whole number of vectors; a
+  // Whether the products read the rows where they lie (both head dims whole numbers of vectors; a
   // quantized cache's codes too where each row has one scale, applied to the products' results);
   // otherwise rows are widened, or dequantized group by group, into padded fp32 rows first.
   bool in_place_;
-  std::int64_t calls_ahead_;  // Prefetching::kSpread: kBytesAhead in calls
+  std::int64_t dims_ = 0;         // of the rows walked: head_dim for K, head_dim_v for V
+  std::int64_t calls_ahead_ = 1;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
   InputRows inputs_{{}, DType::f32, nullptr, {}};
   float row_scales_[kMaxKeyGroup];  // inputs_.scales of a quantized cache read in place
@@ -485,21 +492,21 @@ class KeyWalk {
 struct ChunkState {
   float* row_max;  // [Hkv·rows]
   float* row_sum;  // [Hkv·rows]
-  float* acc;      // [Hkv·rows x Dp]
+  float* acc;      // [Hkv·rows x Dvp]
   KeyRange keys;   // the chunk's keys
 };
 
 // Prologue of a chunk: m = -inf, l = 0, acc = 0, and its keys.
 ChunkState start_chunk(const AttentionParams& p, const DecodePlan& plan, ChunkResults& results,
                        std::int64_t b, std::int64_t chunk) {
-  const std::int64_t slots = p.heads_kv * plan.rows, Dp = cpu::pad_to_lanes(p.head_dim);
+  const std::int64_t slots = p.heads_kv * plan.rows, Dvp = cpu::pad_to_lanes(p.head_dim_v);
   const EntryChunks& entry = plan.entries[b];
   const std::int64_t slot = (entry.first + chunk) * slots;
   const ChunkState state{results.max.data() + slot, results.sum.data() + slot,
-                         results.acc.data() + slot * Dp, entry.chunk(chunk)};
+                         results.acc.data() + slot * Dvp, entry.chunk(chunk)};
   std::fill_n(state.row_max, slots, kNegativeInfinity);
   std::fill_n(state.row_sum, slots, 0.0f);
-  std::fill_n(state.acc, slots * Dp, 0.0f);
+  std::fill_n(state.acc, slots * Dvp, 0.0f);
   return state;
 }
 
@@ -542,7 +549,7 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
                    cpu::pad_to_lanes(keys));
   }
   walk.walk_inputs(
-      p.k, p.k_strides, p.k_scale, block, keys,
+      p.k, p.k_strides, p.k_scale, p.head_dim, block, keys,
       [&](std::int64_t first, std::int64_t count, std::int64_t key, std::int64_t key_count,
           const InputRows& k) {
         float* out = scores + first * Bk + (key - block);
@@ -572,21 +579,21 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
 // acc += p · v over the same keys in the same order.
 void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, KeyWalk& walk,
                      float* acc, std::int64_t block, std::int64_t keys) {
-  const std::int64_t Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
+  const std::int64_t Bk = plan.block_keys, Dvp = cpu::pad_to_lanes(p.head_dim_v);
   float* scores = t.scores.data();
-  walk.walk_inputs(p.v, p.v_strides, p.v_scale, block, keys,
+  walk.walk_inputs(p.v, p.v_strides, p.v_scale, p.head_dim_v, block, keys,
                    [&](std::int64_t first, std::int64_t count, std::int64_t key,
                        std::int64_t key_count, const InputRows& v) {
-                     float* acc_rows = acc + first * Dp;
+                     float* acc_rows = acc + first * Dvp;
                      float* weights = scores + first * Bk + (key - block);
                      // Each (row, key) weight comes once: scaled in place.
                      if (v.scales) scale_columns(weights, Bk, count, v.scales, key_count);
                      if (plan.bf16_pairs) {
-                       cpu::axpy_rows_bf16_pairs(acc_rows, Dp, weights, Bk, count, v.rows,
-                                                 key_count, Dp, v.ahead);
+                       cpu::axpy_rows_bf16_pairs(acc_rows, Dvp, weights, Bk, count, v.rows,
+                                                 key_count, Dvp, v.ahead);
                      } else {
-                       cpu::axpy_rows(acc_rows, Dp, weights, Bk, count, v.rows, v.dtype, key_count,
-                                      Dp, v.ahead);
+                       cpu::axpy_rows(acc_rows, Dvp, weights, Bk, count, v.rows, v.dtype, key_count,
+                                      Dvp, v.ahead);
                      }
                    });
 }
@@ -596,34 +603,35 @@ void accumulate_step(const AttentionParams& p, const DecodePlan& plan, Scratch& 
 //   s = q·k, masked pairs -inf        scores_step       [Hkv·rows x Bk]
 //     (then softcap, ALiBi of scale·s, when asked for)
 //   online softmax                    online_softmax_tile, per KV head
-//   acc += p·v                        accumulate_step   [Hkv·rows x Dp]
+//   acc += p·v                        accumulate_step   [Hkv·rows x Dvp]
 void decode_chunk(const AttentionParams& p, const DecodePlan& plan, Scratch& t,
                   ChunkResults& results, std::int64_t b, std::int64_t chunk) {
   const ChunkState state = start_chunk(p, plan, results, b, chunk);
   if (state.keys.empty()) return;
   load_query_rows(p, plan, t, b);
   KeyWalk walk(p, plan, t, b, state.keys);
-  const std::int64_t rows = plan.rows, Bk = plan.block_keys, Dp = cpu::pad_to_lanes(p.head_dim);
+  const std::int64_t rows = plan.rows, Bk = plan.block_keys;
+  const std::int64_t Dvp = cpu::pad_to_lanes(p.head_dim_v);
   for (std::int64_t block = state.keys.begin; block < state.keys.end; block += Bk) {
     const std::int64_t keys = std::min(Bk, state.keys.end - block);
     scores_step(p, plan, t, walk, block, keys);
     for (std::int64_t h = 0; h < p.heads_kv; ++h) {
       cpu::online_softmax_tile(t.scores.data() + h * rows * Bk, Bk, p.tile_scale(),
                                state.row_max + h * rows, state.row_sum + h * rows,
-                               state.acc + h * rows * Dp, Dp, rows, cpu::pad_to_lanes(keys), Dp);
+                               state.acc + h * rows * Dvp, Dvp, rows, cpu::pad_to_lanes(keys), Dvp);
     }
     accumulate_step(p, plan, t, walk, state.acc, block, keys);
   }
 }
 
 // The chunks of every row of (batch entry b, KV head h) merged into out and lse; `buffer`
-// holds 2·Dp floats and one per chunk of the entry: the merged row, the same in the order of the
+// holds 2·Dvp floats and one per chunk of the entry: the merged row, the same in the order of the
 // dims (bf16 pairs), and the chunks' weights.
 void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkResults& results,
                   float* buffer, std::int64_t b, std::int64_t h) {
   const std::int64_t rows = plan.rows, heads = p.heads_kv, Sq = p.seqlen_q;
   const EntryChunks& entry = plan.entries[b];
-  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim);
+  const std::int64_t Dvp = cpu::pad_to_lanes(p.head_dim_v);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t position = r % Sq, head = h * p.group_size() + r / Sq;
     auto slot = [&](std::int64_t chunk) { return ((entry.first + chunk) * heads + h) * rows + r; };
@@ -634,8 +642,8 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
     }
     float sum = 0.0f;
     float* out_row = buffer;
-    float* weights = buffer + 2 * Dp;
-    std::fill_n(out_row, Dp, 0.0f);
+    float* weights = buffer + 2 * Dvp;
+    std::fill_n(out_row, Dvp, 0.0f);
     // A chunk whose max is -inf gets weight 0 (or 1, when every chunk's is): not skipped, since
     // its l is NaN where a NaN score hid from the max, and 0·NaN keeps the row NaN.
     for (std::int64_t chunk = 0; chunk < entry.chunks; ++chunk) {
@@ -643,23 +651,23 @@ void merge_chunks(const AttentionParams& p, const DecodePlan& plan, const ChunkR
       weights[chunk] = chunk_max == max ? 1.0f : std::exp(p.tile_scale() * (chunk_max - max));
       sum += results.sum[slot(chunk)] * weights[chunk];
     }
-    // The row's accumulators lie heads·rows·Dp floats apart, one per chunk: one product over
+    // The row's accumulators lie heads·rows·Dvp floats apart, one per chunk: one product over
     // them all rather than a call per chunk, each with its fixed cost (docs/tuning.md).
-    cpu::axpy_rows(out_row, Dp, weights, 0, 1,
-                   {results.acc.data() + slot(0) * Dp, heads * rows * Dp}, DType::f32, entry.chunks,
-                   Dp);
+    cpu::axpy_rows(out_row, Dvp, weights, 0, 1,
+                   {results.acc.data() + slot(0) * Dvp, heads * rows * Dvp}, DType::f32,
+                   entry.chunks, Dvp);
     // As the tiled forward's epilogue (cpu::normalize_row): rows that see no key get 0 and -inf
     // (the sink); a row whose scores are all -inf gets 0/0 without a sink. (A bias or mask,
     // which can mask every key of a row, sends the call to the tiled forward.)
     const cpu::RowNormalizer normalizer =
         cpu::normalize_row(max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max, sum,
                            p.entry_key_range(b, position).empty(), cpu::sink_logit(p, head));
-    for (std::int64_t d = 0; d < p.head_dim; ++d) out_row[d] *= normalizer.inverse_sum;
+    for (std::int64_t d = 0; d < p.head_dim_v; ++d) out_row[d] *= normalizer.inverse_sum;
     if (plan.bf16_pairs) {
-      cpu::from_bf16_pair_order(buffer + Dp, out_row, Dp);
-      out_row = buffer + Dp;
+      cpu::from_bf16_pair_order(buffer + Dvp, out_row, Dvp);
+      out_row = buffer + Dvp;
     }
-    store_row_f32(p.out, p.q_dtype, p.out_strides.offset(b, position, head), out_row, p.head_dim);
+    store_row_f32(p.out, p.q_dtype, p.out_strides.offset(b, position, head), out_row, p.head_dim_v);
     if (p.lse) p.lse[p.lse_index(b, head, position)] = normalizer.lse;
   }
 }
@@ -676,15 +684,17 @@ bool use_flash_decode(const AttentionParams& p) {
   // Dropout belongs to training, whose shapes the tiled forward serves.
   if (p.dropout.on()) return false;
   // The score tiles of every KV head, Bk = 16 keys at least, within the tiled forward's tile.
-  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
+  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim, p.head_dim_v);
   return p.heads_kv * p.group_size() * p.seqlen_q * cpu::kTileLanes <= tiles.rows * tiles.keys;
 }
 
 std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
   const DecodePlan plan = decode_plan(p);
-  const __int128 Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
-  const __int128 per_thread = slots_per_entry * (Dp + plan.block_keys) + plan.key_group * Dp;
-  const __int128 shared = static_cast<__int128>(plan.total_chunks) * slots_per_entry * (Dp + 2);
+  const __int128 Dp = cpu::pad_to_lanes(p.head_dim), Dvp = cpu::pad_to_lanes(p.head_dim_v);
+  const __int128 slots_per_entry = p.heads_kv * plan.rows;
+  const __int128 per_thread =
+      slots_per_entry * (Dp + plan.block_keys) + plan.key_group * std::max(Dp, Dvp);
+  const __int128 shared = static_cast<__int128>(plan.total_chunks) * slots_per_entry * (Dvp + 2);
   const __int128 bytes = (p.num_threads * per_thread + shared) * 4;
   return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
                                                           : static_cast<std::int64_t>(bytes);
@@ -693,18 +703,19 @@ std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
 void flash_decode(const AttentionParams& p) {
   if (p.batch == 0) return;
   const DecodePlan plan = decode_plan(p);
-  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim), slots_per_entry = p.heads_kv * plan.rows;
+  const std::int64_t Dp = cpu::pad_to_lanes(p.head_dim), Dvp = cpu::pad_to_lanes(p.head_dim_v);
+  const std::int64_t slots_per_entry = p.heads_kv * plan.rows;
   const std::int64_t slots = plan.total_chunks * slots_per_entry;
   // Not zeroed here: start_chunk fills each chunk's slots before they are read.
   ChunkResults results{UninitializedAlignedVector<float>(slots),
                        UninitializedAlignedVector<float>(slots),
-                       UninitializedAlignedVector<float>(slots * Dp)};
+                       UninitializedAlignedVector<float>(slots * Dvp)};
   parallel_tasks(
       p.num_threads, plan.total_chunks,
       [&] {
         return Scratch{AlignedVector<float>(slots_per_entry * Dp), -1,
                        AlignedVector<float>(slots_per_entry * plan.block_keys),
-                       AlignedVector<float>(plan.key_group * Dp)};
+                       AlignedVector<float>(plan.key_group * std::max(Dp, Dvp))};
       },
       [&](Scratch& t, std::int64_t task) {
         const std::int64_t chunk = plan.order[task];
@@ -722,7 +733,7 @@ void flash_decode(const AttentionParams& p) {
   }
   parallel_tasks(
       p.num_threads, p.batch * p.heads_kv,
-      [&] { return AlignedVector<float>(2 * Dp + max_entry_chunks); },
+      [&] { return AlignedVector<float>(2 * Dvp + max_entry_chunks); },
       [&](AlignedVector<float>& buffer, std::int64_t task) {
         merge_chunks(p, plan, results, buffer.data(), task / p.heads_kv, task % p.heads_kv);
       });

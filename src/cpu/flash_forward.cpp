@@ -8,9 +8,9 @@
 //   S = Q_blk · K_blkᵀ                             [Br x Bc]   scores_tile
 //   Z = softcap, ALiBi of scale·S (when asked for) [Br x Bc]    modify_scores
 //   mask Z where the block is only partly visible  [Br x Bc]
-//   online softmax of Z: m, l, rescale acc         [Br], [Br x D]  online_softmax_tile
+//   online softmax of Z: m, l, rescale acc         [Br], [Br x Dv]  online_softmax_tile
 //   P ∘= dropout mask · 1/(1 − p) (when asked for) [Br x Bc]    apply_dropout
-//   acc += P · V_blk                               [Br x D]    accumulate_pv_tile
+//   acc += P · V_blk                               [Br x Dv]   accumulate_pv_tile
 // and finally out = acc / l, lse = m + log(l) (with each head's sink in l when there are sinks).
 // Blocks that the causal mask or the window hide from every row of a Q block are never visited by
 // it. bf16 inputs multiply as bf16 on AMX tiles or with vdpbf16ps where the CPU has them
@@ -63,10 +63,12 @@ constexpr std::int64_t kDiagonalChunkRows = 12;
 constexpr std::int64_t kSoftmaxGroupRows = 8;
 
 // Per-thread tiles. Row widths are padded to whole vectors (cpu::pad_to_lanes) with zeros, so
-// the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0.
+// the kernels never handle a ragged edge: padded keys get score -inf, padded dims stay 0. Q and K
+// rows have head_dim (padded: dims_padded), V rows and the accumulator head_dim_v
+// (value_dims_padded).
 struct Scratch {
   cpu::Bf16Products products;  // widened unless the inputs are bf16
-  std::int64_t dims_padded;
+  std::int64_t dims_padded, value_dims_padded;
   // bf16 products: the reductions of Q·Kᵀ (dims) and P·V (keys) zero-padded to a whole AMX tile
   // row, the row widths of Q, P and the packed K and V (tile_kernels_amx.hpp).
   std::int64_t bf16_dims, bf16_keys;
@@ -76,22 +78,23 @@ struct Scratch {
   AlignedVector<std::uint16_t> q_bf16, k_bf16, v_bf16, p_bf16;
 
   // Q, acc, row_max and row_sum hold tiles.blocks_per_task blocks of tiles.rows rows.
-  Scratch(cpu::TileSizes tiles, std::int64_t D, cpu::Bf16Products bf16_products)
+  Scratch(cpu::TileSizes tiles, std::int64_t D, std::int64_t Dv, cpu::Bf16Products bf16_products)
       : products(bf16_products),
         dims_padded(cpu::pad_to_lanes(D)),
+        value_dims_padded(cpu::pad_to_lanes(Dv)),
         bf16_dims(cpu::pad_to_amx_reduction(D)),
         bf16_keys(cpu::pad_to_amx_reduction(tiles.keys)),
         q(tiles.blocks_per_task * tiles.rows * dims_padded),
         k_packed(D * tiles.keys),
-        v_packed(tiles.keys * dims_padded),
+        v_packed(tiles.keys * value_dims_padded),
         scores(tiles.rows * tiles.keys),
-        acc(tiles.blocks_per_task * tiles.rows * dims_padded),
+        acc(tiles.blocks_per_task * tiles.rows * value_dims_padded),
         row_max(tiles.blocks_per_task * tiles.rows),
         row_sum(tiles.blocks_per_task * tiles.rows) {
     if (bf16_operands()) {
       q_bf16.assign(tiles.blocks_per_task * tiles.rows * bf16_dims, 0);
       k_bf16.assign(tiles.keys * bf16_dims, 0);
-      v_bf16.assign(bf16_keys * dims_padded, 0);
+      v_bf16.assign(bf16_keys * value_dims_padded, 0);
       p_bf16.assign(tiles.rows * bf16_keys, 0);
     }
   }
@@ -154,7 +157,7 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
     }
   }
   block.fp32_rows = !t.bf16_operands();
-  std::fill_n(block.acc, rows * t.dims_padded, 0.0f);
+  std::fill_n(block.acc, rows * t.value_dims_padded, 0.0f);
   std::fill_n(block.row_max, rows, kNegativeInfinity);
   std::fill_n(block.row_sum, rows, 0.0f);
 }
@@ -163,7 +166,7 @@ void start_block(const AttentionParams& p, const Scratch& t, QueryBlock& block) 
 // sinks (cpu::normalize_row); rows whose key range is empty get 0 and -inf (the sink). A row that
 // sees keys whose scores are all -inf (an infinite input) has l = 0 and gets 0/0 = NaN, as the
 // reference does.
-void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
+void finish_block(const AttentionParams& p, std::int64_t Dvp, bool stream_out,
                   const QueryBlock& block) {
   const TaskRows& task = block.rows;
   for (std::int64_t i = 0; i < task.count(); ++i) {
@@ -171,20 +174,20 @@ void finish_block(const AttentionParams& p, std::int64_t Dp, bool stream_out,
       const std::int64_t ahead = i + kRowsAhead;
       prefetch_store_row(p.out, p.dtype,
                          p.out_strides.offset(task.b, task.position(ahead), task.head(ahead)),
-                         p.head_dim, stream_out);
+                         p.head_dim_v, stream_out);
     }
-    float* acc_row = block.acc + i * Dp;
+    float* acc_row = block.acc + i * Dvp;
     const float row_max = block.row_max[i] == kNegativeInfinity ? kNegativeInfinity
                                                                 : p.tile_scale() * block.row_max[i];
     const cpu::RowNormalizer normalizer =
         cpu::normalize_row(row_max, block.row_sum[i],
                            cpu::no_key_seen(p, task.b, task.head(i), task.position(i), row_max),
                            cpu::sink_logit(p, task.head(i)));
-    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+    for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
       acc_row[d] = normalizer.empty ? 0.0f : acc_row[d] * normalizer.inverse_sum;
     }
     store_row_f32(p.out, p.dtype, p.out_strides.offset(task.b, task.position(i), task.head(i)),
-                  acc_row, p.head_dim, stream_out);
+                  acc_row, p.head_dim_v, stream_out);
     if (p.lse) p.lse[p.lse_index(task.b, task.head(i), task.position(i))] = normalizer.lse;
   }
 }
@@ -228,7 +231,7 @@ struct KeyBlock {
 void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
                      const QueryBlock& block, const KeyBlock& kv) {
   const TaskRows& task = block.rows;
-  const std::int64_t Dp = t.dims_padded, ld_scores = tiles.keys;
+  const std::int64_t Dp = t.dims_padded, Dvp = t.value_dims_padded, ld_scores = tiles.keys;
   const std::int64_t keys = kv.end - kv.begin, keys_padded = kv.keys_padded;
   const bool fully_visible = sees_all_keys(p, task, kv.begin, kv.end);
   const cpu::Bf16Products products =
@@ -242,7 +245,7 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
     const std::int64_t rows = row_hi - row_lo;
     const std::int64_t key_end_padded = cpu::pad_to_lanes(key_end);
     float* scores = t.scores.data();
-    float* acc = block.acc + row_lo * Dp;
+    float* acc = block.acc + row_lo * Dvp;
     // A bias's rows lie a whole row of keys apart, out of the prefetchers' reach: asked for
     // now, they arrive while the product below runs.
     const LogitView& bias = p.modifiers.bias;
@@ -280,8 +283,8 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
       }
       cpu::online_softmax_tile(scores + group * ld_scores + key_begin, ld_scores, p.tile_scale(),
                                block.row_max + row_lo + group, block.row_sum + row_lo + group,
-                               acc + group * Dp, Dp, group_end - group, key_end_padded - key_begin,
-                               Dp);
+                               acc + group * Dvp, Dvp, group_end - group,
+                               key_end_padded - key_begin, Dvp);
       if (!p.dropout.on()) continue;
       // Dropout after the row sums took P: it changes what P·V adds, not the softmax.
       cpu::DropoutRow rows_of_group[kSoftmaxGroupRows];
@@ -298,13 +301,13 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
       // precision).
       cpu::round_probabilities_bf16(t.p_bf16.data(), t.bf16_keys, scores, ld_scores, rows,
                                     keys_padded, kv.bf16_reduction);
-      cpu::bf16_tile_product(products, acc, Dp, true, t.p_bf16.data(), t.bf16_keys, t.v_bf16.data(),
-                             rows, Dp, kv.bf16_reduction);
+      cpu::bf16_tile_product(products, acc, Dvp, true, t.p_bf16.data(), t.bf16_keys,
+                             t.v_bf16.data(), rows, Dvp, kv.bf16_reduction);
       return;
     }
     if (kv.blocked_pv) {
-      cpu::accumulate_pv_tile(acc, Dp, scores, ld_scores, t.v_packed.data(), keys, key_begin,
-                              key_end, rows, Dp);
+      cpu::accumulate_pv_tile(acc, Dvp, scores, ld_scores, t.v_packed.data(), keys, key_begin,
+                              key_end, rows, Dvp);
       return;
     }
     // Only each row's visible keys: 0 · inf in a masked value row would leak NaN into a row
@@ -316,9 +319,9 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
                              std::clamp(row_keys.begin, kv.begin, kv.end),
                              std::clamp(row_keys.end, kv.begin, kv.end),
                              [&](std::int64_t first, std::int64_t last) {
-                               cpu::accumulate_pv_tile(acc + i * Dp, Dp, scores + i * ld_scores,
+                               cpu::accumulate_pv_tile(acc + i * Dvp, Dvp, scores + i * ld_scores,
                                                        ld_scores, t.v_packed.data(), keys,
-                                                       first - kv.begin, last - kv.begin, 1, Dp);
+                                                       first - kv.begin, last - kv.begin, 1, Dvp);
                              });
     }
   };
@@ -356,7 +359,7 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
 // visited by every Q block of the task that sees some of it.
 void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out, Scratch& t,
                 std::vector<QueryBlock>& blocks) {
-  const std::int64_t Dp = t.dims_padded, b = blocks.front().rows.b;
+  const std::int64_t Dvp = t.value_dims_padded, b = blocks.front().rows.b;
   const std::int64_t h_kv = blocks.front().rows.h_kv;
   for (QueryBlock& block : blocks) start_block(p, t, block);
 
@@ -394,7 +397,7 @@ void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out,
                                          keys, kv.keys_padded, p.head_dim, t.bf16_dims);
       const bool subnormal_values =
           cpu::pack_row_pairs_bf16(t.v_bf16.data(), p.v, p.v_strides, b, h_kv, key_begin, keys,
-                                   kv.bf16_reduction, p.head_dim, Dp);
+                                   kv.bf16_reduction, p.head_dim_v, Dvp);
       kv.bf16_exact = !subnormal_keys && !subnormal_values;
       for (const QueryBlock* block : visitors) {
         fp32_products = fp32_products || !(block->bf16_exact && kv.bf16_exact);
@@ -407,17 +410,18 @@ void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out,
       cpu::pack_rows_transposed(t.k_packed.data(), p.k, p.dtype, p.k_strides, b, h_kv, key_begin,
                                 keys, kv.keys_padded, p.head_dim);
       cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
-                     p.head_dim, Dp);
+                     p.head_dim_v, Dvp);
     }
     // A masked key has p = 0 exactly, and 0 · v = 0 for finite v: then masked rows can go
     // through the blocked P·V kernel with the same result as skipping the masked keys. Otherwise
     // the fp32 kernel takes each row's visible keys on their own.
     if (!all_visible) {
-      kv.blocked_pv = fp32_products ? cpu::all_finite(t.v_packed.data(), keys * Dp)
-                                    : cpu::all_finite_bf16(t.v_bf16.data(), kv.bf16_reduction * Dp);
+      kv.blocked_pv = fp32_products
+                          ? cpu::all_finite(t.v_packed.data(), keys * Dvp)
+                          : cpu::all_finite_bf16(t.v_bf16.data(), kv.bf16_reduction * Dvp);
       if (!kv.blocked_pv && !fp32_products) {
         cpu::pack_rows(t.v_packed.data(), p.v, p.dtype, p.v_strides, b, h_kv, key_begin, keys,
-                       p.head_dim, Dp);
+                       p.head_dim_v, Dvp);
       }
     }
     for (const QueryBlock* block : visitors) {
@@ -425,7 +429,7 @@ void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out,
     }
   }
 
-  for (const QueryBlock& block : blocks) finish_block(p, Dp, stream_out, block);
+  for (const QueryBlock& block : blocks) finish_block(p, Dvp, stream_out, block);
   fence_streams();
 }
 
@@ -436,7 +440,7 @@ void flash_forward(const AttentionParams& p) {
     cpu::flash_decode(p);
     return;
   }
-  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim);
+  const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim, p.head_dim_v);
   // A Q block holds Br rows: Br / group positions of each query head of a GQA group.
   const std::int64_t group = p.group_size();
   const std::int64_t positions = std::max<std::int64_t>(1, tiles.rows / group);
@@ -456,7 +460,7 @@ void flash_forward(const AttentionParams& p) {
   // Output rows that cannot stay in the L2 caches go straight to memory: plain stores read every
   // line first (docs/tuning.md).
   const bool stream_out = cpu::stream_output(static_cast<std::int64_t>(dtype_size(p.dtype)) *
-                                                 p.batch * p.seqlen_q * p.heads_q * p.head_dim,
+                                                 p.batch * p.seqlen_q * p.heads_q * p.head_dim_v,
                                              p.num_threads);
   const cpu::Bf16Products bf16_products =
       p.dtype == DType::bf16 ? cpu::active_bf16_products() : cpu::Bf16Products::widened;
@@ -465,7 +469,7 @@ void flash_forward(const AttentionParams& p) {
   // keys, so the long tasks start early and the short ones fill the gaps at the end.
   parallel_tasks(
       p.num_threads, task_count(blocks_per_task),
-      [&] { return Scratch(scratch_tiles, p.head_dim, bf16_products); },
+      [&] { return Scratch(scratch_tiles, p.head_dim, p.head_dim_v, bf16_products); },
       [&](Scratch& t, std::int64_t index) {
         const std::int64_t kv_head = index / tasks_per_head;
         const std::int64_t b = kv_head / p.heads_kv, h_kv = kv_head % p.heads_kv;
@@ -473,6 +477,7 @@ void flash_forward(const AttentionParams& p) {
             (tasks_per_head - 1 - index % tasks_per_head) * blocks_per_task;
         const std::int64_t end_block = std::min(first_block + blocks_per_task, q_blocks);
         const std::int64_t block_floats = scratch_tiles.rows * t.dims_padded;
+        const std::int64_t block_values = scratch_tiles.rows * t.value_dims_padded;
         const std::int64_t block_bf16 = scratch_tiles.rows * t.bf16_dims;
         std::vector<QueryBlock> blocks;
         for (std::int64_t n = first_block; n < end_block; ++n) {
@@ -482,7 +487,7 @@ void flash_forward(const AttentionParams& p) {
               group, position_begin, std::min(positions, p.seqlen_q - position_begin)};
           blocks.push_back({rows, t.q.data() + slot * block_floats,
                             t.bf16_operands() ? t.q_bf16.data() + slot * block_bf16 : nullptr, true,
-                            false, t.acc.data() + slot * block_floats,
+                            false, t.acc.data() + slot * block_values,
                             t.row_max.data() + slot * scratch_tiles.rows,
                             t.row_sum.data() + slot * scratch_tiles.rows});
         }

@@ -62,9 +62,10 @@ bool stream_output(std::int64_t bytes, int threads) {
   return bytes > machine_cache_sizes().l2_bytes * threads;
 }
 
-TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
+TileSizes choose_tile_sizes(std::int64_t head_dim, std::int64_t head_dim_v, CacheSizes caches) {
   constexpr std::int64_t kFloat = 4;
-  const std::int64_t dims = pad_to_lanes(head_dim);
+  // A Q row and an acc row; a K row and a V row.
+  const std::int64_t dims = pad_to_lanes(head_dim) + pad_to_lanes(head_dim_v);
 
   // Bc: the packed V panel (Bc keys x kPanelWidth floats) is what the P·V kernel keeps in L1
   // while all query rows pass over it; give it at most two thirds of L1 (Bc = 128 at 48 KiB,
@@ -73,13 +74,13 @@ TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
       std::clamp(round_down(caches.l1d_bytes * 2 / 3 / (kPanelWidth * kFloat), kTileLanes),
                  std::int64_t{64}, std::int64_t{256});
 
-  // Br: one task's tiles, Q and acc (Br x dims), scores (Br x Bc) and packed K and V
-  // (2 x Bc x dims), fill at most half of L2 so the next K/V rows and the output stream past
+  // Br: one task's tiles, Q and acc (Br x (D + Dv)), scores (Br x Bc) and packed K and V
+  // (Bc x (D + Dv)), fill at most half of L2 so the next K/V rows and the output stream past
   // them. The larger Br, the more query rows share each packed K/V block (docs/tuning.md).
   // Capped at 256: beyond it causal diagonal blocks waste more than packing saves.
-  const std::int64_t budget = caches.l2_bytes / 2 / kFloat - 2 * keys * dims;
+  const std::int64_t budget = caches.l2_bytes / 2 / kFloat - keys * dims;
   const std::int64_t rows =
-      std::clamp(round_down(budget / (2 * dims + keys), kTileLanes), kTileLanes, std::int64_t{256});
+      std::clamp(round_down(budget / (dims + keys), kTileLanes), kTileLanes, std::int64_t{256});
 
   // Q blocks per task: each packed K/V block is then read by that many Q blocks, which divides
   // the packing (a transpose of K) by as much. Their Q and acc tiles need not stay in L2: a Q
@@ -93,8 +94,8 @@ TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches) {
   return {rows, keys, blocks_per_task};
 }
 
-TileSizes flash_tiles(std::int64_t head_dim) {
-  return choose_tile_sizes(head_dim, machine_cache_sizes());
+TileSizes flash_tiles(std::int64_t head_dim, std::int64_t head_dim_v) {
+  return choose_tile_sizes(head_dim, head_dim_v, machine_cache_sizes());
 }
 
 Bf16Products backward_bf16_products(const AttentionParams& p) {
@@ -110,7 +111,7 @@ TileSizes flash_backward_tiles(const AttentionParams& p) {
   // window: half the forward's, at least 64, so that the blocks the mask cuts waste half as
   // much. vdpbf16ps takes the fp32 sizes too: its accumulators are registers, as the fp32
   // kernels' are. The sizes tried and their times: docs/tuning.md.
-  const std::int64_t forward_keys = flash_tiles(p.head_dim).keys;
+  const std::int64_t forward_keys = flash_tiles(p.head_dim, p.head_dim_v).keys;
   const bool amx = backward_bf16_products(p) == Bf16Products::amx;
   const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
   const bool half_keys = masked && !amx;

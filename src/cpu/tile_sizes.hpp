@@ -1,6 +1,6 @@
 #pragma once
 
-// How big the FlashAttention tiles are: choose_tile_sizes is a pure function of the head dim and
+// How big the FlashAttention tiles are: choose_tile_sizes is a pure function of the head dims and
 // the cache sizes, so it can be tested without the machine it runs on; flash_tiles and
 // flash_backward_tiles apply it to this machine and a call's parameters.
 
@@ -36,11 +36,12 @@ struct TileSizes {
   std::int64_t blocks_per_task = 1;  // Q blocks of Br rows that share each packed K/V block
 };
 
-TileSizes choose_tile_sizes(std::int64_t head_dim, CacheSizes caches);
+// head_dim: q's and k's, head_dim_v: v's and out's.
+TileSizes choose_tile_sizes(std::int64_t head_dim, std::int64_t head_dim_v, CacheSizes caches);
 
 // The forward's tiles on this machine: Br query rows by Bc keys, and how many Q blocks of Br
 // rows at most share each packed K/V block.
-TileSizes flash_tiles(std::int64_t head_dim);
+TileSizes flash_tiles(std::int64_t head_dim, std::int64_t head_dim_v);
 
 // How the flash backward's products run: bf16 inputs as active_bf16_products says, every other
 // dtype widened to fp32.

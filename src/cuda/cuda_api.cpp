@@ -159,6 +159,10 @@ void check_kernel_limits(const char* caller, const flashattn::detail::AttentionP
     fail(caller, "q: expected head_dim a multiple of 8 up to ", max_head_dim, ", got ",
          checked.head_dim);
   }
+  if (checked.head_dim_v != checked.head_dim) {
+    fail(caller, "v: expected head_dim_v = head_dim = ", checked.head_dim,
+         " (the CUDA kernels take one head dim), got ", checked.head_dim_v);
+  }
   for (const auto& [name, view] : views) check_rows_copyable(caller, name, view);
   for (const auto& [name, dim] : {std::pair{"heads_q", checked.heads_q},
                                   {"heads_kv", checked.heads_kv},

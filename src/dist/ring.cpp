@@ -56,6 +56,14 @@ void refuse_dropout(const char* caller, const AttentionOptions& options) {
   }
 }
 
+// The ring passes K and V rows of one width in one message: v's head dim must be k's.
+void refuse_head_dim_v(const char* caller, const ConstTensorView& k, const ConstTensorView& v) {
+  if (v.shape[3] != k.shape[3]) {
+    detail::fail(caller, "v_local: expected head_dim_v = head_dim = ", k.shape[3],
+                 " (ring attention takes one head dim for q, k and v), got ", v.shape[3]);
+  }
+}
+
 constexpr int kTagKeysValues = 4101;
 constexpr int kTagGradients = 4102;
 constexpr int kTagFinalGradients = 4103;
@@ -603,6 +611,7 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
     const std::string local_error = error_of([&] {
       detail::make_params(caller, q_local, k_local, v_local, out_local, lse_local, options);
       refuse_dropout(caller, options);
+      refuse_head_dim_v(caller, k_local, v_local);
     });
     const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {
@@ -715,6 +724,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
       detail::make_backward_params(caller, dout_local, q_local, k_local, v_local, out_local,
                                    lse_local, dq_local, dk_local, dv_local, options);
       refuse_dropout(caller, options);
+      refuse_head_dim_v(caller, k_local, v_local);
     });
     const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {

@@ -28,7 +28,7 @@ bool reads_cache_in_place(AttentionImpl impl, const AttentionParams& p) {
   return impl == AttentionImpl::flash && cpu::use_flash_decode(p);
 }
 
-// One row of head_dim elements from `src` (dtype src_dtype, element offset src_offset) to `dst`
+// One row of n elements from `src` (dtype src_dtype, element offset src_offset) to `dst`
 // (dst_dtype, dst_offset): copied when the dtypes agree, else widened or rounded to nearest even.
 void copy_row(void* dst, DType dst_dtype, std::int64_t dst_offset, const void* src, DType src_dtype,
               std::int64_t src_offset, std::int64_t n) {
@@ -80,8 +80,8 @@ AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void*
   s.dtype = p.q_dtype;
   s.batch = 1;
   s.seqlen_kv = length;
-  s.k_strides =
-      s.v_strides = {length * p.heads_kv * p.head_dim, p.heads_kv * p.head_dim, p.head_dim};
+  s.k_strides = {length * p.heads_kv * p.head_dim, p.heads_kv * p.head_dim, p.head_dim};
+  s.v_strides = {length * p.heads_kv * p.head_dim_v, p.heads_kv * p.head_dim_v, p.head_dim_v};
   s.kv_lengths = nullptr;
   s.kv_batch_index = s.kv_first_row = nullptr;
   s.block_table = nullptr;
@@ -90,19 +90,19 @@ AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void*
   return s;
 }
 
-// K and V of sequence b in q's dtype; saturates at INT64_MAX.
-std::int64_t gathered_bytes(const AttentionParams& p, std::int64_t b) {
-  const __int128 bytes = static_cast<__int128>(2) * p.kv_length(b) * p.heads_kv * p.head_dim *
+// Sequence b's K (dims = head_dim) or V (head_dim_v) in q's dtype; saturates at INT64_MAX.
+std::int64_t gathered_bytes(const AttentionParams& p, std::int64_t b, std::int64_t dims) {
+  const __int128 bytes = static_cast<__int128>(p.kv_length(b)) * p.heads_kv * dims *
                          static_cast<__int128>(dtype_size(p.q_dtype));
   return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
                                                           : static_cast<std::int64_t>(bytes);
 }
 
-// Sequence b's K or V rows into dst [L_b, Hkv, D] in q's dtype: copied, widened, or (a
-// quantized cache) dequantized to fp32 and rounded to q's dtype.
+// Sequence b's K or V rows of D dims into dst [L_b, Hkv, D] in q's dtype: copied, widened, or
+// (a quantized cache) dequantized to fp32 and rounded to q's dtype.
 void gather_sequence(const AttentionParams& p, std::int64_t b, const void* cache,
-                     const Strides& strides, const ScaleView& scales, void* dst) {
-  const std::int64_t length = p.kv_length(b), D = p.head_dim;
+                     const Strides& strides, const ScaleView& scales, std::int64_t D, void* dst) {
+  const std::int64_t length = p.kv_length(b);
   const bool quantized = is_quantized(p.dtype);
   parallel_tasks(
       p.num_threads, length, [&] { return std::vector<float>(quantized ? D : 0); },
@@ -140,7 +140,11 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
   std::int64_t most = 0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t bytes = scratch_bytes(impl, sequence_problem(p, b, nullptr, nullptr));
-    const std::int64_t gathered = gathered_bytes(p, b);
+    const std::int64_t keys = gathered_bytes(p, b, p.head_dim);
+    const std::int64_t values = gathered_bytes(p, b, p.head_dim_v);
+    const std::int64_t gathered = keys > std::numeric_limits<std::int64_t>::max() - values
+                                      ? std::numeric_limits<std::int64_t>::max()
+                                      : keys + values;
     const std::int64_t total = bytes > std::numeric_limits<std::int64_t>::max() - gathered
                                    ? std::numeric_limits<std::int64_t>::max()
                                    : bytes + gathered;
@@ -149,21 +153,24 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
   return most;
 }
 
-// Row (b, key, h) of a quantized cache = `row` quantized (util/quantize.hpp's definition).
+// Row (b, key, h) of a quantized cache, `dims` wide, = `row` quantized (util/quantize.hpp's
+// definition).
 void quantize_into(const AttentionParams& p, void* cache, const Strides& strides,
                    const ScaleView& scales, std::int64_t b, std::int64_t key, std::int64_t h,
-                   const float* row) {
+                   const float* row, std::int64_t dims) {
   cpu::quantize_row(static_cast<std::uint8_t*>(cache) + p.kv_offset(strides, b, key, h), p.dtype,
                     row, scales.data + p.kv_offset(scales.strides, b, key, h), scales.group_stride,
-                    scales.group_dims, p.head_dim);
+                    scales.group_dims, dims);
 }
 
 void append_to_cache(const KVCacheParams& params) {
   const AttentionParams& p = params.attention;
-  const std::int64_t D = p.head_dim;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
   const bool rotating = params.rotary.cos != nullptr;
   const bool quantized = is_quantized(p.dtype);
-  std::vector<float> k_row(quantized ? D : 0), v_row(quantized ? D : 0);
+  // A shared cache's values are its keys' first Dv dims: written with them.
+  const bool values = !params.values_in_keys;
+  std::vector<float> k_row(quantized ? D : 0), v_row(quantized ? Dv : 0);
   for (std::int64_t b = 0; b < p.batch; ++b) {
     // kv_offset counts keys from the sequence's first row (cache_leftpad), rotary from row 0.
     const std::int64_t first_key = p.kv_length(b) - params.seqlen_new;
@@ -180,9 +187,10 @@ void append_to_cache(const KVCacheParams& params) {
           } else {
             load_row_f32(k_row.data(), params.k_new, params.new_dtype, k_new_offset, D);
           }
-          load_row_f32(v_row.data(), params.v_new, params.new_dtype, v_new_offset, D);
-          quantize_into(p, params.k_cache, p.k_strides, p.k_scale, b, key, h, k_row.data());
-          quantize_into(p, params.v_cache, p.v_strides, p.v_scale, b, key, h, v_row.data());
+          quantize_into(p, params.k_cache, p.k_strides, p.k_scale, b, key, h, k_row.data(), D);
+          if (!values) continue;
+          load_row_f32(v_row.data(), params.v_new, params.new_dtype, v_new_offset, Dv);
+          quantize_into(p, params.v_cache, p.v_strides, p.v_scale, b, key, h, v_row.data(), Dv);
           continue;
         }
         const std::int64_t k_offset = p.kv_offset(p.k_strides, b, key, h);
@@ -193,8 +201,9 @@ void append_to_cache(const KVCacheParams& params) {
           copy_row(params.k_cache, p.dtype, k_offset, params.k_new, params.new_dtype, k_new_offset,
                    D);
         }
+        if (!values) continue;
         copy_row(params.v_cache, p.dtype, p.kv_offset(p.v_strides, b, key, h), params.v_new,
-                 params.new_dtype, v_new_offset, D);
+                 params.new_dtype, v_new_offset, Dv);
       }
     }
   }
@@ -248,11 +257,10 @@ void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
   if (reads_cache_in_place(impl, p)) return cpu::flash_decode(p);
   AlignedVector<std::uint8_t> keys, values;
   for (std::int64_t b = 0; b < p.batch; ++b) {
-    const std::int64_t bytes = gathered_bytes(p, b) / 2;
-    keys.resize(static_cast<std::size_t>(bytes));
-    values.resize(static_cast<std::size_t>(bytes));
-    gather_sequence(p, b, p.k, p.k_strides, p.k_scale, keys.data());
-    gather_sequence(p, b, p.v, p.v_strides, p.v_scale, values.data());
+    keys.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim)));
+    values.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim_v)));
+    gather_sequence(p, b, p.k, p.k_strides, p.k_scale, p.head_dim, keys.data());
+    gather_sequence(p, b, p.v, p.v_strides, p.v_scale, p.head_dim_v, values.data());
     run_dense(impl, sequence_problem(p, b, keys.data(), values.data()));
   }
 }

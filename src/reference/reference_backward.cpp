@@ -30,13 +30,13 @@ struct RowBuffers {
   std::vector<double> probabilities, dprobabilities, derivatives;
 };
 
-// Element (j, d) of one (batch, KV head) group's dK and dV lies at [base + j · kv_row + d]. An
-// index, not a pointer: with Skv = 0 the arrays may be null, and null plus an offset is undefined
-// behaviour (the backward fuzzer's UBSan found it).
+// Element (j, d) of one (batch, KV head) group's dK lies at [k_base + j · k_row + d], of its dV
+// at [v_base + j · v_row + d]. Indices, not pointers: with Skv = 0 the arrays may be null, and
+// null plus an offset is undefined behaviour (the backward fuzzer's UBSan found it).
 struct GroupGradients {
   double* dk;
   double* dv;
-  std::int64_t base, kv_row;
+  std::int64_t k_base, k_row, v_base, v_row;
 };
 
 // Query row `row` of (batch b, query head h): writes dq[0, D) and, when not null, the logits'
@@ -46,7 +46,7 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
                               std::int64_t row, RowBuffers& buffers, double* dq, double* dlogits,
                               const GroupGradients& group) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim, h_kv = p.kv_head(h);
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v, h_kv = p.kv_head(h);
   const double scale = p.scale;
   auto read = [&](const void* base, const Strides& strides, std::int64_t s, std::int64_t head,
                   std::int64_t d) {
@@ -90,7 +90,7 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     if (dropped(j)) continue;
     probabilities[j] /= sum;
     double dot = 0.0;
-    for (std::int64_t d = 0; d < D; ++d) {
+    for (std::int64_t d = 0; d < Dv; ++d) {
       dot += read(bp.dout, bp.dout_strides, row, h, d) * read(p.v, p.v_strides, j, h_kv, d);
     }
     dprobabilities[j] = dot * multiplier(j);
@@ -101,12 +101,15 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
     const double dlogit = probabilities[j] * (dprobabilities[j] - row_delta);
     if (dlogits != nullptr) dlogits[j] = dlogit;
     const double dscore = dlogit * derivatives[j];
-    const std::int64_t kv = group.base + j * group.kv_row;
+    const std::int64_t k_row = group.k_base + j * group.k_row;
+    const std::int64_t v_row = group.v_base + j * group.v_row;
     const double kept_probability = probabilities[j] * multiplier(j);
     for (std::int64_t d = 0; d < D; ++d) {
       dq[d] += scale * dscore * read(p.k, p.k_strides, j, h_kv, d);
-      group.dk[kv + d] += scale * dscore * read(p.q, p.q_strides, row, h, d);
-      group.dv[kv + d] += kept_probability * read(bp.dout, bp.dout_strides, row, h, d);
+      group.dk[k_row + d] += scale * dscore * read(p.q, p.q_strides, row, h, d);
+    }
+    for (std::int64_t d = 0; d < Dv; ++d) {
+      group.dv[v_row + d] += kept_probability * read(bp.dout, bp.dout_strides, row, h, d);
     }
   }
   return -std::exp(sink - shift) / sum * row_delta;
@@ -117,7 +120,7 @@ double reference_backward_row(const BackwardParams& bp, std::int64_t b, std::int
 void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk_f64,
                             double* dv_f64, double* dsinks_f64, double* dlogits_f64) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim, Skv = p.seqlen_kv;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v, Skv = p.seqlen_kv;
   auto make_buffers = [&] {
     return RowBuffers{std::vector<double>(static_cast<std::size_t>(Skv)),
                       std::vector<double>(static_cast<std::size_t>(Skv)),
@@ -129,12 +132,15 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
   // A task: one (batch, KV head) group, which owns its dK and dV rows.
   auto run_task = [&](RowBuffers& buffers, std::int64_t task) {
     const std::int64_t b = task / p.heads_kv, h_kv = task % p.heads_kv;
-    const GroupGradients group{dk_f64, dv_f64, (b * Skv * p.heads_kv + h_kv) * D, p.heads_kv * D};
+    const GroupGradients group{dk_f64,
+                               dv_f64,
+                               (b * Skv * p.heads_kv + h_kv) * D,
+                               p.heads_kv * D,
+                               (b * Skv * p.heads_kv + h_kv) * Dv,
+                               p.heads_kv * Dv};
     for (std::int64_t j = 0; j < Skv; ++j) {
-      for (std::int64_t d = 0; d < D; ++d) {
-        group.dk[group.base + j * group.kv_row + d] = 0.0;
-        group.dv[group.base + j * group.kv_row + d] = 0.0;
-      }
+      for (std::int64_t d = 0; d < D; ++d) group.dk[group.k_base + j * group.k_row + d] = 0.0;
+      for (std::int64_t d = 0; d < Dv; ++d) group.dv[group.v_base + j * group.v_row + d] = 0.0;
     }
     for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
       for (std::int64_t row = 0; row < p.seqlen_q; ++row) {
@@ -160,10 +166,10 @@ void reference_backward_f64(const BackwardParams& bp, double* dq_f64, double* dk
 
 void reference_backward(const BackwardParams& bp) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t D = p.head_dim;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
   std::vector<double> dq(static_cast<std::size_t>(p.batch * p.seqlen_q * p.heads_q * D));
   std::vector<double> dk(static_cast<std::size_t>(p.batch * p.seqlen_kv * p.heads_kv * D));
-  std::vector<double> dv(dk.size());
+  std::vector<double> dv(static_cast<std::size_t>(p.batch * p.seqlen_kv * p.heads_kv * Dv));
   std::vector<double> dsinks(bp.dsinks ? static_cast<std::size_t>(p.heads_q) : 0);
   std::vector<double> dlogits(
       bp.dbias.data ? static_cast<std::size_t>(p.batch * p.heads_q * p.seqlen_q * p.seqlen_kv) : 0);
@@ -173,19 +179,19 @@ void reference_backward(const BackwardParams& bp) {
   if (bp.dbias.data) store_bias_gradient(bp, dlogits.data());
 
   auto store = [&](void* base, const Strides& strides, const std::vector<double>& values,
-                   std::int64_t seqlen, std::int64_t heads) {
+                   std::int64_t seqlen, std::int64_t heads, std::int64_t dims) {
     for (std::int64_t b = 0; b < p.batch; ++b)
       for (std::int64_t s = 0; s < seqlen; ++s)
         for (std::int64_t h = 0; h < heads; ++h) {
-          const double* src = values.data() + ((b * seqlen + s) * heads + h) * D;
-          for (std::int64_t d = 0; d < D; ++d) {
+          const double* src = values.data() + ((b * seqlen + s) * heads + h) * dims;
+          for (std::int64_t d = 0; d < dims; ++d) {
             store_f32(base, p.dtype, strides.offset(b, s, h) + d, static_cast<float>(src[d]));
           }
         }
   };
-  store(bp.dq, bp.dq_strides, dq, p.seqlen_q, p.heads_q);
-  store(bp.dk, bp.dk_strides, dk, p.seqlen_kv, p.heads_kv);
-  store(bp.dv, bp.dv_strides, dv, p.seqlen_kv, p.heads_kv);
+  store(bp.dq, bp.dq_strides, dq, p.seqlen_q, p.heads_q, D);
+  store(bp.dk, bp.dk_strides, dk, p.seqlen_kv, p.heads_kv, D);
+  store(bp.dv, bp.dv_strides, dv, p.seqlen_kv, p.heads_kv, Dv);
 }
 
 }  // namespace flashattn::detail

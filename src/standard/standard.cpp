@@ -66,12 +66,13 @@ struct HeadScratch {
 // there are fewer heads than threads; the sgemms then thread inside OpenBLAS).
 void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, HeadScratch& t,
                    int row_threads) {
-  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim, h_kv = p.kv_head(h);
+  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim, Dv = p.head_dim_v,
+                     h_kv = p.kv_head(h);
   const std::int64_t width = cpu::pad_to_lanes(Skv);  // row stride of the score matrix
   t.scores.resize(static_cast<std::size_t>(Sq * width));
   const Matrix q = gather_rows(t.q_copy, p.q, p.dtype, p.q_strides, b, h, Sq, D);
   const Matrix k = gather_rows(t.k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
-  const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
+  const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, Dv);
 
   // A = scale · Q·Kᵀ                                           [Sq x Skv]
   if (Skv > 0) {
@@ -95,45 +96,45 @@ void standard_head(const AttentionParams& p, std::int64_t b, std::int64_t h, Hea
                          {&p.dropout, dropout_stream(p, b, h), static_cast<std::uint32_t>(row)});
     }
   }
-  // O = P·V                                                    [Sq x D]
+  // O = P·V                                                    [Sq x Dv]
   float* out = nullptr;
-  std::int64_t out_stride = D;
-  const bool write_in_place = p.dtype == DType::f32 && (Sq <= 1 || p.out_strides.seq >= D);
+  std::int64_t out_stride = Dv;
+  const bool write_in_place = p.dtype == DType::f32 && (Sq <= 1 || p.out_strides.seq >= Dv);
   if (write_in_place) {
     out = static_cast<float*>(p.out) + p.out_strides.offset(b, 0, h);
-    out_stride = Sq <= 1 ? D : p.out_strides.seq;
+    out_stride = Sq <= 1 ? Dv : p.out_strides.seq;
   } else {
-    t.out_copy.resize(static_cast<std::size_t>(Sq * D));
+    t.out_copy.resize(static_cast<std::size_t>(Sq * Dv));
     out = t.out_copy.data();
   }
-  if (Skv > 0 && all_finite(v, Skv, D)) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.scores.data(), width,
-                v.data, v.stride, 0.0f, out, out_stride);
+  if (Skv > 0 && all_finite(v, Skv, Dv)) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, Dv, Skv, 1.0f, t.scores.data(),
+                width, v.data, v.stride, 0.0f, out, out_stride);
   } else if (Skv > 0) {
     // A masked key has p = 0, but 0 · inf = NaN: with a non-finite value row, each row takes
     // only its visible keys (each run of them that the mask keeps).
     for (std::int64_t row = 0; row < Sq; ++row) {
       const KeyRange keys = p.key_range(row);
-      std::fill_n(out + row * out_stride, D, 0.0f);
+      std::fill_n(out + row * out_stride, Dv, 0.0f);
       if (t.empty_rows[static_cast<std::size_t>(row)]) continue;
-      // One row of P times the visible rows of V, [1 x n]·[n x D], through sgemm (the only BLAS
+      // One row of P times the visible rows of V, [1 x n]·[n x Dv], through sgemm (the only BLAS
       // routine the sanitizer builds' plain-loop stand-in provides).
       cpu::for_each_kept_run(
           p, b, h, row, keys.begin, keys.end, [&](std::int64_t first, std::int64_t last) {
             const std::int64_t n = last - first;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, D, n, 1.0f,
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, 1, Dv, n, 1.0f,
                         t.scores.data() + row * width + first, n, v.data + first * v.stride,
-                        v.stride, 1.0f, out + row * out_stride, D);
+                        v.stride, 1.0f, out + row * out_stride, Dv);
           });
     }
   } else {
     for (std::int64_t row = 0; row < Sq; ++row) {
-      std::fill_n(out + row * out_stride, D, 0.0f);
+      std::fill_n(out + row * out_stride, Dv, 0.0f);
     }
   }
   if (!write_in_place) {
     for (std::int64_t row = 0; row < Sq; ++row) {
-      store_row_f32(p.out, p.dtype, p.out_strides.offset(b, row, h), out + row * D, D);
+      store_row_f32(p.out, p.dtype, p.out_strides.offset(b, row, h), out + row * Dv, Dv);
     }
   }
 }

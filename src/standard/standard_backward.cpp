@@ -49,12 +49,12 @@ struct BackwardScratch {
 void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int64_t h_kv,
                              BackwardScratch& t) {
   const AttentionParams& p = bp.forward;
-  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim;
+  const std::int64_t Sq = p.seqlen_q, Skv = p.seqlen_kv, D = p.head_dim, Dv = p.head_dim_v;
   const std::int64_t width = cpu::pad_to_lanes(Skv);
   t.probabilities.assign(static_cast<std::size_t>(Sq * width), 0.0f);
   t.dscores.assign(static_cast<std::size_t>(Sq * width), 0.0f);
   t.dk.assign(static_cast<std::size_t>(Skv * D), 0.0f);
-  t.dv.assign(static_cast<std::size_t>(Skv * D), 0.0f);
+  t.dv.assign(static_cast<std::size_t>(Skv * Dv), 0.0f);
   t.dq.resize(static_cast<std::size_t>(Sq * D));
   t.delta.resize(static_cast<std::size_t>(Sq));
   t.lse.resize(static_cast<std::size_t>(Sq));
@@ -68,18 +68,18 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
   const float* value_probabilities =
       p.dropout.on() ? t.kept_probabilities.data() : t.probabilities.data();
   const Matrix k = gather_rows(t.k_copy, p.k, p.dtype, p.k_strides, b, h_kv, Skv, D);
-  const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, D);
+  const Matrix v = gather_rows(t.v_copy, p.v, p.dtype, p.v_strides, b, h_kv, Skv, Dv);
 
   for (std::int64_t h = h_kv * p.group_size(); h < (h_kv + 1) * p.group_size(); ++h) {
     const Matrix q = gather_rows(t.q_copy, p.q, p.dtype, p.q_strides, b, h, Sq, D);
-    const Matrix dout = gather_rows(t.dout_copy, bp.dout, p.dtype, bp.dout_strides, b, h, Sq, D);
+    const Matrix dout = gather_rows(t.dout_copy, bp.dout, p.dtype, bp.dout_strides, b, h, Sq, Dv);
     row_deltas(t.delta.data(), bp.dout, bp.dout_strides, p.out, p.out_strides, p.dtype, b, h, 0, Sq,
-               D);
+               Dv);
     backward_row_lse(t.lse.data(), p, b, h, 0, Sq);
     // With an infinity or a NaN in an operand, masked pairs (P = dS = 0) must not enter the
     // products (0·inf = NaN): the gradients then add over the visible pairs only.
-    const bool visible_only = !(all_finite(q, Sq, D) && all_finite(dout, Sq, D) &&
-                                all_finite(k, Skv, D) && all_finite(v, Skv, D) &&
+    const bool visible_only = !(all_finite(q, Sq, D) && all_finite(dout, Sq, Dv) &&
+                                all_finite(k, Skv, D) && all_finite(v, Skv, Dv) &&
                                 cpu::all_finite(t.delta.data(), Sq) && !any_nan(t.lse.data(), Sq));
 
     if (Skv > 0) {
@@ -110,14 +110,14 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
           }
         }
       }
-      // dV += Pᵀ·dO                                                [Skv x D]
+      // dV += Pᵀ·dO                                                [Skv x Dv]
       if (!visible_only) {
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, D, Sq, 1.0f, value_probabilities,
-                    width, dout.data, dout.stride, 1.0f, t.dv.data(), D);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Skv, Dv, Sq, 1.0f, value_probabilities,
+                    width, dout.data, dout.stride, 1.0f, t.dv.data(), Dv);
       }
       // dP = dO·Vᵀ, then dS = scale · P ∘ (dP − D_i)                 [Sq x Skv]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, D, 1.0f, dout.data, dout.stride,
-                  v.data, v.stride, 0.0f, t.dscores.data(), width);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, Sq, Skv, Dv, 1.0f, dout.data,
+                  dout.stride, v.data, v.stride, 0.0f, t.dscores.data(), width);
       if (p.dropout.on()) {
         for (std::int64_t i = 0; i < Sq * width; ++i) t.dscores[i] *= t.dropout_multipliers[i];
       }
@@ -148,6 +148,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
                                        0,
                                        Skv,
                                        D,
+                                       Dv,
                                        t.lse.data(),
                                        value_probabilities,
                                        t.dscores.data(),
@@ -161,8 +162,9 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
                                        t.dq.data(),
                                        D,
                                        t.dk.data(),
+                                       D,
                                        t.dv.data(),
-                                       D});
+                                       Dv});
       } else {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Skv, 1.0f, t.dscores.data(),
                     width, k.data, k.stride, 0.0f, t.dq.data(), D);
@@ -175,7 +177,7 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
     scatter_rows(bp.dq, p.dtype, bp.dq_strides, b, h, t.dq.data(), Sq, D);
   }
   scatter_rows(bp.dk, p.dtype, bp.dk_strides, b, h_kv, t.dk.data(), Skv, D);
-  scatter_rows(bp.dv, p.dtype, bp.dv_strides, b, h_kv, t.dv.data(), Skv, D);
+  scatter_rows(bp.dv, p.dtype, bp.dv_strides, b, h_kv, t.dv.data(), Skv, Dv);
 }
 
 }  // namespace

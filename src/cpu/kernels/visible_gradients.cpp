@@ -7,7 +7,7 @@
 namespace flashattn::detail::cpu {
 
 void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& t) {
-  const std::int64_t D = t.head_dim;
+  const std::int64_t D = t.head_dim, Dv = t.head_dim_v;
   for (std::int64_t i = 0; i < t.rows; ++i) {
     if (row_fully_masked(p, t.batch, t.head, t.row_begin + i, t.lse[i])) continue;
     const KeyRange visible = p.key_range(t.row_begin + i);
@@ -21,10 +21,10 @@ void add_visible_gradients(const AttentionParams& p, const VisibleGradientTile& 
       const float probability = t.probabilities[i * t.ld_scores + j];
       const float dscore = t.dscores[i * t.ld_scores + j];
       const float* k = t.k + j * t.ld_k;
-      float* dk = t.dk + j * t.ld_kv;
-      float* dv = t.dv + j * t.ld_kv;
+      float* dk = t.dk + j * t.ld_dk;
+      float* dv = t.dv + j * t.ld_dv;
+      for (std::int64_t d = 0; d < Dv; ++d) dv[d] += probability * dout[d];
       for (std::int64_t d = 0; d < D; ++d) {
-        dv[d] += probability * dout[d];
         dk[d] += dscore * q[d];
         dq[d] += dscore * k[d];
       }

@@ -16,22 +16,23 @@ namespace flashattn::detail::cpu {
 // [key_begin, key_begin + keys). Row-major fp32 operands, element (r, d) at data[r·ld + d].
 struct VisibleGradientTile {
   std::int64_t batch, head;
-  std::int64_t row_begin, rows, key_begin, keys, head_dim;
+  std::int64_t row_begin, rows, key_begin, keys, head_dim, head_dim_v;
   const float* lse;            // [rows], the forward's as the backward reads it
   const float* probabilities;  // P [rows x keys] (P ∘ M with dropout: what dV takes)
   const float* dscores;        // dS, scaled [rows x keys]
   std::int64_t ld_scores;
   const float* q;  // [rows x head_dim]
   std::int64_t ld_q;
-  const float* dout;  // [rows x head_dim]
+  const float* dout;  // [rows x head_dim_v]
   std::int64_t ld_dout;
   const float* k;  // [keys x head_dim]
   std::int64_t ld_k;
   float* dq;  // [rows x head_dim], added into
   std::int64_t ld_dq;
-  float* dk;  // [keys x head_dim] each, added into
-  float* dv;
-  std::int64_t ld_kv;
+  float* dk;  // [keys x head_dim], added into
+  std::int64_t ld_dk;
+  float* dv;  // [keys x head_dim_v], added into
+  std::int64_t ld_dv;
 };
 
 // dV_j += Σ_i P_ij·dO_i, dK_j += Σ_i dS_ij·Q_i, dQ_i += Σ_j dS_ij·K_j over the pairs where
