@@ -51,6 +51,7 @@ struct Problem {
   AttentionImpl impl = AttentionImpl::flash;
   DType q_dtype = DType::f32, cache_dtype = DType::f32, new_dtype = DType::f32;
   std::int64_t batch = 0, seqlen_q = 0, seqlen_new = 0, heads_kv = 1, group = 1, head_dim = 1;
+  std::int64_t head_dim_v = 1;  // v's and out's
   std::int64_t capacity = 0, page_size = 1, pages_per_sequence = 0, num_pages = 0;
   std::vector<std::int32_t> cached;  // cache_seqlens
   std::vector<std::int32_t> block_table;
@@ -108,6 +109,8 @@ Problem make_problem(FuzzedDataProvider& in) {
   p.heads_kv = in.ConsumeIntegralInRange(1, 3);
   p.group = in.PickValueInArray({1, 2, 4, 8});
   p.head_dim = in.PickValueInArray({1, 3, 8, 16, 17, 32, 40, 64});
+  // v's head dim: mostly head_dim's (0, what an exhausted input picks).
+  p.head_dim_v = in.PickValueInArray({0, 0, 0, 1, 6, 24});
   const std::int64_t max_cached = in.ConsumeIntegralInRange(0, 7) == 0 ? 300 : 50;
   // At most 2^17 score products per call, so that the fuzzer stays fast under ASan: the head
   // dim is halved first, then the query rows.
@@ -119,6 +122,7 @@ Problem make_problem(FuzzedDataProvider& in) {
       p.seqlen_q /= 2;
     }
   }
+  if (p.head_dim_v == 0) p.head_dim_v = p.head_dim;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     p.cached.push_back(
         static_cast<std::int32_t>(in.ConsumeIntegralInRange<std::int64_t>(0, max_cached)));
@@ -142,21 +146,21 @@ Problem make_problem(FuzzedDataProvider& in) {
   const Shape q_shape{p.batch, p.seqlen_q, p.heads_q(), p.head_dim};
   const Shape new_shape{p.batch, p.seqlen_new, p.heads_kv, p.head_dim};
   p.q = fuzzed_layout(in, p.q_dtype, q_shape, true);
-  p.out = fuzzed_layout(in, p.q_dtype, q_shape, false);
+  p.out = fuzzed_layout(in, p.q_dtype, {p.batch, p.seqlen_q, p.heads_q(), p.head_dim_v}, false);
   mark_view(p.out);
   p.k_new = fuzzed_layout(in, p.new_dtype, new_shape, true);
-  p.v_new = fuzzed_layout(in, p.new_dtype, new_shape, true);
+  p.v_new = fuzzed_layout(in, p.new_dtype, {p.batch, p.seqlen_new, p.heads_kv, p.head_dim_v}, true);
   // The caches are written: no stride-0 dims.
   p.dense_k =
       fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim}, false);
   p.dense_v =
-      fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim}, false);
+      fuzzed_layout(in, p.cache_dtype, {p.batch, p.capacity, p.heads_kv, p.head_dim_v}, false);
   p.paged_k =
       fuzzed_layout(in, p.cache_dtype, {p.num_pages, p.page_size, p.heads_kv, p.head_dim}, false);
   p.paged_v =
-      fuzzed_layout(in, p.cache_dtype, {p.num_pages, p.page_size, p.heads_kv, p.head_dim}, false);
+      fuzzed_layout(in, p.cache_dtype, {p.num_pages, p.page_size, p.heads_kv, p.head_dim_v}, false);
   if (p.quantized()) {
-    p.groups = p.head_dim % 2 == 0 && in.ConsumeBool() ? 2 : 1;
+    p.groups = p.head_dim % 2 == 0 && p.head_dim_v % 2 == 0 && in.ConsumeBool() ? 2 : 1;
     const Shape dense_scales{p.batch, p.capacity, p.heads_kv, p.groups};
     const Shape paged_scales{p.num_pages, p.page_size, p.heads_kv, p.groups};
     p.dense_k_scale = fuzzed_layout(in, DType::f32, dense_scales, false);
@@ -179,11 +183,13 @@ Problem make_problem(FuzzedDataProvider& in) {
   fill(p.v_new, p.new_dtype, in, v_exponent, specials, true);
   // The same rows in both caches: a quantized cache's codes are the input's bytes, its scales
   // |values| of the input.
-  for_each_index({p.batch, p.capacity, p.heads_kv, p.head_dim}, [&](auto b, auto j, auto h,
-                                                                    auto d) {
+  // Dims past one cache's head dim belong to the other only.
+  const std::int64_t widest = std::max(p.head_dim, p.head_dim_v);
+  for_each_index({p.batch, p.capacity, p.heads_kv, widest}, [&](auto b, auto j, auto h, auto d) {
     const auto [page, row] = p.page_row(b, j);
     if (p.quantized()) {
       for (auto [dense, paged] : {std::pair{&p.dense_k, &p.paged_k}, {&p.dense_v, &p.paged_v}}) {
+        if (d >= dense->shape[3]) continue;
         const std::uint8_t code = in.ConsumeIntegral<std::uint8_t>();
         dense->buffer.bytes[static_cast<std::size_t>(dense->offset(b, j, h, d))] = code;
         paged->buffer.bytes[static_cast<std::size_t>(paged->offset(page, row, h, d))] = code;
@@ -200,12 +206,16 @@ Problem make_problem(FuzzedDataProvider& in) {
       }
       return;
     }
-    const float k = value_from(in.ConsumeIntegral<std::uint8_t>(), k_exponent, specials, true);
-    const float v = value_from(in.ConsumeIntegral<std::uint8_t>(), v_exponent, specials, true);
-    store_f32(p.dense_k.buffer.bytes.data(), p.cache_dtype, p.dense_k.offset(b, j, h, d), k);
-    store_f32(p.dense_v.buffer.bytes.data(), p.cache_dtype, p.dense_v.offset(b, j, h, d), v);
-    store_f32(p.paged_k.buffer.bytes.data(), p.cache_dtype, p.paged_k.offset(page, row, h, d), k);
-    store_f32(p.paged_v.buffer.bytes.data(), p.cache_dtype, p.paged_v.offset(page, row, h, d), v);
+    if (d < p.head_dim) {
+      const float k = value_from(in.ConsumeIntegral<std::uint8_t>(), k_exponent, specials, true);
+      store_f32(p.dense_k.buffer.bytes.data(), p.cache_dtype, p.dense_k.offset(b, j, h, d), k);
+      store_f32(p.paged_k.buffer.bytes.data(), p.cache_dtype, p.paged_k.offset(page, row, h, d), k);
+    }
+    if (d < p.head_dim_v) {
+      const float v = value_from(in.ConsumeIntegral<std::uint8_t>(), v_exponent, specials, true);
+      store_f32(p.dense_v.buffer.bytes.data(), p.cache_dtype, p.dense_v.offset(b, j, h, d), v);
+      store_f32(p.paged_v.buffer.bytes.data(), p.cache_dtype, p.paged_v.offset(page, row, h, d), v);
+    }
   });
 
   // A rotary table for one input in four: every position the call rotates at and a few more.
@@ -234,6 +244,7 @@ Problem make_problem(FuzzedDataProvider& in) {
   describe_tensor(text, "out", p.out);
   describe_tensor(text, "dense_k", p.dense_k);
   describe_tensor(text, "paged_k", p.paged_k);
+  describe_tensor(text, "paged_v", p.paged_v);
   describe_options(text, p.options);
   text << " lse " << !p.lse_bytes.empty() << " specials " << specials;
   if (p.quantized()) text << " scale groups " << p.groups;
@@ -284,7 +295,7 @@ Call make_call(Problem& p, bool paged) {
 // Turns the call invalid; false when this corruption cannot apply to this problem. `paged`
 // says which cache the call uses.
 bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
-  const bool has_output = p.batch * p.heads_q() * p.seqlen_q * p.head_dim > 0;
+  const bool has_output = p.batch * p.heads_q() * p.seqlen_q * p.head_dim_v > 0;
   switch (kind) {
     case 0:
       if (p.batch == 0) return false;
@@ -388,7 +399,7 @@ bool corrupt(Problem& p, int kind, Call& call, bool& paged) {
     case 15:
       // Scales that do not fit the cache, or scales for a cache that takes none.
       if (p.quantized()) {
-        call.cache.v_scale.shape[3] = p.head_dim + 1;
+        call.cache.v_scale.shape[3] = p.head_dim_v + 1;
       } else {
         call.cache.k_scale = call.cache.k;
         call.cache.k_scale.dtype = DType::f32;
@@ -425,7 +436,7 @@ std::vector<std::uint8_t> appended(const Problem& p, const Tensor& cache, const 
                                    bool rotate, RowOf&& row_of) {
   std::vector<std::uint8_t> bytes = cache.buffer.bytes;
   if (p.quantized()) return bytes;  // quantized_appended
-  for_each_index({p.batch, p.seqlen_new, p.heads_kv, p.head_dim},
+  for_each_index({p.batch, p.seqlen_new, p.heads_kv, rows.shape[3]},
                  [&](auto b, auto i, auto h, auto d) {
                    const auto [outer, row] = row_of(b, p.cached[b] + i);
                    store_f32(bytes.data(), p.cache_dtype, cache.offset(outer, row, h, d),
@@ -441,16 +452,17 @@ std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> quantized_append
     const Problem& p, const Tensor& cache, const Tensor& scales, const Tensor& rows, bool rotate,
     RowOf&& row_of) {
   std::vector<std::uint8_t> codes = cache.buffer.bytes, scale_bytes = scales.buffer.bytes;
-  std::vector<float> row(static_cast<std::size_t>(p.head_dim));
+  const std::int64_t dims = rows.shape[3];
+  std::vector<float> row(static_cast<std::size_t>(dims));
   for_each_index({p.batch, p.seqlen_new, p.heads_kv, 1}, [&](auto b, auto i, auto h, auto) {
     const auto [outer, key] = row_of(b, p.cached[b] + i);
-    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+    for (std::int64_t d = 0; d < dims; ++d) {
       row[static_cast<std::size_t>(d)] = static_cast<float>(new_value(p, rows, rotate, b, i, h, d));
     }
     auto* scale_data = reinterpret_cast<float*>(scale_bytes.data());
     flashattn::detail::quantize_row(codes.data(), p.cache_dtype, cache.offset(outer, key, h, 0),
                                     row.data(), scale_data + scales.offset(outer, key, h, 0),
-                                    scales.strides[3], p.head_dim / p.groups, p.head_dim);
+                                    scales.strides[3], dims / p.groups, dims);
   });
   return {codes, scale_bytes};
 }
@@ -463,7 +475,7 @@ double dense_value(const Problem& p, std::int64_t b, std::int64_t j, std::int64_
       load_f32(p.dense_v.buffer.bytes.data(), p.cache_dtype, p.dense_v.offset(b, j, h, d));
   if (!p.quantized()) return code;
   return code * load_f32(p.dense_v_scale.buffer.bytes.data(), DType::f32,
-                         p.dense_v_scale.offset(b, j, h, d / (p.head_dim / p.groups)));
+                         p.dense_v_scale.offset(b, j, h, d / (p.head_dim_v / p.groups)));
 }
 
 // Rows that see no key, and the hull bound on the others, against the dense cache as it is
@@ -488,15 +500,16 @@ __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
         double v_max = 0.0;
         bool finite = true;
         for (std::int64_t j = keys.begin; j < keys.end; ++j) {
-          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
             const double v = dense_value(p, b, j, h_kv, d);
             finite = finite && std::isfinite(v);
             v_max = std::max(v_max, std::abs(v));
           }
         }
-        const double bound = v_max * (1.0 + static_cast<double>(2 * L + 16) * u + u_p + u_out) +
-                             static_cast<double>(L + p.head_dim + 16) * 0x1p-126;
-        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+        const double bound =
+            v_max * (1.0 + static_cast<double>(2 * L + 16) * u + u_p + u_out) +
+            static_cast<double>(L + std::max(p.head_dim, p.head_dim_v) + 16) * 0x1p-126;
+        for (std::int64_t d = 0; d < p.head_dim_v; ++d) {
           const double got =
               load_f32(p.out.buffer.bytes.data(), p.q_dtype, p.out.offset(b, row, h, d));
           std::ostringstream where;

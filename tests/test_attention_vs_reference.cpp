@@ -29,6 +29,7 @@
 #include "cpu/kernels/bf16_products.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/kernels/tile_kernels_bf16.hpp"
+#include "cpu/tile_sizes.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -184,6 +185,31 @@ std::vector<Case> make_grid() {
       grid.push_back(c);
       ++v;
     }
+  }
+  // Few Q blocks against many keys: the keys cut into chunks merged at the end
+  // (flash_forward.cpp). MLA's absorbed decode (128 query heads on one latent KV head, 576/512,
+  // one and two positions), a GQA group beyond the decode path, a causal prefill with a window.
+  {
+    Case mla{1, 1, 3000, 128, 1, 576};
+    mla.head_dim_v = 512;
+    mla.dtype = DType::bf16;
+    grid.push_back(mla);
+    mla.seqlen_q = 2;
+    mla.seqlen_kv = 1300;
+    mla.causal = true;
+    mla.dtype = DType::f32;
+    mla.threads = 3;
+    grid.push_back(mla);
+    Case group{1, 1, 2100, 64, 2, 96};
+    group.head_dim_v = 40;
+    group.dtype = DType::f16;
+    grid.push_back(group);
+    Case prefill{1, 200, 2200, 1, 1, 48};
+    prefill.causal = true;
+    prefill.window_left = 1500;
+    prefill.window_right = 0;
+    prefill.layout = Layout::bhsd;
+    grid.push_back(prefill);
   }
   return grid;
 }
@@ -571,6 +597,22 @@ TEST(FlashDeterminism, BitwiseIdenticalForAnyThreadCount) {
   windowed.window_right = 30;
   SCOPED_TRACE("window (200, 30)");
   expect_same_bits_for_any_thread_count({2, 301, 4, 72}, {2, 517, 2, 72}, windowed);
+}
+
+// A call of few Q blocks against many keys cuts its keys into chunks, merged at the end
+// (flash_forward.cpp): from the shape, not the threads. 48 query heads on one KV head (MLA's
+// absorbed decode, more rows per KV head than the decode path takes), and a short prefill.
+TEST(FlashDeterminism, KeyChunksBitwiseIdenticalForAnyThreadCount) {
+  Tensor q(DType::f32, {1, 1, 48, 64}), kv(DType::f32, {1, 3000, 1, 64}),
+      out(DType::f32, {1, 1, 48, 64});
+  ASSERT_GT(detail::cpu::flash_forward_key_chunks(
+                detail::make_params("test", q.view, kv.view, kv.view, out.view, nullptr, {})),
+            1);
+  expect_same_bits_for_any_thread_count({1, 1, 48, 64}, {1, 3000, 1, 64}, {});
+  AttentionOptions causal;
+  causal.causal = true;
+  SCOPED_TRACE("causal prefill");
+  expect_same_bits_for_any_thread_count({1, 300, 1, 32}, {1, 2500, 1, 32}, causal);
 }
 
 // Decoding: a few query rows per KV head (group · Sq <= 32) go through cpu/flash_decode.cpp,

@@ -28,12 +28,13 @@ struct LayerShape {
   std::int64_t batch, seqlen_q, seqlen_kv;
   bool cross;  // keys and values from a separate context of seqlen_kv tokens
   std::int64_t hidden, heads, kv_heads;  // kv_heads 0 = heads
+  std::int64_t value_head_dim = 0;       // 0 = head_dim
 };
 
 std::ostream& operator<<(std::ostream& os, const LayerShape& s) {
   return os << s.name << " {B=" << s.batch << " Sq=" << s.seqlen_q << " Skv=" << s.seqlen_kv
             << (s.cross ? " cross" : " self") << " H=" << s.hidden << " Nh=" << s.heads
-            << " Nkv=" << s.kv_heads << '}';
+            << " Nkv=" << s.kv_heads << " Dv=" << s.value_head_dim << '}';
 }
 
 using testing::fill_uniform;
@@ -93,7 +94,7 @@ TEST_P(MultiHeadAttentionVsSeed, MatchesPerHeadLoops) {
   SCOPED_TRACE(::testing::Message()
                << shape << " impl=" << impl_name(impl) << " bias=" << bias << " causal=" << causal);
 
-  MultiHeadAttention layer({shape.hidden, shape.heads, shape.kv_heads, bias});
+  MultiHeadAttention layer({shape.hidden, shape.heads, shape.kv_heads, bias, shape.value_head_dim});
   layer.init_random(1234);
   // init_random zeroes biases; make them matter. (b_K shifts row i of the scores by the constant
   // q_i·b_K, which the softmax cancels: only b_Q, b_V and b_O can show in y.)
@@ -132,6 +133,9 @@ const LayerShape kShapes[] = {
     {"cross_sq_lt_skv", 2, 5, 11, true, 32, 4, 2},
     // Causal with Sq > Skv: rows 0..9 see no key at all (bottom-right alignment) and must be b_O.
     {"cross_sq_gt_skv", 2, 13, 3, true, 24, 3, 1},
+    // V and the attention output of a head dim of their own (head_dim 12 and 16).
+    {"value_dims", 2, 16, 16, false, 48, 4, 2, 20},
+    {"value_dims_cross", 1, 9, 23, true, 64, 4, 1, 8},
 };
 
 std::string layer_param_name(const ::testing::TestParamInfo<LayerParam>& info) {
@@ -173,6 +177,14 @@ TEST(MultiHeadAttention, WeightShapesFollowConfig) {
   EXPECT_EQ(gqa.b_k().size(), 16u);
   EXPECT_EQ(gqa.b_v().size(), 16u);
   EXPECT_EQ(gqa.b_o().size(), 48u);
+
+  MultiHeadAttention values({48, 6, 2, true, 20});
+  EXPECT_EQ(values.value_head_dim(), 20);
+  EXPECT_EQ(values.w_k().size(), 48u * 16u);
+  EXPECT_EQ(values.w_v().size(), 48u * 40u);
+  EXPECT_EQ(values.w_o().size(), 120u * 48u);
+  EXPECT_EQ(values.b_v().size(), 40u);
+  EXPECT_EQ(values.b_o().size(), 48u);
 
   MultiHeadAttention plain({48, 6, 0, false});
   EXPECT_EQ(plain.num_kv_heads(), 6);
@@ -260,6 +272,10 @@ TEST(MultiHeadAttention, BadConfigRaisesNamedError) {
   expect_error(make({32, 4, 3, false}), {"num_kv_heads: ", "divisor of num_heads = 4", "got 3"});
   expect_error(make({32, 4, 8, false}), {"num_kv_heads: ", "divisor of num_heads = 4", "got 8"});
   expect_error(make({32, 4, -1, false}), {"num_kv_heads: ", ">= 0", "got -1"});
+  expect_error(make({32, 4, 0, false, -8}),
+               {"value_head_dim: expected >= 0 (0 = head_dim), got -8"});
+  expect_error(make({32, 4, 0, false, std::int64_t{1} << 40}),
+               {"value_head_dim: expected num_heads x value_head_dim <= 2147483647"});
 }
 
 TEST(MultiHeadAttention, BadForwardArgumentsRaiseNamedError) {

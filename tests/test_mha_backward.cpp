@@ -41,12 +41,14 @@ struct GradShape {
   bool cross;
   std::int64_t hidden, heads, kv_heads;  // kv_heads 0 = heads
   bool bias;
+  std::int64_t value_head_dim = 0;  // 0 = head_dim
 };
 
 std::ostream& operator<<(std::ostream& os, const GradShape& s) {
   return os << s.name << " {B=" << s.batch << " Sq=" << s.seqlen_q << " Skv=" << s.seqlen_kv
             << (s.cross ? " cross" : " self") << " H=" << s.hidden << " Nh=" << s.heads
-            << " Nkv=" << s.kv_heads << (s.bias ? " bias" : "") << '}';
+            << " Nkv=" << s.kv_heads << " Dv=" << s.value_head_dim << (s.bias ? " bias" : "")
+            << '}';
 }
 
 // A layer with random weights and, when it has them, random (non-zero) biases, and its inputs.
@@ -54,7 +56,8 @@ struct Problem {
   MultiHeadAttention layer;
   std::vector<float> x, context, dy;  // context empty for self-attention
 
-  Problem(const GradShape& s, std::uint32_t seed) : layer({s.hidden, s.heads, s.kv_heads, s.bias}) {
+  Problem(const GradShape& s, std::uint32_t seed)
+      : layer({s.hidden, s.heads, s.kv_heads, s.bias, s.value_head_dim}) {
     layer.init_random(seed);
     fill_uniform(layer.b_q(), 0.5f, seed + 1);
     fill_uniform(layer.b_k(), 0.5f, seed + 2);
@@ -247,6 +250,9 @@ const GradShape kGradShapes[] = {
     // Causal with Sq > Skv: rows 0..2 see no key (bottom-right alignment); they carry no gradient
     // into q, k or v.
     {"cross_sq_gt_skv", 2, 6, 3, true, 12, 3, 3, true},
+    // V and the attention output of a head dim of their own (head_dim 4).
+    {"value_dims", 2, 5, 5, false, 12, 3, 1, true, 6},
+    {"value_dims_cross", 2, 4, 6, true, 12, 3, 3, false, 2},
 };
 
 INSTANTIATE_TEST_SUITE_P(Grid, MhaBackwardVsFiniteDifferences,

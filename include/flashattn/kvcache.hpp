@@ -117,9 +117,10 @@ struct KVCacheOptions {
 // cache (the 16-bit values widen exactly; products and softmax in fp32). Others are refused.
 // options: scale, causal, window and threads as for attention_forward.
 // impl: flash reads the cache where it lies for up to 32 query rows per KV head (decode, any
-// page size); beyond that, and for the standard and reference paths, each sequence's rows are
-// first gathered into a contiguous buffer (in q's dtype) that the dense path reads. A dense and
-// a paged cache holding the same rows give the same results bit for bit.
+// page size); beyond that, and for the standard and reference paths, the dense path reads each
+// sequence's rows: where they lie in a dense cache of q's dtype, else first gathered into a
+// contiguous buffer (in q's dtype). A dense and a paged cache holding the same rows give the same
+// results bit for bit.
 // Invalid arguments raise flashattn::Error before anything is written, the cache included.
 void kvcache_attention_forward(const ConstTensorView& q, const KVCacheView& cache,
                                const std::int32_t* cache_seqlens, const NewKeysValues& new_kv,

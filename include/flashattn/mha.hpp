@@ -13,11 +13,15 @@ struct MultiHeadAttentionConfig {
   std::int64_t num_heads = 0;     // Nh
   std::int64_t num_kv_heads = 0;  // heads of K and V (GQA); 0 means num_heads
   bool bias = false;              // add b_Q, b_K, b_V, b_O after each projection
+  // Dv, the head dim of V and of the attention output (DeepSeek's MLA: 128 against a query/key
+  // head dim of 192); 0 means head_dim.
+  std::int64_t value_head_dim = 0;
 };
 
 // The seed's layer: X -> Q, K, V -> QKᵀ·scale -> mask -> softmax -> PV -> merge heads -> ·W_O.
 // Weights are row-major [in, out] so that Q = X·W_Q:
-//   W_Q, W_O: [H, H];  W_K, W_V: [H, num_kv_heads * head_dim] (== [H, H] without GQA).
+//   W_Q: [H, H];  W_K: [H, num_kv_heads * head_dim] (== [H, H] without GQA);
+//   W_V: [H, num_kv_heads * Dv];  W_O: [num_heads * Dv, H] (all [H, H] when Dv = head_dim).
 // Projections are OpenBLAS sgemms; heads are split and merged as strided views, never copied.
 class MultiHeadAttention {
  public:
@@ -25,7 +29,12 @@ class MultiHeadAttention {
 
   const MultiHeadAttentionConfig& config() const { return config_; }
   std::int64_t head_dim() const { return config_.hidden / config_.num_heads; }
-  std::int64_t kv_width() const { return num_kv_heads() * head_dim(); }
+  std::int64_t value_head_dim() const {
+    return config_.value_head_dim == 0 ? head_dim() : config_.value_head_dim;
+  }
+  std::int64_t kv_width() const { return num_kv_heads() * head_dim(); }  // K's columns
+  std::int64_t v_width() const { return num_kv_heads() * value_head_dim(); }
+  std::int64_t attention_width() const { return config_.num_heads * value_head_dim(); }
   std::int64_t num_kv_heads() const {
     return config_.num_kv_heads == 0 ? config_.num_heads : config_.num_kv_heads;
   }
@@ -65,15 +74,16 @@ class MultiHeadAttention {
   // All fp32, row-major, in the layouts of forward.
   struct Activations {
     // The call that produced them; backward checks that they fit this layer.
-    std::int64_t hidden = 0, num_heads = 0, num_kv_heads = 0;
+    std::int64_t hidden = 0, num_heads = 0, num_kv_heads = 0, value_head_dim = 0;
     std::int64_t batch = 0, seqlen_q = 0, seqlen_kv = 0;
     bool cross = false;          // keys and values came from a separate context
     AttentionOptions options;    // the forward's; backward uses the same mask and scale
     std::vector<float> x;        // [B·Sq, H], a copy of the input
     std::vector<float> context;  // [B·Skv, H], a copy; empty for self-attention (x is it)
     std::vector<float> q;        // [B·Sq, H]      = [B, Sq, Nh, Dh]
-    std::vector<float> k, v;     // [B·Skv, Hkv]   = [B, Skv, Nkv, Dh]
-    std::vector<float> att;      // [B·Sq, H]      attention output, before W_O
+    std::vector<float> k;        // [B·Skv, Hkv]   = [B, Skv, Nkv, Dh]
+    std::vector<float> v;        // [B·Skv, Nkv·Dv] = [B, Skv, Nkv, Dv]
+    std::vector<float> att;      // [B·Sq, Nh·Dv]  attention output, before W_O
     std::vector<float> lse;      // [B, Nh, Sq]    its logsumexp
   };
 
@@ -85,8 +95,8 @@ class MultiHeadAttention {
   };
 
   // As the forwards above, and `saved` replaced by this call's activations (left unchanged if
-  // the call raises). Memory kept: 3·B·Sq·H + 2·B·Skv·Hkv + B·Nh·Sq floats, plus B·Skv·H for
-  // cross-attention.
+  // the call raises). Memory kept: 2·B·Sq·H + B·Sq·Nh·Dv + B·Skv·(Hkv + Nkv·Dv) + B·Nh·Sq floats,
+  // plus B·Skv·H for cross-attention.
   void forward(const float* x, std::int64_t batch, std::int64_t seqlen, float* y,
                Activations& saved, const AttentionOptions& options = {},
                AttentionImpl impl = AttentionImpl::flash) const;

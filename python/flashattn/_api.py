@@ -717,19 +717,21 @@ class MultiHeadAttention:
     """The multi-head attention layer (seed 000): x -> Q, K, V -> attention -> merge -> W_O.
 
     Weights are float32 numpy arrays that view the layer's own memory, row-major [in, out] so
-    that Q = x @ w_q: w_q, w_o [hidden, hidden]; w_k, w_v [hidden, num_kv_heads * head_dim];
-    b_q .. b_o with bias=True. Write into them to load a model's weights. Initialized uniformly
-    in +-1/sqrt(hidden) from `seed`.
+    that Q = x @ w_q: w_q [hidden, hidden]; w_k [hidden, num_kv_heads * head_dim]; w_v
+    [hidden, num_kv_heads * value_head_dim]; w_o [num_heads * value_head_dim, hidden]
+    (value_head_dim 0: head_dim, every matrix [hidden, hidden] without GQA); b_q .. b_o with
+    bias=True. Write into them to load a model's weights. Initialized uniformly in
+    +-1/sqrt(hidden) from `seed`.
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int = 0, bias: bool = False,
-                 seed: int = 0):
+                 seed: int = 0, value_head_dim: int = 0):
         self._layer = _flashattn.MultiHeadAttentionLayer(hidden, num_heads, num_kv_heads, bias,
-                                                         seed)
+                                                         seed, value_head_dim)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "w_q", "w_k", "w_v",
-                    "w_o", "b_q", "b_k", "b_v", "b_o"):
+        if name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "value_head_dim", "w_q",
+                    "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
             return getattr(self._layer, name)
         raise AttributeError(name)
 

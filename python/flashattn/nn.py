@@ -29,12 +29,16 @@ class MultiHeadAttention(nn.Module):
     hidden: the model width; num_heads query heads of head_dim = hidden // num_heads;
     num_kv_heads (default num_heads) KV heads, dividing num_heads; bias: the projections' bias;
     dropout: attention dropout in training mode (as torch.nn.MultiheadAttention's), its mask
-    drawn from torch's default generator. Weights as torch.nn.Linear: q_proj, o_proj [hidden, hidden]; k_proj, v_proj
-    [num_kv_heads * head_dim, hidden] (torch's [out, in]).
+    drawn from torch's default generator; value_head_dim (default head_dim): the head dim of V and
+    of the attention output (DeepSeek's MLA: 128 beside a query/key head dim of 192). Weights as
+    torch.nn.Linear (torch's [out, in]): q_proj [hidden, hidden], k_proj [num_kv_heads *
+    head_dim, hidden], v_proj [num_kv_heads * value_head_dim, hidden], o_proj [hidden,
+    num_heads * value_head_dim].
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                 bias: bool = False, dtype: Optional[torch.dtype] = None, dropout: float = 0.0):
+                 bias: bool = False, dtype: Optional[torch.dtype] = None, dropout: float = 0.0,
+                 value_head_dim: Optional[int] = None):
         super().__init__()
         self.dropout = _dropout.check_p(dropout)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -46,11 +50,13 @@ class MultiHeadAttention(nn.Module):
                              f"{num_heads}, got {num_kv_heads}")
         self.hidden, self.num_heads, self.num_kv_heads = hidden, num_heads, num_kv_heads
         self.head_dim = hidden // num_heads
-        kv_width = num_kv_heads * self.head_dim
+        self.value_head_dim = self.head_dim if value_head_dim is None else int(value_head_dim)
+        if self.value_head_dim <= 0:
+            raise ValueError(f"value_head_dim: expected > 0, got {self.value_head_dim}")
         self.q_proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_width, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_width, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * self.value_head_dim, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(num_heads * self.value_head_dim, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None,
                 causal: bool = False, window_size: tuple = (-1, -1),
@@ -69,7 +75,8 @@ class MultiHeadAttention(nn.Module):
         batch, seqlen, _ = x.shape
         q = self.q_proj(x).view(batch, seqlen, self.num_heads, self.head_dim)
         k = self.k_proj(source).view(batch, source.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(source).view(batch, source.shape[1], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(source).view(batch, source.shape[1], self.num_kv_heads,
+                                     self.value_head_dim)
         left, right = window_size
         scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else float(softmax_scale)
         dropout_p = self.dropout if self.training else 0.0
@@ -77,4 +84,4 @@ class MultiHeadAttention(nn.Module):
                                       int(left), int(right), 0.0, 0, "flash", False,
                                       dropout_p=dropout_p,
                                       dropout_rng=_dropout.draw("torch", dropout_p, None, 0))
-        return self.o_proj(out.reshape(batch, seqlen, self.hidden))
+        return self.o_proj(out.reshape(batch, seqlen, self.num_heads * self.value_head_dim))

@@ -340,9 +340,11 @@ void varlen_paged_forward(const std::string& impl, const InArray& q, const InArr
     fail("block_table: expected an int32 array [batch = ", batch, ", pages_per_sequence]");
   }
   flashattn::PagedKVView kv{cache_view(k_cache, "k", cache_dtype),
-                            cache_view(v_cache, "v", cache_dtype), nullptr,
+                            cache_view(v_cache, "v", cache_dtype),
+                            nullptr,
                             static_cast<std::int64_t>(block_table.shape(1)),
-                            in_view(k_scale, "k_scale"), in_view(v_scale, "v_scale")};
+                            in_view(k_scale, "k_scale"),
+                            in_view(v_scale, "v_scale")};
   // The library needs a non-null table even with no page (varlen.hpp): one int32 stands in.
   static const std::int32_t no_page = 0;
   kv.block_table =
@@ -520,8 +522,8 @@ NB_MODULE(_flashattn, m) {
         "cu_seqlens_k"_a, "out"_a, "lse"_a.none(), FLASHATTN_OPTION_NAMES,
         "Packed-batch forward: q [total_q, Hq, D], k, v [total_k, Hkv, D], lse [Hq, total_q].");
   m.def("varlen_paged_forward", &varlen_paged_forward, "impl"_a, "q"_a, "k_cache"_a, "v_cache"_a,
-        "cache_dtype"_a, "k_scale"_a.none(), "v_scale"_a.none(), "block_table"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "out"_a, "lse"_a.none(),
-        FLASHATTN_OPTION_NAMES,
+        "cache_dtype"_a, "k_scale"_a.none(), "v_scale"_a.none(), "block_table"_a, "cu_seqlens_q"_a,
+        "cu_seqlens_k"_a, "out"_a, "lse"_a.none(), FLASHATTN_OPTION_NAMES,
         "Packed-batch forward with K, V in pages [num_pages, page_size, Hkv, D] read through "
         "block_table [B, pages]; cu_seqlens_k counts each sequence's keys.");
   m.def("varlen_backward", &varlen_backward, "impl"_a, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a,
@@ -573,26 +575,30 @@ NB_MODULE(_flashattn, m) {
 
   using Layer = flashattn::MultiHeadAttention;
   nb::class_<Layer> layer(m, "MultiHeadAttentionLayer");
-  // The weights (matrices [hidden, out]) and biases (vectors; empty without bias), as views.
+  // The weights (matrices [in, out]: in = hidden, or num_heads · value_head_dim for w_o) and
+  // biases (vectors; empty without bias), as views.
+  enum class Rows { hidden, attention, vector };
   struct WeightProperty {
     const char* name;
     std::span<float> (Layer::*get)();
-    bool matrix;
+    Rows rows;
   };
-  for (const WeightProperty w : {WeightProperty{"w_q", &Layer::w_q, true},
-                                 {"w_k", &Layer::w_k, true},
-                                 {"w_v", &Layer::w_v, true},
-                                 {"w_o", &Layer::w_o, true},
-                                 {"b_q", &Layer::b_q, false},
-                                 {"b_k", &Layer::b_k, false},
-                                 {"b_v", &Layer::b_v, false},
-                                 {"b_o", &Layer::b_o, false}}) {
+  for (const WeightProperty w : {WeightProperty{"w_q", &Layer::w_q, Rows::hidden},
+                                 {"w_k", &Layer::w_k, Rows::hidden},
+                                 {"w_v", &Layer::w_v, Rows::hidden},
+                                 {"w_o", &Layer::w_o, Rows::attention},
+                                 {"b_q", &Layer::b_q, Rows::vector},
+                                 {"b_k", &Layer::b_k, Rows::vector},
+                                 {"b_v", &Layer::b_v, Rows::vector},
+                                 {"b_o", &Layer::b_o, Rows::vector}}) {
     layer.def_prop_ro(
         w.name,
         [w](nb::handle self) {
           Layer& l = nb::cast<Layer&>(self);
-          return weights(self, (l.*w.get)(),
-                         w.matrix ? static_cast<std::size_t>(l.config().hidden) : 0);
+          const std::int64_t rows = w.rows == Rows::hidden      ? l.config().hidden
+                                    : w.rows == Rows::attention ? l.attention_width()
+                                                                : 0;
+          return weights(self, (l.*w.get)(), static_cast<std::size_t>(rows));
         },
         nb::rv_policy::reference_internal);
   }
@@ -600,15 +606,17 @@ NB_MODULE(_flashattn, m) {
       .def(
           "__init__",
           [](Layer* self, std::int64_t hidden, std::int64_t num_heads, std::int64_t num_kv_heads,
-             bool bias, std::uint64_t seed) {
-            new (self) Layer({hidden, num_heads, num_kv_heads, bias});
+             bool bias, std::uint64_t seed, std::int64_t value_head_dim) {
+            new (self) Layer({hidden, num_heads, num_kv_heads, bias, value_head_dim});
             self->init_random(seed);
           },
-          "hidden"_a, "num_heads"_a, "num_kv_heads"_a = 0, "bias"_a = false, "seed"_a = 0)
+          "hidden"_a, "num_heads"_a, "num_kv_heads"_a = 0, "bias"_a = false, "seed"_a = 0,
+          "value_head_dim"_a = 0)
       .def_prop_ro("hidden", [](const Layer& l) { return l.config().hidden; })
       .def_prop_ro("num_heads", [](const Layer& l) { return l.config().num_heads; })
       .def_prop_ro("num_kv_heads", [](const Layer& l) { return l.num_kv_heads(); })
       .def_prop_ro("head_dim", [](const Layer& l) { return l.head_dim(); })
+      .def_prop_ro("value_head_dim", [](const Layer& l) { return l.value_head_dim(); })
       .def(
           "forward",
           [](const Layer& layer, const nb::ndarray<nb::ro, float, nb::device::cpu>& x,

@@ -143,3 +143,39 @@ def test_bad_input_names_both_dims():
     with pytest.raises(ValueError, match=r"v: expected new K rows k beside the new V rows"):
         flashattn.flash_attn_with_kvcache(q[:, :1], cache, cache[..., :16],
                                           v=torch.randn(1, 1, 2, 16), cache_seqlens=3)
+
+
+def test_layers_take_a_value_head_dim():
+    """flashattn.nn.MultiHeadAttention (torch) and flashattn.MultiHeadAttention (the C++ layer)
+    with value_head_dim: weights shaped by it, outputs as their projections and attention in
+    float64 say, within 2^-13 of the largest output (three fp32 stages of sums of at most 80
+    terms: (48 + 80 + 9)·4·2^-24 < 2^-14 relative, doubled)."""
+    from flashattn.nn import MultiHeadAttention
+    torch.manual_seed(3)
+    layer = MultiHeadAttention(48, 4, num_kv_heads=2, value_head_dim=20, bias=True)
+    assert layer.v_proj.weight.shape == (40, 48) and layer.o_proj.weight.shape == (48, 80)
+    x = torch.randn(2, 9, 48)
+    y = layer(x, causal=True)
+    with torch.no_grad():
+        q = torch.nn.functional.linear(x.double(), layer.q_proj.weight.double(),
+                                       layer.q_proj.bias.double()).view(2, 9, 4, 12)
+        k = torch.nn.functional.linear(x.double(), layer.k_proj.weight.double(),
+                                       layer.k_proj.bias.double()).view(2, 9, 2, 12)
+        v = torch.nn.functional.linear(x.double(), layer.v_proj.weight.double(),
+                                       layer.v_proj.bias.double()).view(2, 9, 2, 20)
+        att = attention_math(q, k, v, 1 / math.sqrt(12), True).reshape(2, 9, 80)
+        want = torch.nn.functional.linear(att, layer.o_proj.weight.double(),
+                                          layer.o_proj.bias.double())
+    assert float((y.double() - want).abs().max()) <= 2 ** -13 * float(want.abs().max())
+
+    native = flashattn.MultiHeadAttention(48, 4, num_kv_heads=2, value_head_dim=20, seed=5)
+    assert native.value_head_dim == 20
+    assert native.w_v.shape == (48, 40) and native.w_o.shape == (80, 48)
+    x_np = x.numpy()
+    y_np = native(x_np, causal=True)
+    q = torch.from_numpy(x_np @ native.w_q).double().view(2, 9, 4, 12)
+    k = torch.from_numpy(x_np @ native.w_k).double().view(2, 9, 2, 12)
+    v = torch.from_numpy(x_np @ native.w_v).double().view(2, 9, 2, 20)
+    att = attention_math(q, k, v, 1 / math.sqrt(12), True).reshape(2, 9, 80)
+    want = att @ torch.from_numpy(native.w_o).double()
+    assert float(np.abs(y_np - want.numpy()).max()) <= 2 ** -13 * float(want.abs().max())

@@ -3,8 +3,9 @@
 Tiny randomly initialised models (2 layers, hidden 64, 4 query heads on 2 KV heads, head_dim 16)
 of every family whose attention flashattn must reproduce: Llama and Qwen3 (plain causal GQA),
 Mistral (a sliding window), Gemma 2 (softcap, alternating sliding layers, query_pre_attn_scalar),
-Gemma 3 (sliding layers, q/k norms) and gpt-oss (learned sinks, s_aux). The sequences are longer
-than the window of 8, so the window cuts keys.
+Gemma 3 (sliding layers, q/k norms), gpt-oss (learned sinks, s_aux) and DeepSeek-V3 (Multi-head
+Latent Attention: a query/key head dim of 24 against a value head dim of 12, which reach flashattn
+as they are). The sequences are longer than the window of 8, so the window cuts keys.
 
 Bounds. Both paths compute in fp32; eager materialises softmax(QK^T)V with torch's matmuls, we
 accumulate block by block. Each attention output differs by a few fp32 roundings of a
@@ -48,6 +49,13 @@ def _configs():
         "gemma3": t.Gemma3TextConfig(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=16),
         "gpt_oss": t.GptOssConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                   sliding_window=WINDOW),
+        "deepseek_v3": t.DeepseekV3Config(
+            # MLA has its own head dims (qk_*_head_dim, v_head_dim), one KV head per query head.
+            **{**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 4},
+            moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+            q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=12),
     }
 
 

@@ -74,7 +74,11 @@ std::int64_t scratch_bytes(AttentionImpl impl, const AttentionParams& p) {
                    bf16_keys * D_padded + tile_rows * bf16_keys + 1) /
                   2;
       }
-      return saturate(threads * floats * 4);
+      // Key chunks: m, l and acc of every query row per chunk (flash_forward.cpp).
+      const __int128 chunks = cpu::flash_forward_key_chunks(p);
+      const __int128 partial =
+          chunks > 1 ? chunks * rows * (cpu::pad_to_lanes(p.head_dim_v) + 2) : 0;
+      return saturate((threads * floats + partial) * 4);
     }
     case AttentionImpl::standard: {
       // Per head in flight: the score matrix [Sq x pad(Skv)] and fp32 copies of q, k, v, out.

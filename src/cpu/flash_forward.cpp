@@ -17,11 +17,19 @@
 // (cpu::active_bf16_products), P rounded to bf16 for P·V; every other input is widened to fp32 when
 // packed.
 //
-// Memory: per thread, for each Q block of a task Q and acc (2·Br·D floats) and m, l (2·Br);
-// once Kᵀ (D·Bc), V (Bc·D), S (Br·Bc): 1.3 MiB at D = 128 with Br = 256, Bc = 128 and 4 blocks
-// (tile_sizes.cpp says why those sizes), whatever the sequence lengths. Every byte of K and V
-// is read and packed once per task, so K/V traffic is Skv·D·4·2 · ceil(Sq / (n·Br)) bytes per
-// head instead of the standard path's 3 passes over a 4·Sq·Skv-byte score matrix.
+// A call of few Q blocks against many keys (a handful of rows per KV head too many for the
+// decode path: MLA's absorbed decode, 128 query heads on one KV head) would leave threads idle:
+// its keys are then cut into chunks (cpu::flash_forward_key_chunks, from the shape alone), each
+// (task, chunk) keeps its own m, l and acc, and a last pass merges each row's chunks in chunk
+// order, as the decode path does:
+//   m = max_c m_c,  l = Σ_c l_c·w_c,  out = Σ_c acc_c·w_c / l,  w_c = exp(scale·(m_c − m)).
+//
+// Memory: per thread, for each Q block of a task Q and acc (Br·(D + Dv) floats) and m, l (2·Br);
+// once Kᵀ (D·Bc), V (Bc·Dv), S (Br·Bc): 1.3 MiB at D = Dv = 128 with Br = 256, Bc = 128 and 4
+// blocks (tile_sizes.cpp says why those sizes), whatever the sequence lengths; with key chunks,
+// (Dv + 2) floats per query row and chunk besides. Every byte of K and V is read and packed once
+// per task, so K/V traffic is Skv·(D + Dv)·4 · ceil(Sq / (n·Br)) bytes per head instead of the
+// standard path's 3 passes over a 4·Sq·Skv-byte score matrix.
 
 #include <omp.h>
 
@@ -192,6 +200,68 @@ void finish_block(const AttentionParams& p, std::int64_t Dvp, bool stream_out,
   }
 }
 
+// Key chunks (split-K): each chunk's m, l and unnormalized acc of every query row of the call,
+// row ((b·Hq + h)·Sq + position) of chunk c at slot c·rows + row.
+struct ChunkResults {
+  std::int64_t chunks = 1, rows = 0, value_dims_padded = 0;
+  UninitializedAlignedVector<float> max, sum, acc;  // acc: value_dims_padded floats per slot
+
+  std::int64_t slot(std::int64_t chunk, const AttentionParams& p, std::int64_t b, std::int64_t h,
+                    std::int64_t position) const {
+    return chunk * rows + (b * p.heads_q + h) * p.seqlen_q + position;
+  }
+};
+
+// Epilogue of one Q block of a key chunk: its rows' m, l and acc, as they are, into `results`.
+void store_partial_block(const AttentionParams& p, const Scratch& t, const QueryBlock& block,
+                         std::int64_t chunk, ChunkResults& results) {
+  const TaskRows& task = block.rows;
+  for (std::int64_t i = 0; i < task.count(); ++i) {
+    const std::int64_t slot = results.slot(chunk, p, task.b, task.head(i), task.position(i));
+    results.max[slot] = block.row_max[i];
+    results.sum[slot] = block.row_sum[i];
+    std::copy_n(block.acc + i * t.value_dims_padded, p.head_dim_v,
+                results.acc.data() + slot * results.value_dims_padded);
+  }
+}
+
+// Every row's chunks merged into out and lse, as finish_block would have from one pass. A NaN
+// chunk max (a NaN score) is passed over by the max; its NaN weight makes the row NaN.
+void merge_key_chunks(const AttentionParams& p, const ChunkResults& results) {
+  const std::int64_t Dv = p.head_dim_v, Dvp = results.value_dims_padded;
+  parallel_tasks(
+      p.num_threads, results.rows,
+      [&] { return std::vector<float>(static_cast<std::size_t>(Dvp)); },
+      [&](std::vector<float>& out_row, std::int64_t row) {
+        const std::int64_t position = row % p.seqlen_q, h = row / p.seqlen_q % p.heads_q;
+        const std::int64_t b = row / p.seqlen_q / p.heads_q;
+        float max = kNegativeInfinity;
+        for (std::int64_t c = 0; c < results.chunks; ++c) {
+          max =
+              results.max[c * results.rows + row] > max ? results.max[c * results.rows + row] : max;
+        }
+        float sum = 0.0f;
+        std::fill(out_row.begin(), out_row.end(), 0.0f);
+        for (std::int64_t c = 0; c < results.chunks; ++c) {
+          const std::int64_t slot = c * results.rows + row;
+          const float chunk_max = results.max[slot];
+          const float weight =
+              chunk_max == max ? 1.0f : std::exp(p.tile_scale() * (chunk_max - max));
+          sum += results.sum[slot] * weight;
+          const float* acc = results.acc.data() + slot * Dvp;
+          for (std::int64_t d = 0; d < Dv; ++d) out_row[d] += weight * acc[d];
+        }
+        const float row_max = max == kNegativeInfinity ? kNegativeInfinity : p.tile_scale() * max;
+        const cpu::RowNormalizer normalizer = cpu::normalize_row(
+            row_max, sum, cpu::no_key_seen(p, b, h, position, row_max), cpu::sink_logit(p, h));
+        for (std::int64_t d = 0; d < Dv; ++d) {
+          out_row[d] = normalizer.empty ? 0.0f : out_row[d] * normalizer.inverse_sum;
+        }
+        store_row_f32(p.out, p.dtype, p.out_strides.offset(b, position, h), out_row.data(), Dv);
+        if (p.lse) p.lse[p.lse_index(b, h, position)] = normalizer.lse;
+      });
+}
+
 // The keys [key_begin, key_end) some row of the block can see; the ranges are monotone in the
 // position.
 KeyRange block_keys(const AttentionParams& p, const TaskRows& task) {
@@ -355,19 +425,21 @@ void visit_key_block(const AttentionParams& p, cpu::TileSizes tiles, Scratch& t,
   }
 }
 
-// A task: consecutive Q blocks of one (batch, KV head). Each K/V block is packed once and then
-// visited by every Q block of the task that sees some of it.
+// A task: consecutive Q blocks of one (batch, KV head) against the keys of `chunk` (all of them
+// without key chunks). Each K/V block is packed once and then visited by every Q block of the
+// task that sees some of it. With key chunks the blocks' m, l and acc go to `partial`.
 void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out, Scratch& t,
-                std::vector<QueryBlock>& blocks) {
+                std::vector<QueryBlock>& blocks, KeyRange chunk, std::int64_t chunk_index,
+                ChunkResults* partial) {
   const std::int64_t Dvp = t.value_dims_padded, b = blocks.front().rows.b;
   const std::int64_t h_kv = blocks.front().rows.h_kv;
   for (QueryBlock& block : blocks) start_block(p, t, block);
 
   // K/V blocks are the keys [n·Bc, (n + 1)·Bc) whatever Q blocks share a task, so every row
   // sees the same blocks, and the same result, however the Q blocks are grouped (the keys of a
-  // block that no row of the task sees are masked).
-  const KeyRange task_keys{block_keys(p, blocks.front().rows).begin,
-                           block_keys(p, blocks.back().rows).end};
+  // block that no row of the task sees are masked); key chunks are whole blocks.
+  const KeyRange task_keys{std::max(block_keys(p, blocks.front().rows).begin, chunk.begin),
+                           std::min(block_keys(p, blocks.back().rows).end, chunk.end)};
   std::vector<QueryBlock*> visitors;
   visitors.reserve(blocks.size());
   for (std::int64_t key_begin = task_keys.begin / tiles.keys * tiles.keys;
@@ -429,6 +501,10 @@ void flash_task(const AttentionParams& p, cpu::TileSizes tiles, bool stream_out,
     }
   }
 
+  if (partial != nullptr) {
+    for (const QueryBlock& block : blocks) store_partial_block(p, t, block, chunk_index, *partial);
+    return;
+  }
   for (const QueryBlock& block : blocks) finish_block(p, Dvp, stream_out, block);
   fence_streams();
 }
@@ -457,6 +533,24 @@ void flash_forward(const AttentionParams& p) {
   const std::int64_t tasks_per_head = (q_blocks + blocks_per_task - 1) / blocks_per_task;
   const cpu::TileSizes scratch_tiles{group * positions, tiles.keys, blocks_per_task};
 
+  // Key chunks: whole K/V blocks, the same for every task (a function of the shape only).
+  const std::int64_t chunks = cpu::flash_forward_key_chunks(p);
+  const std::int64_t key_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
+  auto chunk_keys = [&](std::int64_t c) {
+    return KeyRange{c * key_blocks / chunks * tiles.keys,
+                    std::min((c + 1) * key_blocks / chunks * tiles.keys, p.seqlen_kv)};
+  };
+  ChunkResults partial;
+  if (chunks > 1) {
+    partial.chunks = chunks;
+    partial.rows = p.batch * p.heads_q * p.seqlen_q;
+    partial.value_dims_padded = cpu::pad_to_lanes(p.head_dim_v);
+    partial.max = UninitializedAlignedVector<float>(chunks * partial.rows);
+    partial.sum = UninitializedAlignedVector<float>(chunks * partial.rows);
+    partial.acc =
+        UninitializedAlignedVector<float>(chunks * partial.rows * partial.value_dims_padded);
+  }
+
   // Output rows that cannot stay in the L2 caches go straight to memory: plain stores read every
   // line first (docs/tuning.md).
   const bool stream_out = cpu::stream_output(static_cast<std::int64_t>(dtype_size(p.dtype)) *
@@ -468,9 +562,10 @@ void flash_forward(const AttentionParams& p) {
   // Dynamic schedule, last Q blocks first: under a causal mask the last blocks see the most
   // keys, so the long tasks start early and the short ones fill the gaps at the end.
   parallel_tasks(
-      p.num_threads, task_count(blocks_per_task),
+      p.num_threads, task_count(blocks_per_task) * chunks,
       [&] { return Scratch(scratch_tiles, p.head_dim, p.head_dim_v, bf16_products); },
-      [&](Scratch& t, std::int64_t index) {
+      [&](Scratch& t, std::int64_t task) {
+        const std::int64_t chunk = task % chunks, index = task / chunks;
         const std::int64_t kv_head = index / tasks_per_head;
         const std::int64_t b = kv_head / p.heads_kv, h_kv = kv_head % p.heads_kv;
         const std::int64_t first_block =
@@ -491,8 +586,10 @@ void flash_forward(const AttentionParams& p) {
                             t.row_max.data() + slot * scratch_tiles.rows,
                             t.row_sum.data() + slot * scratch_tiles.rows});
         }
-        flash_task(p, scratch_tiles, stream_out, t, blocks);
+        flash_task(p, scratch_tiles, stream_out, t, blocks, chunk_keys(chunk), chunk,
+                   chunks > 1 ? &partial : nullptr);
       });
+  if (chunks > 1) merge_key_chunks(p, partial);
 }
 
 }  // namespace flashattn::detail

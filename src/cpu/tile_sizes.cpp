@@ -119,6 +119,23 @@ TileSizes flash_backward_tiles(const AttentionParams& p) {
           1};
 }
 
+// The forward's key chunks: a call of fewer tasks (batch x heads_kv x Q blocks) than this cuts
+// its keys into chunks of at least kMinChunkBlocks K/V blocks, so that its tasks times chunks
+// reach it where the keys allow (flash_forward.cpp). From the shape only, so that the results do
+// not depend on the thread count; 16 as the decode path's chunks per call.
+constexpr std::int64_t kMinForwardTasks = 16;
+constexpr std::int64_t kMinChunkBlocks = 2;
+
+std::int64_t flash_forward_key_chunks(const AttentionParams& p) {
+  const TileSizes tiles = flash_tiles(p.head_dim, p.head_dim_v);
+  const std::int64_t positions = std::max<std::int64_t>(1, tiles.rows / p.group_size());
+  const std::int64_t tasks = p.batch * p.heads_kv * ((p.seqlen_q + positions - 1) / positions);
+  const std::int64_t key_blocks = (p.seqlen_kv + tiles.keys - 1) / tiles.keys;
+  if (tasks == 0 || tasks >= kMinForwardTasks) return 1;
+  return std::clamp((kMinForwardTasks + tasks - 1) / tasks, std::int64_t{1},
+                    std::max<std::int64_t>(1, key_blocks / kMinChunkBlocks));
+}
+
 // Enough tasks to keep every thread busy when batch x heads_kv is small; a function of the
 // shape only (flash_backward.cpp: results do not depend on the thread count).
 constexpr std::int64_t kMinimumTasks = 8;

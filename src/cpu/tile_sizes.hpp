@@ -43,6 +43,10 @@ TileSizes choose_tile_sizes(std::int64_t head_dim, std::int64_t head_dim_v, Cach
 // rows at most share each packed K/V block.
 TileSizes flash_tiles(std::int64_t head_dim, std::int64_t head_dim_v);
 
+// How many chunks the forward cuts the keys of a call of few Q blocks into (flash_forward.cpp),
+// 1 for most calls: a function of the shape only, so results do not depend on the thread count.
+std::int64_t flash_forward_key_chunks(const AttentionParams& p);
+
 // How the flash backward's products run: bf16 inputs as active_bf16_products says, every other
 // dtype widened to fp32.
 Bf16Products backward_bf16_products(const AttentionParams& p);

@@ -90,6 +90,23 @@ AttentionParams sequence_problem(const AttentionParams& p, std::int64_t b, void*
   return s;
 }
 
+// Whether the dense path reads sequence b's rows where they lie: a dense cache of q's dtype,
+// whose rows are already what a gather would copy (the same values, so the same results).
+bool reads_rows_in_place(const AttentionParams& p) {
+  return p.block_table == nullptr && p.dtype == p.q_dtype;
+}
+
+// The dense problem of sequence b over its rows in the cache itself (reads_rows_in_place).
+AttentionParams sequence_in_place(const AttentionParams& p, std::int64_t b) {
+  AttentionParams s = sequence_problem(p, b, nullptr, nullptr);
+  const auto bytes = static_cast<std::int64_t>(dtype_size(p.dtype));
+  s.k = static_cast<const char*>(p.k) + p.kv_offset(p.k_strides, b, 0, 0) * bytes;
+  s.v = static_cast<const char*>(p.v) + p.kv_offset(p.v_strides, b, 0, 0) * bytes;
+  s.k_strides = p.k_strides;
+  s.v_strides = p.v_strides;
+  return s;
+}
+
 // Sequence b's K (dims = head_dim) or V (head_dim_v) in q's dtype; saturates at INT64_MAX.
 std::int64_t gathered_bytes(const AttentionParams& p, std::int64_t b, std::int64_t dims) {
   const __int128 bytes = static_cast<__int128>(p.kv_length(b)) * p.heads_kv * dims *
@@ -140,6 +157,10 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
   std::int64_t most = 0;
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t bytes = scratch_bytes(impl, sequence_problem(p, b, nullptr, nullptr));
+    if (reads_rows_in_place(p)) {
+      most = std::max(most, bytes);
+      continue;
+    }
     const std::int64_t keys = gathered_bytes(p, b, p.head_dim);
     const std::int64_t values = gathered_bytes(p, b, p.head_dim_v);
     const std::int64_t gathered = keys > std::numeric_limits<std::int64_t>::max() - values
@@ -252,14 +273,40 @@ void rotate_queries(KVCacheParams& params, void* rotated) {
   p.q_strides = strides;
 }
 
+// Whether V is K's first head_dim_v dims (a shared cache, flashattn/kvcache.hpp): the same rows,
+// and for a quantized cache the same scales over those dims. Its gathered keys then serve as the
+// values too.
+bool values_are_keys(const AttentionParams& p) {
+  const auto same = [](const Strides& a, const Strides& b) {
+    return a.batch == b.batch && a.seq == b.seq && a.head == b.head;
+  };
+  if (p.v != p.k || !same(p.v_strides, p.k_strides) || p.head_dim_v > p.head_dim) return false;
+  if (!is_quantized(p.dtype)) return true;
+  const ScaleView &k = p.k_scale, &v = p.v_scale;
+  return v.data == k.data && same(v.strides, k.strides) && v.group_stride == k.group_stride &&
+         (v.group_dims == k.group_dims || (v.groups == 1 && k.groups == 1));
+}
+
 void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
   if (p.seqlen_q == 0) return;
   if (reads_cache_in_place(impl, p)) return cpu::flash_decode(p);
-  AlignedVector<std::uint8_t> keys, values;
+  // Written in full by the gathers before they are read.
+  UninitializedAlignedVector<std::uint8_t> keys, values;
+  const bool shared = values_are_keys(p);
   for (std::int64_t b = 0; b < p.batch; ++b) {
+    if (reads_rows_in_place(p)) {
+      run_dense(impl, sequence_in_place(p, b));
+      continue;
+    }
     keys.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim)));
-    values.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim_v)));
     gather_sequence(p, b, p.k, p.k_strides, p.k_scale, p.head_dim, keys.data());
+    if (shared) {
+      AttentionParams s = sequence_problem(p, b, keys.data(), keys.data());
+      s.v_strides = s.k_strides;
+      run_dense(impl, s);
+      continue;
+    }
+    values.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim_v)));
     gather_sequence(p, b, p.v, p.v_strides, p.v_scale, p.head_dim_v, values.data());
     run_dense(impl, sequence_problem(p, b, keys.data(), values.data()));
   }

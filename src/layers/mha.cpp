@@ -4,19 +4,19 @@
 //
 //   x       [B·Sq,  H] --sgemm W_Q [H, H]   (+b_Q)--> q   [B·Sq,  H]    = [B, Sq,  Nh,  Dh]
 //   context [B·Skv, H] --sgemm W_K [H, Hkv] (+b_K)--> k   [B·Skv, Hkv]  = [B, Skv, Nkv, Dh]
-//   context [B·Skv, H] --sgemm W_V [H, Hkv] (+b_V)--> v   [B·Skv, Hkv]  = [B, Skv, Nkv, Dh]
-//   attention_forward(impl, q, k, v)             --> att [B·Sq,  H]    = [B, Sq,  Nh,  Dh]
-//   att     [B·Sq,  H] --sgemm W_O [H, H]   (+b_O)--> y   [B·Sq,  H]
+//   context [B·Skv, H] --sgemm W_V [H, Hv]  (+b_V)--> v   [B·Skv, Hv]   = [B, Skv, Nkv, Dv]
+//   attention_forward(impl, q, k, v)             --> att [B·Sq,  Ha]   = [B, Sq,  Nh,  Dv]
+//   att     [B·Sq, Ha] --sgemm W_O [Ha, H]  (+b_O)--> y   [B·Sq,  H]
 //
-// with Hkv = Nkv·Dh. Splitting heads costs nothing: a row-major [B·S, Nh·Dh] matrix is the
-// [B, S, Nh, Dh] tensor with strides {S·H, H, Dh, 1}, which attention_forward reads directly (the
-// seed's [B, Nh, S, Dh] is the same memory through strides {S·H, Dh, H, 1}). Likewise the
-// attention output, written as [B, Sq, Nh, Dh], already is the merged [B·Sq, H] matrix that the
-// output projection multiplies.
+// with Hkv = Nkv·Dh, Hv = Nkv·Dv, Ha = Nh·Dv (Dv = Dh unless value_head_dim says otherwise).
+// Splitting heads costs nothing: a row-major [B·S, Nh·Dh] matrix is the [B, S, Nh, Dh] tensor with
+// strides {S·H, H, Dh, 1}, which attention_forward reads directly (the seed's [B, Nh, S, Dh] is the
+// same memory through strides {S·H, Dh, H, 1}). Likewise the attention output, written as [B, Sq,
+// Nh, Dh], already is the merged [B·Sq, H] matrix that the output projection multiplies.
 //
-// Buffers allocated per forward call (fp32): q and att, B·Sq·H each; k and v, B·Skv·Hkv each
+// Buffers allocated per forward call (fp32): q, B·Sq·H; att, B·Sq·Ha; k, B·Skv·Hkv; v, B·Skv·Hv
 // (kept in Activations when the caller asks for them, with lse and copies of the inputs).
-// Per backward call: datt and dq, B·Sq·H each; dk and dv, B·Skv·Hkv each. Attention itself
+// Per backward call: dq, B·Sq·H; datt, B·Sq·Ha; dk, B·Skv·Hkv; dv, B·Skv·Hv. Attention itself
 // allocates only what the chosen impl needs (score_buffer_bytes). The layer keeps no per-call
 // state, so forward and backward are const.
 
@@ -57,29 +57,39 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config) :
     fail(caller, "num_kv_heads: expected a divisor of num_heads = ", config.num_heads, ", got ",
          config.num_kv_heads);
   }
+  if (config.value_head_dim < 0) {
+    fail(caller, "value_head_dim: expected >= 0 (0 = head_dim), got ", config.value_head_dim);
+  }
 
   // Every dimension reaches CBLAS as an int.
   if (config.hidden > INT32_MAX) {
     fail(caller, "hidden: expected <= ", INT32_MAX, " (a CBLAS int), got ", config.hidden);
   }
+  if (config.value_head_dim > INT32_MAX / config.num_heads) {
+    fail(caller, "value_head_dim: expected num_heads x value_head_dim <= ", INT32_MAX,
+         " (a CBLAS int), got ", config.value_head_dim);
+  }
 
   const std::int64_t hidden = config.hidden;
-  const auto square = static_cast<std::size_t>(hidden * hidden);
-  const auto kv = static_cast<std::size_t>(hidden * kv_width());
-  const std::int64_t biases = config.bias ? 2 * (hidden + kv_width()) : 0;
-  allocate_or_fail(caller, "the weights", static_cast<std::int64_t>(2 * (square + kv)) + biases,
-                   [&] {
-                     w_q_.resize(square);
-                     w_k_.resize(kv);
-                     w_v_.resize(kv);
-                     w_o_.resize(square);
-                     if (config.bias) {
-                       b_q_.resize(static_cast<std::size_t>(hidden));
-                       b_k_.resize(static_cast<std::size_t>(kv_width()));
-                       b_v_.resize(static_cast<std::size_t>(kv_width()));
-                       b_o_.resize(static_cast<std::size_t>(hidden));
-                     }
-                   });
+  const auto q_weights = static_cast<std::size_t>(hidden * hidden);
+  const auto k_weights = static_cast<std::size_t>(hidden * kv_width());
+  const auto v_weights = static_cast<std::size_t>(hidden * v_width());
+  const auto o_weights = static_cast<std::size_t>(attention_width() * hidden);
+  const std::int64_t biases = config.bias ? 2 * hidden + kv_width() + v_width() : 0;
+  allocate_or_fail(
+      caller, "the weights",
+      static_cast<std::int64_t>(q_weights + k_weights + v_weights + o_weights) + biases, [&] {
+        w_q_.resize(q_weights);
+        w_k_.resize(k_weights);
+        w_v_.resize(v_weights);
+        w_o_.resize(o_weights);
+        if (config.bias) {
+          b_q_.resize(static_cast<std::size_t>(hidden));
+          b_k_.resize(static_cast<std::size_t>(kv_width()));
+          b_v_.resize(static_cast<std::size_t>(v_width()));
+          b_o_.resize(static_cast<std::size_t>(hidden));
+        }
+      });
 }
 
 void MultiHeadAttention::init_random(std::uint64_t seed) {
@@ -142,6 +152,8 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
     const std::int64_t q_count = rows_q * hidden;  // < 2^62: both factors are CBLAS ints
     const std::int64_t context_count = rows_kv * hidden;
     const std::int64_t kv_count = rows_kv * kv_width();
+    const std::int64_t v_count = rows_kv * v_width();
+    const std::int64_t att_count = rows_q * attention_width();
 
     if (q_count > 0 && x == nullptr) fail(caller, "x: expected a data pointer, got null");
     if (q_count > 0 && y == nullptr) fail(caller, "y: expected a data pointer, got null");
@@ -157,6 +169,7 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
     if (q_count == 0 && saved == nullptr) return;
 
     const std::int64_t heads = config_.num_heads, heads_kv = num_kv_heads(), dim = head_dim();
+    const std::int64_t dim_v = value_head_dim();
     // Without `saved` the intermediates live for this call only; with it they are built in a fresh
     // Activations that replaces *saved once everything succeeded.
     Activations kept;
@@ -166,20 +179,21 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
       kept.hidden = hidden;
       kept.num_heads = heads;
       kept.num_kv_heads = heads_kv;
+      kept.value_head_dim = dim_v;
       kept.batch = batch;
       kept.seqlen_q = seqlen_q;
       kept.seqlen_kv = seqlen_kv;
       kept.cross = cross;
       kept.options = options;
-      const std::int64_t floats =
-          3 * q_count + (cross ? context_count : 0) + 2 * kv_count + batch * heads * seqlen_q;
+      const std::int64_t floats = 2 * q_count + att_count + (cross ? context_count : 0) + kv_count +
+                                  v_count + batch * heads * seqlen_q;
       allocate_or_fail(caller, "the activations", floats, [&] {
         if (q_count > 0) kept.x.assign(x, x + q_count);
         if (cross && context_count > 0) kept.context.assign(context, context + context_count);
         kept.q.resize(static_cast<std::size_t>(q_count));
         kept.k.resize(static_cast<std::size_t>(kv_count));
-        kept.v.resize(static_cast<std::size_t>(kv_count));
-        kept.att.resize(static_cast<std::size_t>(q_count));
+        kept.v.resize(static_cast<std::size_t>(v_count));
+        kept.att.resize(static_cast<std::size_t>(att_count));
         kept.lse.resize(static_cast<std::size_t>(batch * heads * seqlen_q));
       });
       q = kept.q.data();
@@ -188,11 +202,11 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
       att = kept.att.data();
       lse = kept.lse.data();
     } else {
-      allocate_or_fail(caller, "the projections", 2 * q_count + 2 * kv_count, [&] {
+      allocate_or_fail(caller, "the projections", q_count + att_count + kv_count + v_count, [&] {
         q_scratch = scratch(q_count);
         k_scratch = scratch(kv_count);
-        v_scratch = scratch(kv_count);
-        att_scratch = scratch(q_count);
+        v_scratch = scratch(v_count);
+        att_scratch = scratch(att_count);
       });
       q = q_scratch.get();
       k = k_scratch.get();
@@ -201,18 +215,18 @@ void MultiHeadAttention::forward_into(const float* x, std::int64_t batch, std::i
     }
     project(q, x, rows_q, hidden, w_q_, b_q_, hidden);
     project(k, context, rows_kv, hidden, w_k_, b_k_, kv_width());
-    project(v, context, rows_kv, hidden, w_v_, b_v_, kv_width());
+    project(v, context, rows_kv, hidden, w_v_, b_v_, v_width());
 
     if (q_count > 0) {
       // Split heads: the projections above, read as [B, S, heads, Dh] with strides {S·H, H, Dh, 1}.
       const ConstTensorView q_heads = contiguous_view(q, {batch, seqlen_q, heads, dim});
       const ConstTensorView k_heads = contiguous_view(k, {batch, seqlen_kv, heads_kv, dim});
-      const ConstTensorView v_heads = contiguous_view(v, {batch, seqlen_kv, heads_kv, dim});
-      const TensorView att_heads = contiguous_view(att, {batch, seqlen_q, heads, dim});
+      const ConstTensorView v_heads = contiguous_view(v, {batch, seqlen_kv, heads_kv, dim_v});
+      const TensorView att_heads = contiguous_view(att, {batch, seqlen_q, heads, dim_v});
       attention_forward(impl, q_heads, k_heads, v_heads, att_heads, lse, options);
 
-      // Merge heads: att [B, Sq, heads, Dh] is the row-major [B·Sq, H] matrix.
-      project(y, att, rows_q, hidden, w_o_, b_o_, hidden);
+      // Merge heads: att [B, Sq, heads, Dv] is the row-major [B·Sq, Ha] matrix.
+      project(y, att, rows_q, attention_width(), w_o_, b_o_, hidden);
     }
     if (saved != nullptr) *saved = std::move(kept);
   });

@@ -216,12 +216,15 @@ class User {
     const std::int64_t B = between(1, 2), Hkv = between(1, 2), Hq = Hkv * between(1, 4);
     const std::int64_t Sq = between(1, 70), Skv = between(1, 90);
     const std::int64_t D = std::array<std::int64_t, 4>{16, 40, 64, 128}[rng_() % 4];
+    // One call in four with a value head dim of its own (head_dim_v).
+    const std::int64_t Dv =
+        rng_() % 4 == 0 ? std::array<std::int64_t, 3>{8, 24, 96}[rng_() % 3] : D;
     const bool padded = rng_() % 2 == 0;
     const Tensor q = random_tensor(rng_, type, {B, Sq, Hq, D}, padded);
     const Tensor k = random_tensor(rng_, type, {B, Skv, Hkv, D}, padded);
-    const Tensor v = random_tensor(rng_, type, {B, Skv, Hkv, D}, padded);
+    const Tensor v = random_tensor(rng_, type, {B, Skv, Hkv, Dv}, padded);
     const auto q_before = q.bytes, k_before = k.bytes, v_before = v.bytes;
-    Tensor out(type, q.view.shape);
+    Tensor out(type, {B, Sq, Hq, Dv});
     AttentionOptions options = random_options(rng_);
     LogitModifiers logits;
     logits.pick(rng_, options, B, Hq, Sq, Skv);
