@@ -94,9 +94,11 @@ struct RingStats {
 
 // Shapes on each rank, as the single-process forward (attention.hpp) with seqlen the rank's
 // shard_length of the whole sequence's S (the sum over ranks, Sq = Skv = S):
-//   q_local, out_local  [batch, n, heads_q, head_dim]
-//   k_local, v_local    [batch, n, heads_kv, head_dim]
-//   lse_local           fp32 contiguous [batch, heads_q, n], or null
+//   q_local            [batch, n, heads_q, head_dim]
+//   k_local            [batch, n, heads_kv, head_dim]
+//   v_local            [batch, n, heads_kv, head_dim_v]   (head_dim_v: attention.hpp)
+//   out_local          [batch, n, heads_q, head_dim_v]
+//   lse_local          fp32 contiguous [batch, heads_q, n], or null
 // The causal mask, window and ALiBi act on global positions. Bias, mask and sinks are refused.
 // A collective call: every rank of `comm` calls it with the same options. Invalid arguments on
 // any rank raise the same flashattn::Error on every rank before any message moves. The merge runs
@@ -111,7 +113,7 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
 
 // Gradients, with out_local and lse_local (required) as the forward wrote them. dk and dv of a
 // K/V shard travel the ring with it, gathering every rank's share, and return to their owner.
-// dq_local like q_local; dk_local, dv_local like k_local. Written once, not added to.
+// dq_local like q_local; dk_local like k_local, dv_local like v_local. Written once, not added to.
 RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_local,
                                   const ConstTensorView& q_local, const ConstTensorView& k_local,
                                   const ConstTensorView& v_local, const ConstTensorView& out_local,

@@ -56,14 +56,6 @@ void refuse_dropout(const char* caller, const AttentionOptions& options) {
   }
 }
 
-// The ring passes K and V rows of one width in one message: v's head dim must be k's.
-void refuse_head_dim_v(const char* caller, const ConstTensorView& k, const ConstTensorView& v) {
-  if (v.shape[3] != k.shape[3]) {
-    detail::fail(caller, "v_local: expected head_dim_v = head_dim = ", k.shape[3],
-                 " (ring attention takes one head dim for q, k and v), got ", v.shape[3]);
-  }
-}
-
 constexpr int kTagKeysValues = 4101;
 constexpr int kTagGradients = 4102;
 constexpr int kTagFinalGradients = 4103;
@@ -105,8 +97,8 @@ void raise_first_error(MPI_Comm comm, const char* caller, const std::string& loc
 
 // What every rank must agree on, and each rank's own row count.
 struct Descriptor {
-  std::int64_t rows, batch, heads_q, heads_kv, head_dim, dtype, causal, window_left, window_right,
-      sharding, alibi_slopes;
+  std::int64_t rows, batch, heads_q, heads_kv, head_dim, head_dim_v, dtype, causal, window_left,
+      window_right, sharding, alibi_slopes;
   float scale, softcap;
 };
 
@@ -389,14 +381,14 @@ void add_to(float* to, const void* from, DType dtype, std::int64_t count) {
 
 struct Setup {
   int ranks = 1, rank = 0;
-  std::int64_t batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::int64_t batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0, head_dim_v = 0;
   DType dtype = DType::f32;
   bool threaded = false;
   Plan plan;
 };
 
 Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const ConstTensorView& k,
-            const AttentionOptions& options, const RingOptions& ring,
+            const ConstTensorView& v, const AttentionOptions& options, const RingOptions& ring,
             const std::string& local_error_in) {
   if (comm == MPI_COMM_NULL)
     detail::fail(caller, "comm: expected a communicator, got MPI_COMM_NULL");
@@ -438,6 +430,7 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
                         q.shape[2],
                         k.shape[2],
                         q.shape[3],
+                        v.shape[3],
                         static_cast<std::int64_t>(q.dtype),
                         options.causal ? 1 : 0,
                         options.window_left,
@@ -468,6 +461,7 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
     differ("heads_q", d.heads_q, first.heads_q);
     differ("heads_kv", d.heads_kv, first.heads_kv);
     differ("head_dim", d.head_dim, first.head_dim);
+    differ("head_dim_v", d.head_dim_v, first.head_dim_v);
     differ("dtype (index)", d.dtype, first.dtype);
     differ("options.causal", d.causal, first.causal);
     differ("options.window_left", d.window_left, first.window_left);
@@ -489,12 +483,14 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
   setup.heads_q = q.shape[2];
   setup.heads_kv = k.shape[2];
   setup.head_dim = q.shape[3];
+  setup.head_dim_v = v.shape[3];
   setup.dtype = q.dtype;
-  const std::int64_t row_bytes =
-      setup.heads_kv * setup.head_dim * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t row_bytes = setup.heads_kv * (setup.head_dim + setup.head_dim_v) *
+                                 static_cast<std::int64_t>(sizeof(float));
   if (row_bytes > std::numeric_limits<int>::max()) {
     detail::fail(caller,
-                 "k_local: expected heads_kv x head_dim x 4 bytes within MPI's int count, got ",
+                 "k_local: expected heads_kv x (head_dim + head_dim_v) x 4 bytes within MPI's int "
+                 "count, got ",
                  row_bytes);
   }
   int thread_level = MPI_THREAD_SINGLE;
@@ -504,17 +500,25 @@ Setup agree(MPI_Comm comm, const char* caller, const ConstTensorView& q, const C
   return setup;
 }
 
-std::int64_t kv_elements(const Setup& s, std::int64_t rows) {
+// Elements of `rows` rows of a shard's K, of its V, and of both: a shard travels as one buffer,
+// K [batch, rows, heads_kv, head_dim] then V [batch, rows, heads_kv, head_dim_v], and its messages
+// count (K row, V row) pairs, batch · rows of them (row_pair_bytes each).
+std::int64_t key_elements(const Setup& s, std::int64_t rows) {
   return s.batch * rows * s.heads_kv * s.head_dim;
 }
+std::int64_t shard_elements(const Setup& s, std::int64_t rows) {
+  return s.batch * rows * s.heads_kv * (s.head_dim + s.head_dim_v);
+}
+std::int64_t row_pair_bytes(const Setup& s, std::size_t element_bytes) {
+  return s.heads_kv * (s.head_dim + s.head_dim_v) * static_cast<std::int64_t>(element_bytes);
+}
 
-// A shard's K and V in one contiguous buffer: K [batch, rows, heads_kv, dim], then V.
 struct ShardView {
   ConstTensorView k, v;
 };
 ShardView shard_view(const Setup& s, Buffer& buffer, std::int64_t rows) {
-  const std::array<std::int64_t, 4> shape{s.batch, rows, s.heads_kv, s.head_dim};
-  return {buffer.view(0, shape), buffer.view(kv_elements(s, rows), shape)};
+  return {buffer.view(0, {s.batch, rows, s.heads_kv, s.head_dim}),
+          buffer.view(key_elements(s, rows), {s.batch, rows, s.heads_kv, s.head_dim_v})};
 }
 
 // The local rows at which each of `owner`'s segments starts.
@@ -580,12 +584,12 @@ void move_shards(Transfers& transfers, const Setup& s, int step, Buffer& current
   const Plan& plan = s.plan;
   const int owner = plan.owner_at(step);
   if (plan.held(owner, step) && plan.sent_on(owner, step)) {
-    transfers.send(current.at(0), 2 * s.batch * plan.rows[static_cast<std::size_t>(owner)],
-                   row_type, plan.next(), kTagKeysValues);
+    transfers.send(current.at(0), s.batch * plan.rows[static_cast<std::size_t>(owner)], row_type,
+                   plan.next(), kTagKeysValues);
   }
   const int arriving = plan.owner_at(step + 1);
   if (step + 1 < s.ranks && plan.sent_on(arriving, step)) {
-    transfers.receive(incoming.at(0), 2 * s.batch * plan.rows[static_cast<std::size_t>(arriving)],
+    transfers.receive(incoming.at(0), s.batch * plan.rows[static_cast<std::size_t>(arriving)],
                       row_type, plan.previous(), kTagKeysValues);
   }
 }
@@ -611,9 +615,8 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
     const std::string local_error = error_of([&] {
       detail::make_params(caller, q_local, k_local, v_local, out_local, lse_local, options);
       refuse_dropout(caller, options);
-      refuse_head_dim_v(caller, k_local, v_local);
     });
-    const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
+    const Setup s = agree(comm, caller, q_local, k_local, v_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {
       const Plan& plan = s.plan;
       RingStats stats;
@@ -621,12 +624,11 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
       // Two shard buffers: the one computed on and the one being received into.
       const std::int64_t max_rows = *std::max_element(plan.rows.begin(), plan.rows.end());
       Buffer shards[2];
-      for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
+      for (Buffer& buffer : shards) buffer.reserve(s.dtype, shard_elements(s, max_rows));
       const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
       pack(k_local, shards[0].at(0));
-      pack(v_local, shards[0].at(kv_elements(s, own_rows)));
-      const transport::RowType row_type(s.heads_kv * s.head_dim *
-                                        static_cast<std::int64_t>(dtype_size(s.dtype)));
+      pack(v_local, shards[0].at(key_elements(s, own_rows)));
+      const transport::RowType row_type(row_pair_bytes(s, dtype_size(s.dtype)));
 
       // Running state of each query segment, fp32: out [batch, rows, heads_q, dim], lse
       // [batch, heads_q, rows]; and one block's partial result.
@@ -641,13 +643,13 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
         const std::int64_t rows = queries[i].length;
         max_segment = std::max(max_segment, rows);
         // Zeros: the merge weighs a side with lse −inf by 0, and 0·x of garbage could be NaN.
-        state_out[i].reserve_zeroed(DType::f32, s.batch * rows * s.heads_q * s.head_dim);
+        state_out[i].reserve_zeroed(DType::f32, s.batch * rows * s.heads_q * s.head_dim_v);
         state_lse[i].assign(static_cast<std::size_t>(s.batch * s.heads_q * rows),
                             kNegativeInfinity);
       }
-      part_out.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim);
+      part_out.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim_v);
       part_out_f32.reserve(
-          DType::f32, s.dtype == DType::f32 ? 0 : s.batch * max_segment * s.heads_q * s.head_dim);
+          DType::f32, s.dtype == DType::f32 ? 0 : s.batch * max_segment * s.heads_q * s.head_dim_v);
       part_lse.resize(static_cast<std::size_t>(s.batch * s.heads_q * max_segment));
 
       Transfers transfers(comm, s.threaded, ring.timeout_seconds, caller, s.rank);
@@ -667,7 +669,7 @@ RingStats ring_attention_forward(MPI_Comm comm, const ConstTensorView& q_local,
           const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
           for_each_visible_pair(plan, owner, stats, [&](std::size_t i, std::size_t j) {
             const std::int64_t q_rows = queries[i].length;
-            const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim};
+            const std::array<std::int64_t, 4> out_shape{s.batch, q_rows, s.heads_q, s.head_dim_v};
             const TensorView partial = part_out.view(0, out_shape);
             detail::block_attention_forward(
                 AttentionImpl::flash, sequence_slice(q_local, query_rows[i], q_rows),
@@ -724,9 +726,8 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
       detail::make_backward_params(caller, dout_local, q_local, k_local, v_local, out_local,
                                    lse_local, dq_local, dk_local, dv_local, options);
       refuse_dropout(caller, options);
-      refuse_head_dim_v(caller, k_local, v_local);
     });
-    const Setup s = agree(comm, caller, q_local, k_local, options, ring, local_error);
+    const Setup s = agree(comm, caller, q_local, k_local, v_local, options, ring, local_error);
     return after_agreement(caller, s.rank, [&] {
       const Plan& plan = s.plan;
       RingStats stats;
@@ -734,24 +735,22 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
       const std::int64_t max_rows = *std::max_element(plan.rows.begin(), plan.rows.end());
       const std::int64_t own_rows = plan.rows[static_cast<std::size_t>(s.rank)];
       Buffer shards[2];
-      for (Buffer& buffer : shards) buffer.reserve(s.dtype, 2 * kv_elements(s, max_rows));
+      for (Buffer& buffer : shards) buffer.reserve(s.dtype, shard_elements(s, max_rows));
       pack(k_local, shards[0].at(0));
-      pack(v_local, shards[0].at(kv_elements(s, own_rows)));
-      const transport::RowType row_type(s.heads_kv * s.head_dim *
-                                        static_cast<std::int64_t>(dtype_size(s.dtype)));
-      const transport::RowType gradient_row_type(s.heads_kv * s.head_dim *
-                                                 static_cast<std::int64_t>(sizeof(float)));
+      pack(v_local, shards[0].at(key_elements(s, own_rows)));
+      const transport::RowType row_type(row_pair_bytes(s, dtype_size(s.dtype)));
+      const transport::RowType gradient_row_type(row_pair_bytes(s, sizeof(float)));
 
       // dK and dV of a shard, fp32 [dK rows | dV rows]: this rank's share of the block in hand, the
       // sum of the earlier ranks' shares arriving with it, the sum being sent on, and this rank's
       // own shard's total coming home.
       Buffer share, arriving_sum, outgoing_sum, own_total;
       for (Buffer* buffer : {&share, &arriving_sum, &outgoing_sum}) {
-        buffer->reserve(DType::f32, 2 * kv_elements(s, max_rows));
+        buffer->reserve(DType::f32, shard_elements(s, max_rows));
       }
       // Zeroed, that is touched: it is received last, with no compute left to hide the page
       // faults of fresh memory behind (0.2 s for 64 MiB here).
-      own_total.reserve_zeroed(DType::f32, 2 * kv_elements(s, own_rows));
+      own_total.reserve_zeroed(DType::f32, shard_elements(s, own_rows));
 
       const std::vector<Segment>& queries = plan.segments[static_cast<std::size_t>(s.rank)];
       const std::vector<std::int64_t> query_rows = local_offsets(plan, s.rank);
@@ -775,15 +774,15 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
       }
       Buffer part_dq, part_dk, part_dv;
       part_dq.reserve(s.dtype, s.batch * max_segment * s.heads_q * s.head_dim);
-      part_dk.reserve(s.dtype, kv_elements(s, max_key_segment));
-      part_dv.reserve(s.dtype, kv_elements(s, max_key_segment));
+      part_dk.reserve(s.dtype, key_elements(s, max_key_segment));
+      part_dv.reserve(s.dtype, s.batch * max_key_segment * s.heads_kv * s.head_dim_v);
 
       // Where the sum over a shard goes once this rank has added its share at `step`: on around
       // the ring, home to its owner, or nowhere (it is this rank's own, complete).
       const auto send_sum = [&](Transfers& transfers, int step) {
         const int owner = plan.owner_at(step);
         if (!plan.held(owner, step)) return;
-        const std::int64_t count = 2 * s.batch * plan.rows[static_cast<std::size_t>(owner)];
+        const std::int64_t count = s.batch * plan.rows[static_cast<std::size_t>(owner)];
         if (plan.sent_on(owner, step)) {
           transfers.send(outgoing_sum.at(0), count, gradient_row_type.get(), plan.next(),
                          kTagGradients);
@@ -791,13 +790,13 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
           transfers.send(outgoing_sum.at(0), count, gradient_row_type.get(), owner,
                          kTagFinalGradients);
         } else {
-          std::copy_n(outgoing_sum.floats(), 2 * kv_elements(s, own_rows), own_total.floats());
+          std::copy_n(outgoing_sum.floats(), shard_elements(s, own_rows), own_total.floats());
         }
       };
       const int own_last_step = plan.last_step(s.rank);
       const auto receive_own_total = [&](Transfers& transfers, int batch) {
         if (own_last_step >= 1 && batch == own_last_step + 1) {
-          transfers.receive(own_total.at(0), 2 * s.batch * own_rows, gradient_row_type.get(),
+          transfers.receive(own_total.at(0), s.batch * own_rows, gradient_row_type.get(),
                             plan.at(s.rank, own_last_step), kTagFinalGradients);
         }
       };
@@ -809,13 +808,13 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
         Buffer& incoming = shards[(step + 1) % 2];
         const bool holding = plan.held(owner, step);
         const std::int64_t rows = plan.rows[static_cast<std::size_t>(owner)];
-        const std::int64_t shard_elements = kv_elements(s, rows);
+        const std::int64_t elements = shard_elements(s, rows), keys_end = key_elements(s, rows);
         // This step's messages: K/V on to the next rank and in from the previous one; the sum the
         // previous step finished, on its way; the sum over the shard in hand, arriving.
         move_shards(transfers, s, step, current, incoming, row_type.get());
         if (step > 0) send_sum(transfers, step - 1);
         if (step > 0 && holding) {
-          transfers.receive(arriving_sum.at(0), 2 * s.batch * rows, gradient_row_type.get(),
+          transfers.receive(arriving_sum.at(0), s.batch * rows, gradient_row_type.get(),
                             plan.previous(), kTagGradients);
         }
         receive_own_total(transfers, step);
@@ -823,7 +822,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
 
         const Clock::time_point compute_start = Clock::now();
         if (holding) {
-          std::fill_n(share.floats(), 2 * shard_elements, 0.0f);
+          std::fill_n(share.floats(), elements, 0.0f);
           const ShardView shard = shard_view(s, current, rows);
           const std::vector<std::int64_t> key_rows = local_offsets(plan, owner);
           const std::vector<Segment>& keys = plan.segments[static_cast<std::size_t>(owner)];
@@ -831,7 +830,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
             const std::int64_t q_rows = queries[i].length, k_rows = keys[j].length;
             const TensorView dq = part_dq.view(0, {s.batch, q_rows, s.heads_q, s.head_dim});
             const TensorView dk = part_dk.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
-            const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim});
+            const TensorView dv = part_dv.view(0, {s.batch, k_rows, s.heads_kv, s.head_dim_v});
             detail::block_attention_backward(
                 AttentionImpl::flash, sequence_slice(dout_local, query_rows[i], q_rows),
                 sequence_slice(q_local, query_rows[i], q_rows),
@@ -840,17 +839,18 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
                 sequence_slice(out_local, query_rows[i], q_rows), segment_lse[i].data(), dq, dk, dv,
                 options, queries[i].begin - keys[j].begin);
             add_to(dq_sum[i].data(), dq.data, s.dtype, dq.numel());
-            // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dim].
-            const std::int64_t row_elements = s.heads_kv * s.head_dim;
+            // The segment's rows of dK and dV within the shard's [batch, rows, heads_kv, dims].
+            const std::int64_t key_row = s.heads_kv * s.head_dim,
+                               value_row = s.heads_kv * s.head_dim_v;
             for (std::int64_t b = 0; b < s.batch; ++b) {
-              const std::int64_t into = (b * rows + key_rows[j]) * row_elements;
-              const std::int64_t from = b * k_rows * row_elements;
-              add_to(share.floats() + into,
-                     static_cast<const char*>(dk.data) + from * dtype_size(s.dtype), s.dtype,
-                     k_rows * row_elements);
-              add_to(share.floats() + shard_elements + into,
-                     static_cast<const char*>(dv.data) + from * dtype_size(s.dtype), s.dtype,
-                     k_rows * row_elements);
+              const std::int64_t row = b * rows + key_rows[j];
+              add_to(share.floats() + row * key_row,
+                     static_cast<const char*>(dk.data) + b * k_rows * key_row * dtype_size(s.dtype),
+                     s.dtype, k_rows * key_row);
+              add_to(
+                  share.floats() + keys_end + row * value_row,
+                  static_cast<const char*>(dv.data) + b * k_rows * value_row * dtype_size(s.dtype),
+                  s.dtype, k_rows * value_row);
             }
             ++stats.blocks_computed;
             transfers.progress();
@@ -862,7 +862,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
           float* sum = outgoing_sum.floats();
           const float* earlier = arriving_sum.floats();
           const float* mine = share.floats();
-          for (std::int64_t e = 0; e < 2 * shard_elements; ++e) {
+          for (std::int64_t e = 0; e < elements; ++e) {
             sum[e] = mine[e] + (step > 0 ? earlier[e] : 0.0f);
           }
         }
@@ -878,7 +878,7 @@ RingStats ring_attention_backward(MPI_Comm comm, const ConstTensorView& dout_loc
         store(dq_sum[i].data(), sequence_slice(dq_local, query_rows[i], rows));
       }
       store(own_total.floats(), dk_local);
-      store(own_total.floats() + kv_elements(s, own_rows), dv_local);
+      store(own_total.floats() + key_elements(s, own_rows), dv_local);
       stats.transfer_seconds = transfers.transfer_seconds;
       stats.bytes_sent = transfers.bytes_sent;
       stats.seconds = seconds_since(call_start);

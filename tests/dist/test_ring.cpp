@@ -58,13 +58,17 @@ struct RingCase {
   std::int64_t window_left = -1, window_right = -1;
   dist::Sharding sharding = dist::Sharding::contiguous;
   DType dtype = DType::f32;
+  std::int64_t head_dim_v = 0;  // v's, out's and dO's head dim; 0: head_dim
+
+  std::int64_t value_dims() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 std::string describe(const RingCase& c) {
   std::ostringstream text;
   text << "B" << c.batch << "_S" << c.seqlen << "_Hq" << c.heads_q << "_Hkv" << c.heads_kv << "_D"
-       << c.head_dim << (c.causal ? "_causal" : "") << "_win" << c.window_left << "_"
-       << c.window_right << "_" << dist::sharding_name(c.sharding) << "_" << dtype_name(c.dtype);
+       << c.head_dim << "_Dv" << c.value_dims() << (c.causal ? "_causal" : "") << "_win"
+       << c.window_left << "_" << c.window_right << "_" << dist::sharding_name(c.sharding) << "_"
+       << dtype_name(c.dtype);
   std::string name = text.str();
   for (char& ch : name) {
     if (ch == '-') ch = 'm';
@@ -84,12 +88,12 @@ struct Problem {
       : c(ring_case),
         q(c.dtype, {c.batch, c.seqlen, c.heads_q, c.head_dim}),
         k(c.dtype, {c.batch, c.seqlen, c.heads_kv, c.head_dim}),
-        v(c.dtype, {c.batch, c.seqlen, c.heads_kv, c.head_dim}),
-        dout(c.dtype, {c.batch, c.seqlen, c.heads_q, c.head_dim}),
+        v(c.dtype, {c.batch, c.seqlen, c.heads_kv, c.value_dims()}),
+        dout(c.dtype, {c.batch, c.seqlen, c.heads_q, c.value_dims()}),
         q_local(c.dtype, local_shape(c.heads_q)),
         k_local(c.dtype, local_shape(c.heads_kv)),
-        v_local(c.dtype, local_shape(c.heads_kv)),
-        dout_local(c.dtype, local_shape(c.heads_q)),
+        v_local(c.dtype, local_shape(c.heads_kv, c.value_dims())),
+        dout_local(c.dtype, local_shape(c.heads_q, c.value_dims())),
         ranks(world_size()),
         rank(world_rank()) {
     std::mt19937_64 rng(shared_seed());
@@ -107,9 +111,10 @@ struct Problem {
     dist::shard(dout.view, c.sharding, ranks, rank, dout_local.view);
   }
 
-  std::array<std::int64_t, 4> local_shape(std::int64_t heads) const {
+  // This rank's rows of `heads` heads of `dims` (head_dim unless given).
+  std::array<std::int64_t, 4> local_shape(std::int64_t heads, std::int64_t dims = 0) const {
     return {c.batch, dist::shard_length(c.sharding, c.seqlen, world_size(), world_rank()), heads,
-            c.head_dim};
+            dims > 0 ? dims : c.head_dim};
   }
 
   dist::RingOptions ring() const { return {.sharding = c.sharding, .timeout_seconds = 120.0}; }
@@ -130,7 +135,7 @@ struct Placed {
   std::vector<bool> mine;
 };
 Placed placed(const Problem& p, const Tensor& local, std::int64_t heads) {
-  Placed result{Tensor(local.view.dtype, {p.c.batch, p.c.seqlen, heads, p.c.head_dim}),
+  Placed result{Tensor(local.view.dtype, {p.c.batch, p.c.seqlen, heads, local.view.shape[3]}),
                 std::vector<bool>(static_cast<std::size_t>(p.c.seqlen), false)};
   dist::unshard(local.view, p.c.sharding, p.ranks, p.rank, result.whole.view);
   for (const dist::Segment& s : dist::shard_segments(p.c.sharding, p.c.seqlen, p.ranks, p.rank)) {
@@ -160,11 +165,11 @@ void check_forward(const RingCase& ring_case) {
   SCOPED_TRACE(describe(p.c) + ", " + std::to_string(p.ranks) + " ranks, seed " +
                std::to_string(shared_seed()));
   const ReferenceResult want = reference(p.q, p.k, p.v, p.options);
-  Tensor single(p.c.dtype, p.q.view.shape);
+  Tensor single(p.c.dtype, p.dout.view.shape);
   flash_attention_forward(p.q.view, p.k.view, p.v.view, single.view, nullptr, p.options);
   const double single_error = max_error(single, want.out).value;
 
-  Tensor out_local(p.c.dtype, p.local_shape(p.c.heads_q));
+  Tensor out_local(p.c.dtype, p.local_shape(p.c.heads_q, p.c.value_dims()));
   out_local.poison();
   const std::int64_t rows = out_local.view.shape[1];
   std::vector<float> lse_local(static_cast<std::size_t>(p.c.batch * p.c.heads_q * rows),
@@ -204,20 +209,20 @@ void check_backward(const RingCase& ring_case) {
   SCOPED_TRACE(describe(p.c) + ", " + std::to_string(p.ranks) + " ranks, seed " +
                std::to_string(shared_seed()));
   // The whole sequence's forward and its reference gradients.
-  Tensor out(p.c.dtype, p.q.view.shape);
+  Tensor out(p.c.dtype, p.dout.view.shape);
   std::vector<float> lse(static_cast<std::size_t>(p.c.batch * p.c.heads_q * p.c.seqlen));
   flash_attention_forward(p.q.view, p.k.view, p.v.view, out.view, lse.data(), p.options);
   const GradientOracle want = gradient_oracle(p.dout, p.q, p.k, p.v, out, lse.data(), p.options);
 
   // The ring's forward, then its backward from what the forward wrote.
-  Tensor out_local(p.c.dtype, p.local_shape(p.c.heads_q));
+  Tensor out_local(p.c.dtype, p.local_shape(p.c.heads_q, p.c.value_dims()));
   const std::int64_t rows = out_local.view.shape[1];
   std::vector<float> lse_local(static_cast<std::size_t>(p.c.batch * p.c.heads_q * rows));
   dist::ring_attention_forward(MPI_COMM_WORLD, p.q_local.view, p.k_local.view, p.v_local.view,
                                out_local.view, lse_local.data(), p.options, p.ring());
   Tensor dq_local(p.c.dtype, p.local_shape(p.c.heads_q));
   Tensor dk_local(p.c.dtype, p.local_shape(p.c.heads_kv));
-  Tensor dv_local(p.c.dtype, p.local_shape(p.c.heads_kv));
+  Tensor dv_local(p.c.dtype, p.local_shape(p.c.heads_kv, p.c.value_dims()));
   dq_local.poison();
   dk_local.poison();
   dv_local.poison();
@@ -258,6 +263,7 @@ TEST(RingAttentionProperty, RandomCasesMatchTheReference) {
     c.window_right = pick(0, 2) == 0 ? pick(0, c.seqlen) : -1;
     c.sharding = pick(0, 1) == 1 ? Sharding::zigzag : Sharding::contiguous;
     c.dtype = std::array{DType::f32, DType::f32, DType::f16, DType::bf16}[pick(0, 3)];
+    if (pick(0, 3) == 0) c.head_dim_v = pick(1, 72);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + describe(c));
     check_forward(c);
     check_backward(c);
@@ -275,7 +281,11 @@ INSTANTIATE_TEST_SUITE_P(
                       RingCase{1, 7, 2, 2, 16, true, -1, -1, Sharding::zigzag},
                       RingCase{1, 1, 2, 2, 16, true},
                       RingCase{1, 150, 4, 2, 64, true, -1, -1, Sharding::zigzag, DType::bf16},
-                      RingCase{1, 150, 4, 2, 64, false, 30, 0, Sharding::contiguous, DType::f16}),
+                      RingCase{1, 150, 4, 2, 64, false, 30, 0, Sharding::contiguous, DType::f16},
+                      // A value head dim of its own (MLA's 192/128, scaled down), both ways.
+                      RingCase{1, 150, 4, 2, 48, true, -1, -1, Sharding::zigzag, DType::f32, 32},
+                      RingCase{2, 97, 2, 1, 24, false, 20, 3, Sharding::contiguous, DType::bf16,
+                               40}),
     [](const auto& info) { return describe(info.param); });
 
 // A rank whose input is wrong stops every rank with the same Error, before any message moves.
