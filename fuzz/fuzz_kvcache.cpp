@@ -22,6 +22,11 @@
 //    |v| (a quantized cache's code · scale) among the row's visible keys (the softmax weights are a
 //    convex combination, up to the roundings of their sum, of P to a 16-bit q's dtype (u_p) and of
 //    the output (u_out)).
+// The value head dim (head_dim_v) is picked on its own, mostly head_dim's. Where it is at most
+// head_dim, for an unquantized cache without a rotary table, one valid input in two also runs
+// the dense call on a shared cache (MLA's: V a view of K's first head_dim_v dims, k_new appended
+// alone), which must give the out and lse of the same call with those dims in a V cache of their
+// own, and leave the cache as the appended K.
 // The accuracy against the fp64 reference is fuzz_attention's and tests/test_kvcache.cpp's.
 
 #include <fuzzer/FuzzedDataProvider.h>
@@ -529,6 +534,53 @@ __attribute__((no_sanitize("coverage"))) void check_bounds(Problem& p) {
   }
 }
 
+// The dense call on a shared cache (K's bytes before the call, V its first head_dim_v dims,
+// k_new appended alone) against the same call with those dims copied into a V cache of their own
+// and into v_new: the same out and lse bit for bit, and the shared cache left as `k_want`.
+void check_shared_cache(Problem& p, const std::vector<std::uint8_t>& k_before,
+                        const std::vector<std::uint8_t>& k_want) {
+  auto view = [](Tensor& t, DType dtype) {
+    return flashattn::TensorView{t.buffer.bytes.data(), dtype, t.shape, t.strides};
+  };
+  Tensor keys = p.dense_k, own_keys = p.dense_k;
+  keys.buffer.bytes = k_before;
+  own_keys.buffer.bytes = k_before;
+  const std::int64_t Dv = p.head_dim_v;
+  Tensor values = make_tensor(p.cache_dtype, {p.batch, p.capacity, p.heads_kv, Dv}, 0, {}, -1);
+  Tensor new_values = make_tensor(p.new_dtype, {p.batch, p.seqlen_new, p.heads_kv, Dv}, 0, {}, -1);
+  for_each_index(values.shape, [&](auto b, auto j, auto h, auto d) {
+    store_f32(values.buffer.bytes.data(), p.cache_dtype, values.offset(b, j, h, d),
+              load_f32(keys.buffer.bytes.data(), p.cache_dtype, keys.offset(b, j, h, d)));
+  });
+  for_each_index(new_values.shape, [&](auto b, auto i, auto h, auto d) {
+    store_f32(new_values.buffer.bytes.data(), p.new_dtype, new_values.offset(b, i, h, d),
+              load_f32(p.k_new.buffer.bytes.data(), p.new_dtype, p.k_new.offset(b, i, h, d)));
+  });
+  auto run = [&](const flashattn::KVCacheView& cache, const flashattn::NewKeysValues& new_kv) {
+    std::vector<std::uint8_t> out_bytes = p.out.buffer.bytes, lse = p.lse_bytes;
+    flashattn::TensorView out = view(p.out, p.q_dtype);
+    out.data = out_bytes.data();
+    flashattn::kvcache_attention_forward(
+        view(p.q, p.q_dtype), cache, p.cached.data(), new_kv, p.cache_options, out,
+        lse.empty() ? nullptr : reinterpret_cast<float*>(lse.data()), p.options, p.impl);
+    return std::pair{out_bytes, lse};
+  };
+  flashattn::TensorView shared_values = view(keys, p.cache_dtype);
+  shared_values.shape[3] = Dv;
+  std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> separate, shared;
+  try {
+    separate = run({view(own_keys, p.cache_dtype), view(values, p.cache_dtype)},
+                   {view(p.k_new, p.new_dtype), view(new_values, p.new_dtype)});
+    shared = run({view(keys, p.cache_dtype), shared_values}, {view(p.k_new, p.new_dtype), {}});
+  } catch (const flashattn::Error& error) {
+    finding(p, std::string("a valid shared-cache call raised Error: ") + error.what());
+  }
+  if (shared != separate) finding(p, "a shared cache gave other out or lse than a separate one");
+  if (keys.buffer.bytes != k_want) {
+    finding(p, "the shared cache does not hold the old rows with the new keys appended");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -572,6 +624,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     finding(p, "an invalid call did not raise flashattn::Error");
   }
 
+  const bool shared = !p.quantized() && p.cos.empty() && p.head_dim_v <= p.head_dim &&
+                      p.batch_idx.empty() && p.leftpad.empty() && in.ConsumeBool();
+  const std::vector<std::uint8_t> dense_k_before = p.dense_k.buffer.bytes;
   const auto dense_row = [](std::int64_t b, std::int64_t j) { return std::pair{b, j}; };
   const auto paged_row = [&](std::int64_t b, std::int64_t j) { return p.page_row(b, j); };
   const bool rotary = !p.cos.empty();
@@ -624,5 +679,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t written = written_around_view(p.out, p.q_dtype);
   if (written >= 0) finding(p, "wrote padding element " + std::to_string(written) + " of out");
   check_bounds(p);
+  if (shared) check_shared_cache(p, dense_k_before, dense_k_want);
   return 0;
 }
