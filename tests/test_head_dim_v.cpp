@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/flash_decode.hpp"
 #include "flashattn/kvcache.hpp"
 #include "flashattn/varlen.hpp"
 #include "test_support.hpp"
@@ -384,6 +385,32 @@ TEST(VarlenValueDims, SequencesMatchTheirOwnCalls) {
       PagedKVView{paged_k.view, paged_v.view, table.data(), pages_per_sequence}, cu_q.data(),
       cu_k.data(), batch, paged_out.view, nullptr, options);
   EXPECT_EQ(paged_out.bytes, out.bytes) << "paged and packed varlen disagree";
+}
+
+// The decode path widens K rows (D = 17) and V rows (Dv = 24), neither a whole number of vectors,
+// into one per-thread buffer: an infinity in V's dims past K's, left there by one batch entry's
+// last values, met the zeros of the next entry's keys' padding (0·inf = NaN) and made that entry
+// NaN (fuzz_attention found it). Entry 0 alone sees the infinity; entry 1 must match the reference.
+TEST(DecodeValueDims, OneEntrysValuesNeverReachAnother) {
+  std::mt19937_64 rng(test_seed());
+  Tensor q(DType::f32, {2, 1, 2, 17}), k(DType::f32, {2, 300, 1, 17}),
+      v(DType::f32, {2, 300, 1, 24});
+  q.fill_normal(rng);
+  k.fill_normal(rng);
+  v.fill_normal(rng);
+  v.set(0, 299, 0, 20, INFINITY);
+  Tensor out(DType::f32, {2, 1, 2, 24});
+  AttentionOptions options;
+  options.num_threads = 1;  // every chunk on one thread, entry 0's last chunk before entry 1's
+  ASSERT_TRUE(detail::cpu::use_flash_decode(
+      detail::make_params("test", q.view, k.view, v.view, out.view, nullptr, options)));
+  flash_attention_forward(q.view, k.view, v.view, out.view, nullptr, options);
+  EXPECT_FALSE(std::isfinite(out.at(0, 0, 0, 20)));
+  Tensor out_1(DType::f32, {1, 1, 2, 24});
+  out_1.for_each_index(
+      [&](auto, auto i, auto h, auto d) { out_1.set(0, i, h, d, out.at(1, i, h, d)); });
+  Tensor k_1 = sequence_rows(k.view, 1, 300), v_1 = sequence_rows(v.view, 1, 300);
+  expect_matches_reference(entry_of(q, 1), k_1, v_1, out_1, DType::f32, options);
 }
 
 std::string error_of(const std::function<void()>& call) {

@@ -450,12 +450,16 @@ class KeyWalk {
               widened, static_cast<const std::uint8_t*>(base) + p_.kv_offset(strides, b_, j, h),
               p_.dtype, scales.data + p_.kv_offset(scales.strides, b_, j, h), scales.group_stride,
               scales.group_dims, dims_);
+          std::fill(widened + dims_, widened + Dp, 0.0f);
         }
         inputs_ = {{t_.inputs.data(), Dp}, DType::f32, nullptr, {}};
       } else {
         float* widened = t_.inputs.data();
         for_each_key(strides, key, key + count, [&](std::int64_t row) {
           load_row_f32(widened, base, p_.dtype, row + h * strides.head, dims_);
+          // The padding is zeroed row by row: K and V rows of different widths share the buffer,
+          // and a value left past one's dims would meet the zeros of the other's (0·inf = NaN).
+          std::fill(widened + dims_, widened + Dp, 0.0f);
           widened += Dp;
         });
         inputs_ = {{t_.inputs.data(), Dp}, DType::f32, nullptr, {}};
