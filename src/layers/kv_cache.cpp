@@ -19,6 +19,7 @@
 #include "cpu/kernels/cache_rows.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
+#include "util/huge_pages.hpp"
 #include "util/parallel.hpp"
 
 namespace flashattn::detail {
@@ -299,6 +300,7 @@ void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
       continue;
     }
     keys.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim)));
+    advise_huge_pages(keys.data(), keys.size());
     gather_sequence(p, b, p.k, p.k_strides, p.k_scale, p.head_dim, keys.data());
     if (shared) {
       AttentionParams s = sequence_problem(p, b, keys.data(), keys.data());
@@ -307,6 +309,7 @@ void attend_to_cache(AttentionImpl impl, const AttentionParams& p) {
       continue;
     }
     values.resize(static_cast<std::size_t>(gathered_bytes(p, b, p.head_dim_v)));
+    advise_huge_pages(values.data(), values.size());
     gather_sequence(p, b, p.v, p.v_strides, p.v_scale, p.head_dim_v, values.data());
     run_dense(impl, sequence_problem(p, b, keys.data(), values.data()));
   }
