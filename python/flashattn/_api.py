@@ -604,16 +604,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             num_threads: int = 0, impl: str = "flash"):
     """One step of decoding (or a chunk of prefill) against a KV cache, appending in place.
 
-    q [B, Sq, Hq, D]. Dense cache: k_cache, v_cache [B, capacity, Hkv, D]; paged cache (with
-    block_table int32 [B, pages_per_sequence]): [num_pages, page_size, Hkv, D]. k, v
-    [B, Snew, Hkv, D], when given, are written into the cache at cache_seqlens[b] before q
-    attends to the first cache_seqlens[b] + Snew keys of each sequence (causal and window
-    aligned to that length). cache_seqlens (int or int32 [B]) is read, never changed: add Snew
-    to it yourself after the call. None means every sequence fills its whole capacity (no
-    append). Caches: float32, float16 or bfloat16, and q may be float32 with a 16-bit cache;
-    they must be writable and have a contiguous last dim (they are written in place, never
-    copied). Returns out [B, Sq, Hq, D] in q's dtype, and lse [B, Hq, Sq] with
-    return_softmax_lse.
+    q [B, Sq, Hq, D]. Dense cache: k_cache [B, capacity, Hkv, D], v_cache [..., Dv] (Dv may
+    differ from D); paged cache (with block_table int32 [B, pages_per_sequence]): [num_pages,
+    page_size, Hkv, D] (Dv). k [B, Snew, Hkv, D], v [..., Dv], when given, are written into the
+    cache at cache_seqlens[b] before q attends to the first cache_seqlens[b] + Snew keys of each
+    sequence (causal and window aligned to that length). cache_seqlens (int or int32 [B]) is
+    read, never changed: add Snew to it yourself after the call. None means every sequence fills
+    its whole capacity (no append). Caches: float32, float16 or bfloat16, and q may be float32
+    with a 16-bit cache; they must be writable and have a contiguous last dim (they are written
+    in place, never copied). MLA's shared latent cache: v_cache = k_cache[..., :Dv] and k
+    without v, which appends each latent row once. Returns out [B, Sq, Hq, Dv] in q's dtype,
+    and lse [B, Hq, Sq] with return_softmax_lse.
 
     As FlashAttention 2.8:
     rotary_cos, rotary_sin [seqlen_ro, rotary_dim / 2] (any float dtype, read as float32;
