@@ -162,15 +162,11 @@ std::int64_t kvcache_scratch_bytes(AttentionImpl impl, const AttentionParams& p)
       most = std::max(most, bytes);
       continue;
     }
-    const std::int64_t keys = gathered_bytes(p, b, p.head_dim);
-    const std::int64_t values = gathered_bytes(p, b, p.head_dim_v);
-    const std::int64_t gathered = keys > std::numeric_limits<std::int64_t>::max() - values
-                                      ? std::numeric_limits<std::int64_t>::max()
-                                      : keys + values;
-    const std::int64_t total = bytes > std::numeric_limits<std::int64_t>::max() - gathered
-                                   ? std::numeric_limits<std::int64_t>::max()
-                                   : bytes + gathered;
-    most = std::max(most, total);
+    // Each term is at most INT64_MAX: their sum fits in 128 bits, saturated once.
+    const __int128 total = static_cast<__int128>(bytes) + gathered_bytes(p, b, p.head_dim) +
+                           gathered_bytes(p, b, p.head_dim_v);
+    most = std::max(most, static_cast<std::int64_t>(
+                              std::min<__int128>(total, std::numeric_limits<std::int64_t>::max())));
   }
   return most;
 }
