@@ -1,11 +1,71 @@
-# Third-party dependencies (docs/design.md, "Dependencies"), all from Debian 12 packages.
+# Third-party dependencies (docs/design.md, "Dependencies"), from Debian 12 packages where they
+# are installed.
 
 find_package(OpenMP REQUIRED)
-find_package(hwy REQUIRED)
+
+# Highway and Random123 are not on PyPI: where the system has no copy (an sdist built on a
+# machine with only a compiler and CMake), the release Debian 12 ships is downloaded and checked
+# against its SHA-256 (the sums of the archives GitHub serves for those tags). Highway is then
+# built as a static library inside libflashattn. FLASHATTN_DEPENDENCY_MIRROR, a folder or URL
+# prefix holding the same archives under the names below, is tried first (machines that cannot
+# reach GitHub); -DFETCHCONTENT_TRY_FIND_PACKAGE_MODE=NEVER ignores the system's copies.
+include(FetchContent)
+set(FLASHATTN_DEPENDENCY_MIRROR "" CACHE STRING
+  "A folder or URL prefix tried before GitHub for highway-1.0.3.tar.gz and random123-1.14.0.tar.gz")
+function(flashattn_dependency_urls out archive upstream)
+  set(urls "${upstream}")
+  if(FLASHATTN_DEPENDENCY_MIRROR MATCHES "^[a-z]+://")
+    list(PREPEND urls "${FLASHATTN_DEPENDENCY_MIRROR}/${archive}")
+  elseif(EXISTS "${FLASHATTN_DEPENDENCY_MIRROR}/${archive}")
+    # Alone: ExternalProject takes a local path only as the one URL, never in a list.
+    get_filename_component(urls "${FLASHATTN_DEPENDENCY_MIRROR}/${archive}" ABSOLUTE)
+  endif()
+  set(${out} "${urls}" PARENT_SCOPE)
+endfunction()
+
+flashattn_dependency_urls(hwy_urls highway-1.0.3.tar.gz
+  https://github.com/google/highway/archive/refs/tags/1.0.3.tar.gz)
+# Only the library: none of Highway's tests, examples, contrib or install rules.
+set(HWY_ENABLE_TESTS OFF CACHE BOOL "Highway's tests (flashattn builds none)")
+set(HWY_ENABLE_EXAMPLES OFF CACHE BOOL "Highway's examples (flashattn builds none)")
+set(HWY_ENABLE_CONTRIB OFF CACHE BOOL "Highway's contrib (flashattn uses none)")
+set(HWY_ENABLE_INSTALL OFF CACHE BOOL "Highway's install rules (it is inside libflashattn)")
+FetchContent_Declare(hwy
+  URL ${hwy_urls}
+  URL_HASH SHA256=566fc77315878473d9a6bd815f7de78c73734acdcb745c3dde8579560ac5440e
+  DOWNLOAD_EXTRACT_TIMESTAMP ON
+  FIND_PACKAGE_ARGS)
+FetchContent_MakeAvailable(hwy)
+# FLASHATTN_THIRD_PARTY_NOTICES: (file, name) pairs, the license notices a binary package must
+# carry for the code of these two that libflashattn holds (python/CMakeLists.txt installs them).
+if(TARGET hwy::hwy)
+  set(FLASHATTN_THIRD_PARTY_NOTICES
+    /usr/share/doc/libhwy1/copyright highway-copyright
+    /usr/share/common-licenses/Apache-2.0 highway-Apache-2.0)
+else()
+  add_library(hwy::hwy ALIAS hwy)
+  set(FLASHATTN_THIRD_PARTY_NOTICES "${hwy_SOURCE_DIR}/LICENSE" highway-Apache-2.0)
+  message(STATUS "flashattn: Highway 1.0.3 built from ${hwy_SOURCE_DIR}")
+endif()
+
 # Random123 (header-only): the Philox generator of the dropout mask (src/util/dropout.hpp).
-find_path(FLASHATTN_RANDOM123_INCLUDE_DIR Random123/philox.h NO_CACHE)
+if(NOT FETCHCONTENT_TRY_FIND_PACKAGE_MODE STREQUAL "NEVER")
+  find_path(FLASHATTN_RANDOM123_INCLUDE_DIR Random123/philox.h NO_CACHE)
+endif()
 if(NOT FLASHATTN_RANDOM123_INCLUDE_DIR)
-  message(FATAL_ERROR "Random123/philox.h not found: install librandom123-dev (Debian)")
+  flashattn_dependency_urls(random123_urls random123-1.14.0.tar.gz
+    https://github.com/DEShawResearch/random123/archive/refs/tags/v1.14.0.tar.gz)
+  FetchContent_Declare(random123
+    URL ${random123_urls}
+    URL_HASH SHA256=effafd8656b18030b2a5b995cd3650c51a7c45052e6e1c21e48b9fa7a59d926e
+    DOWNLOAD_EXTRACT_TIMESTAMP ON)
+  FetchContent_MakeAvailable(random123)  # headers only: no CMakeLists.txt to add
+  set(FLASHATTN_RANDOM123_INCLUDE_DIR "${random123_SOURCE_DIR}/include")
+  list(APPEND FLASHATTN_THIRD_PARTY_NOTICES "${random123_SOURCE_DIR}/LICENSE" random123-LICENSE)
+  message(STATUS "flashattn: Random123 1.14.0 from ${random123_SOURCE_DIR}")
+else()
+  list(APPEND FLASHATTN_THIRD_PARTY_NOTICES
+    /usr/share/doc/librandom123-dev/copyright random123-copyright)
 endif()
 
 # BLAS for the standard path and the layer's projections: OpenBLAS, the system's (Debian's; the

