@@ -563,6 +563,16 @@ NB_MODULE(_flashattn, m) {
       "threads"_a, "seconds"_a = 0.2, "trials"_a = 3,
       "The f32 FMA peak of `threads` threads in GFLOP/s (bench/ceilings.hpp), for benchmarks.");
   m.def(
+      "sgemm_pairs_gflops",
+      [](int threads, std::int64_t seqlen, std::int64_t head_dim, double seconds, int trials) {
+        flashattn::bench::SgemmPairs pairs(threads, seqlen, head_dim);
+        nb::gil_scoped_release release;
+        return flashattn::bench::best_rate(pairs, seconds, trials) / 1e9;
+      },
+      "threads"_a, "seqlen"_a, "head_dim"_a, "seconds"_a = 0.2, "trials"_a = 3,
+      "The BLAS's sgemm ceiling on the standard path's products (Q·Kᵀ and S·V of one head per "
+      "thread, bench/ceilings.hpp) in GFLOP/s, for benchmarks.");
+  m.def(
       "bf16_dot_peak_gflops",
       [](int threads, double seconds, int trials) -> std::optional<double> {
         if (!flashattn::bench::Bf16DotPeak::supported()) return std::nullopt;
