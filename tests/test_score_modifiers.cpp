@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <sstream>
@@ -924,11 +925,19 @@ TEST(ModifierExamples, RowWithoutKeysGetsItsSinkAsLse) {
   }
 }
 
-// Bitwise the same for any thread count, modifiers, dsinks and dbias included.
+// Bitwise the same for any thread count, modifiers, dsinks and dbias included: dbias of every
+// broadcast (its sums take turns across the groups that share a bias slice), and one KV head
+// whose keys split into chunks (B1 Hkv1).
 TEST(ModifiersDeterminism, BitwiseIdenticalForAnyThreadCount) {
-  for (std::int64_t seqlen_q : {1, 300}) {
-    ModifierCase c{2, seqlen_q, 300, 4, 2, 64, 4.0f, Alibi::per_entry, true, true};
-    c.bias = Bias::per_head;
+  struct Shape {
+    std::int64_t batch, seqlen_q, heads_kv;
+    Bias bias;
+  };
+  for (const Shape s : {Shape{2, 1, 2, Bias::per_head}, Shape{2, 300, 2, Bias::per_head},
+                        Shape{2, 300, 2, Bias::shared}, Shape{2, 300, 2, Bias::per_batch},
+                        Shape{2, 300, 2, Bias::full}, Shape{1, 300, 1, Bias::shared}}) {
+    ModifierCase c{s.batch, s.seqlen_q, 300, 4, s.heads_kv, 64, 4.0f, Alibi::per_entry, true, true};
+    c.bias = s.bias;
     c.mask = Mask::random;
     const Problem p(c, test_seed());
     const Gradients one = run_backward(p, AttentionImpl::flash, 1);
@@ -945,6 +954,74 @@ TEST(ModifiersDeterminism, BitwiseIdenticalForAnyThreadCount) {
       EXPECT_EQ(other.dsinks, one.dsinks) << describe(c) << " threads " << threads;
       EXPECT_EQ(other.dbias.bytes, one.dbias.bytes) << describe(c) << " threads " << threads;
     }
+  }
+}
+
+// The flash backward sums dbias as it goes, in fp64 and in (batch, head) order: exactly the fp64
+// sum, in that order, of the dbias each (batch, head) gives alone (one fp32 term each, so exact),
+// rounded once. Without the ordered turns, threads adding in another order change low bits.
+TEST(ModifiersDbias, FlashSumsEachHeadAloneInOrder) {
+  for (Bias bias : {Bias::shared, Bias::per_batch, Bias::per_head}) {
+    ModifierCase c{2, 131, 197, 8, 4, 40};
+    c.bias = bias;
+    c.causal = true;
+    c.threads = 3;
+    const Problem p(c, test_seed());
+    const Gradients together = run_backward(p, AttentionImpl::flash, c.threads);
+    const std::array<std::int64_t, 4> bias_shape = p.bias.view.shape;
+    const std::int64_t Sq = c.seqlen_q, Skv = c.seqlen_kv, group = c.heads_q / c.heads_kv;
+    std::vector<double> sums(static_cast<std::size_t>(p.bias.view.numel()), 0.0);
+    // One (batch, head) at a time: views into q, k, v, out, dO, its lse and its bias slice.
+    auto one_head = [](const TensorView& t, std::int64_t b, std::int64_t h) {
+      TensorView one = t;
+      one.data = static_cast<std::uint8_t*>(t.data) +
+                 (b * t.strides[0] + h * t.strides[2]) * dtype_size(t.dtype);
+      one.shape = {1, t.shape[1], 1, t.shape[3]};
+      return one;
+    };
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      for (std::int64_t h = 0; h < c.heads_q; ++h) {
+        const std::int64_t bb = bias_shape[0] == 1 ? 0 : b, hb = bias_shape[1] == 1 ? 0 : h;
+        AttentionOptions options = p.options;
+        options.num_threads = 2;
+        options.bias = p.bias.view;
+        options.bias.data = static_cast<std::uint8_t*>(p.bias.view.data) +
+                            (bb * p.bias.view.strides[0] + hb * p.bias.view.strides[1]) *
+                                dtype_size(p.bias.view.dtype);
+        options.bias.shape = {1, 1, Sq, Skv};
+        Tensor dq(c.dtype, {1, Sq, 1, c.head_dim}), dk(c.dtype, {1, Skv, 1, c.head_dim}),
+            dv(c.dtype, {1, Skv, 1, c.head_dim}), dbias(DType::f32, {1, 1, Sq, Skv});
+        ModifierGradients gradients;
+        gradients.dbias = dbias.view;
+        flash_attention_backward(
+            one_head(p.dout.view, b, h), one_head(p.q.view, b, h), one_head(p.k.view, b, h / group),
+            one_head(p.v.view, b, h / group), one_head(p.out.view, b, h),
+            p.lse.data() + (b * c.heads_q + h) * Sq, dq.view, dk.view, dv.view, options, gradients);
+        for (std::int64_t i = 0; i < Sq; ++i) {
+          for (std::int64_t j = 0; j < Skv; ++j) {
+            sums[static_cast<std::size_t>(((bb * bias_shape[1] + hb) * Sq + i) * Skv + j)] +=
+                static_cast<double>(dbias.at(0, 0, i, j));
+          }
+        }
+      }
+    }
+    std::int64_t mismatches = 0;
+    for (std::int64_t bb = 0; bb < bias_shape[0]; ++bb) {
+      for (std::int64_t hb = 0; hb < bias_shape[1]; ++hb) {
+        for (std::int64_t i = 0; i < Sq; ++i) {
+          for (std::int64_t j = 0; j < Skv; ++j) {
+            const float expected = static_cast<float>(
+                sums[static_cast<std::size_t>(((bb * bias_shape[1] + hb) * Sq + i) * Skv + j)]);
+            const float got = together.dbias.at(bb, hb, i, j);
+            if (std::memcmp(&expected, &got, sizeof(float)) != 0 && ++mismatches <= 3) {
+              ADD_FAILURE() << describe(c) << " dbias[" << bb << ", " << hb << ", " << i << ", "
+                            << j << "] = " << got << ", expected " << expected;
+            }
+          }
+        }
+      }
+    }
+    EXPECT_EQ(mismatches, 0) << describe(c);
   }
 }
 

@@ -4,6 +4,7 @@
 // logical tensors cost nothing here: inputs may broadcast with stride 0.
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -104,6 +105,40 @@ TEST(SizeLimits, ScratchThatCannotFitIsRefusedBeforeAnyWrite) {
                  broadcast(row, {1, kTwo40, 1, 8}), few, "seqlen_kv 1099511627776",
                  {AttentionImpl::standard, AttentionImpl::reference});
   for (float x : out_buffer) ASSERT_TRUE(std::isnan(x)) << "out written";
+}
+
+// The flash backward's dbias sums (fp64, one per element of the bias) count against the limit:
+// a [1, 1, 2^16, 2^16] bias needs 32 GiB of them, and the call is refused before any write. dbias
+// itself is address space reserved without access (mmap PROT_NONE), so a write there would crash.
+TEST(SizeLimits, FlashDbiasSumsCountAgainstTheLimit) {
+  const std::int64_t S = std::int64_t{1} << 16;
+  ASSERT_LT(memory_limit_bytes(), 8 * S * S) << "a machine with more than 32 GiB: pick a larger S";
+  std::vector<float> row(8, 0.5f), lse(static_cast<std::size_t>(S), 0.0f);
+  std::vector<float> out(static_cast<std::size_t>(S * 8)), dq(out.size(), NAN), dk(out.size(), NAN),
+      dv(out.size(), NAN);
+  const std::size_t dbias_bytes = static_cast<std::size_t>(S * S) * sizeof(float);
+  void* reserved =
+      mmap(nullptr, dbias_bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  ASSERT_NE(reserved, MAP_FAILED);
+  AttentionOptions options;
+  options.bias = {row.data(), DType::f32, {1, 1, S, S}, {0, 0, 0, 0}};
+  ModifierGradients gradients;
+  gradients.dbias = contiguous_view(static_cast<float*>(reserved), {1, 1, S, S});
+  try {
+    flash_attention_backward(
+        broadcast(row, {1, S, 1, 8}), broadcast(row, {1, S, 1, 8}), broadcast(row, {1, S, 1, 8}),
+        broadcast(row, {1, S, 1, 8}), contiguous_view(out.data(), {1, S, 1, 8}), lse.data(),
+        contiguous_view(dq.data(), {1, S, 1, 8}), contiguous_view(dk.data(), {1, S, 1, 8}),
+        contiguous_view(dv.data(), {1, S, 1, 8}), options, gradients);
+    ADD_FAILURE() << "no error raised";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("scratch memory fits"), std::string::npos)
+        << error.what();
+  }
+  munmap(reserved, dbias_bytes);
+  for (const std::vector<float>* gradient : {&dq, &dk, &dv}) {
+    for (float x : *gradient) ASSERT_TRUE(std::isnan(x)) << "a gradient written";
+  }
 }
 
 TEST(SizeLimits, ScoreBufferBytesRefusesOverflowAndNegativeSizes) {

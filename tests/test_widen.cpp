@@ -3,7 +3,8 @@
 // bit patterns, in a row whose length leaves a scalar tail. NaN stays NaN (F16C quiets a
 // signaling NaN, the scalar path keeps its payload; both are NaN, which is all the library
 // promises). Narrowing to bf16 matches the scalar rounding bit for bit. dot_f32 (util/dot.cpp)
-// matches an fp64 sum within fp32 summation error. The transposes that pack operands match the
+// matches an fp64 sum within fp32 summation error; add_widened_f64 matches the scalar widening add
+// bit for bit. The transposes that pack operands match the
 // scalar ones exactly.
 
 #include <gtest/gtest.h>
@@ -219,6 +220,29 @@ TEST(DotF32, MatchesFp64OnEveryTarget) {
       const double got = detail::dot_f32(a.data(), b.data(), n);
       EXPECT_LE(std::abs(got - exact), n * 0x1p-24 * magnitude)
           << "n " << n << ": got " << got << ", fp64 " << exact;
+    }
+  });
+}
+
+// sums[i] += double(x[i]): one exact widening and one fp64 add per element, the scalar loop's bits
+// on every target, over lengths with vector tails and values of every magnitude and sign.
+TEST(AddWidenedF64, MatchesTheScalarAddOnEveryTarget) {
+  std::mt19937_64 rng(11);
+  std::normal_distribution<double> normal;
+  on_every_target([&] {
+    for (const std::int64_t n : {0, 1, 3, 7, 8, 9, 17, 64, 100}) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      std::vector<double> sums(x.size()), expected(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        x[i] = static_cast<float>(normal(rng) * std::ldexp(1.0, static_cast<int>(i % 61) - 30));
+        sums[i] = expected[i] = normal(rng) * std::ldexp(1.0, static_cast<int>(i % 53) - 26);
+        expected[i] += static_cast<double>(x[i]);
+      }
+      detail::add_widened_f64(sums.data(), x.data(), n);
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        EXPECT_EQ(std::bit_cast<std::uint64_t>(sums[i]), std::bit_cast<std::uint64_t>(expected[i]))
+            << "n " << n << " element " << i;
+      }
     }
   });
 }

@@ -9,8 +9,8 @@
 // targets of issue 22 are stated so), against plain flash without it: a [1, 1, S, S] f32 bias, a
 // mask that keeps everything (dense), and a document mask of four equal documents, which keeps a
 // quarter of every 64 x 64 block grid and whose speed is also read against the dense mask's. The
-// bias's backward runs twice: without and with dbias ("+dbias"), whose fp32 scratch of
-// [B, H, S, S] (bench/README.md) is the difference.
+// bias's backward runs twice: without and with dbias ("+dbias"), whose fp64 sums, added in
+// turn by every (batch, head) (bench/README.md), are the difference.
 
 #include <array>
 #include <cmath>

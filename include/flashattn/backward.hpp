@@ -24,8 +24,9 @@ struct ModifierGradients {
   float* dsinks = nullptr;
   // For options.bias: dL/dbias, the logits' gradient P ∘ (dP − D_i) summed over the dims the
   // bias broadcasts; the bias's shape and dtype, any strides that give each element its own
-  // address. Data null: not computed. The flash and standard paths take an fp32 scratch of
-  // [batch, heads_q, seqlen_q, seqlen_kv] for it, then sum in a fixed order.
+  // address. Data null: not computed. Summed in fp64 in increasing (batch, head) order, the same
+  // bits for any thread count: the flash path into sums of the bias's size as it goes, the
+  // standard path from an fp32 scratch of [batch, heads_q, seqlen_q, seqlen_kv].
   TensorView dbias;
 };
 

@@ -34,8 +34,8 @@ void flash_backward(const BackwardParams& params);
 void add_sink_gradients(const BackwardParams& params, double* sums);
 
 // params.dbias from the logits' gradient of every (batch, query head, row, key), contiguous
-// [batch, heads_q, seqlen_q, seqlen_kv]: summed in fp64 over the dims the bias broadcasts, in a
-// fixed order.
+// [batch, heads_q, seqlen_q, seqlen_kv] (the standard and reference paths'): summed in fp64 over
+// the dims the bias broadcasts, in increasing (batch, head) order, as the flash backward sums.
 void store_bias_gradient(const BackwardParams& params, const float* dlogits);
 void store_bias_gradient(const BackwardParams& params, const double* dlogits);
 

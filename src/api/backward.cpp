@@ -114,10 +114,12 @@ void run_backward(const char* caller, AttentionImpl impl,
         caller, dout, q, k, v, out, lse, dq, dk, dv, options, modifier_gradients);
     if (block_offset) detail::place_block(caller, params.forward, options, *block_offset);
     const detail::AttentionParams& f = params.forward;
-    // dbias: the logits' gradient of every (batch, head, row, key), summed after the backend.
-    const bool dlogits_scratch = params.dbias.data != nullptr && impl != AttentionImpl::reference;
+    // dbias on the standard path: the logits' gradient of every (batch, head, row, key), summed
+    // after the backend (the reference keeps its own in fp64). The flash backward sums dbias as
+    // it goes (cpu/flash_backward.cpp) and needs no such scratch.
+    const bool dlogits_scratch = params.dbias.data != nullptr && impl == AttentionImpl::standard;
     std::int64_t dlogits_count = 0;
-    if (params.dbias.data != nullptr &&
+    if (params.dbias.data != nullptr && impl != AttentionImpl::flash &&
         (__builtin_mul_overflow(f.batch * f.heads_q, f.seqlen_q, &dlogits_count) ||
          __builtin_mul_overflow(dlogits_count, f.seqlen_kv, &dlogits_count) ||
          dlogits_count > std::numeric_limits<std::int64_t>::max() / 8)) {

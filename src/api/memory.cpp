@@ -138,6 +138,11 @@ std::int64_t backward_scratch_bytes(AttentionImpl impl, const BackwardParams& bp
       } else {
         shared = groups * group_rows * (row_floats + chunks * Sq * D_padded);
       }
+      // dbias: its fp64 sums, two floats per element of the bias, and one row of Bc per thread.
+      if (bp.dbias.data != nullptr) {
+        shared += 2 * static_cast<__int128>(bp.dbias.shape[0]) * bp.dbias.shape[1] * Sq * Skv;
+        per_thread += keys;
+      }
       return saturate((shared + threads * per_thread) * 4);
     }
     case AttentionImpl::standard: {

@@ -235,9 +235,10 @@ struct BackwardParams {
   void* dv = nullptr;
   Strides dout_strides, dq_strides, dk_strides, dv_strides;
   float* dsinks = nullptr;  // [heads_q], when asked for (flashattn::ModifierGradients)
-  // For dbias (flashattn::ModifierGradients): the logits' gradient of every (batch, query head,
-  // row, key), fp32 contiguous [batch, heads_q, seqlen_q, seqlen_kv], which the backends write
-  // (0 where masked) and the API layer sums into dbias. Null: not asked for.
+  // For dbias (flashattn::ModifierGradients) on the standard path: the logits' gradient of every
+  // (batch, query head, row, key), fp32 contiguous [batch, heads_q, seqlen_q, seqlen_kv], which
+  // it writes (0 where masked) and the API layer sums into dbias. Null: not asked for, or the
+  // flash path, which sums into dbias itself.
   float* dlogits = nullptr;
   TensorView dbias;
 };

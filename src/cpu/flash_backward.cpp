@@ -33,6 +33,8 @@
 // same operand layouts (cpu::bf16_tile_product). A (row block, K/V block) pair where either
 // holds a subnormal bf16, which both count as zero, takes the fp32 path.
 //
+// dbias is summed as the tasks go, without a [B, Hq, Sq, Skv] scratch: see BiasGradientSums.
+//
 // Non-finite inputs: a pair that the mask cuts and that holds an infinity or a NaN on either
 // side adds its three gradient products over its visible (row, key) pairs only, since a masked
 // pair's P = dS = 0 times an infinity would be NaN (cpu/kernels/visible_gradients.hpp).
@@ -47,10 +49,13 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <new>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "api/backends.hpp"
@@ -63,8 +68,10 @@
 #include "cpu/kernels/tile_kernels_bf16.hpp"
 #include "cpu/kernels/visible_gradients.hpp"
 #include "cpu/tile_sizes.hpp"
+#include "flashattn/dtype.hpp"
 #include "util/aligned_vector.hpp"
 #include "util/convert.hpp"
+#include "util/dot.hpp"
 #include "util/dropout.hpp"
 #include "util/parallel.hpp"
 #include "util/rows.hpp"
@@ -272,6 +279,7 @@ struct Scratch {
   // Non-finite inputs only: a row block's Q and dO, a K/V block's K, as row-major fp32 rows
   // [rows x head_dim] ([rows x head_dim_v] for dO).
   std::vector<float> q_rows, dout_rows, k_rows;
+  AlignedVector<float> dlogits_row;  // dbias: one row's logits' gradient against the K/V block
   // With one chunk per group: the task's own query rows and dQ sums, [group x seqlen_q x Dp].
   std::optional<QueryBlocks> queries;
   hwy::AlignedFreeUniquePtr<float[]> dq;
@@ -286,7 +294,8 @@ struct Scratch {
         dropout_multipliers(p.dropout.on() ? tiles.rows * tiles.ld_scores : 0),
         kept_probabilities(p.dropout.on() ? tiles.rows * tiles.ld_scores : 0),
         dk(tiles.keys * tiles.dims_padded),
-        dv(tiles.keys * tiles.value_dims_padded) {
+        dv(tiles.keys * tiles.value_dims_padded),
+        dlogits_row(tiles.keys) {
     if (tiles.bf16_operands()) {
       k_bf16.assign(tiles.keys * tiles.bf16_reduction, 0);
       v_bf16.assign(tiles.keys * tiles.value_bf16_reduction, 0);
@@ -302,11 +311,105 @@ struct Scratch {
   }
 };
 
+// dbias without a [B, Hq, Sq, Skv] scratch. dbias[bb, hb, i, j] sums the logits' gradient of the
+// (b, h) that read bias[bb, hb] (every b where the bias has batch 1, likewise the heads) in
+// fp64, in increasing (b, h) order: the order, and so the bits, of the sums the standard path
+// makes from its scratch (api/backward.cpp), for any thread count. Each task adds its pairs'
+// rows as it computes them. Groups (batch, KV head) whose heads read the same bias slices take
+// turns per K/V block: a group adds to a block's keys once the group before it in its slices
+// has added all of its own rows there. The threads claim tasks in increasing order
+// (parallel_tasks), so the group waited for runs or ran, and they move through the blocks as a
+// pipeline, one block apart.
+class BiasGradientSums {
+ public:
+  BiasGradientSums(const BackwardParams& bp, std::int64_t kv_blocks)
+      : p_(bp.forward),
+        bias_batch_(bp.dbias.shape[0]),
+        bias_heads_(bp.dbias.shape[1]),
+        kv_blocks_(kv_blocks),
+        sums_(hwy::AllocateAligned<double>(
+            static_cast<std::size_t>(bias_batch_ * bias_heads_ * p_.seqlen_q * p_.seqlen_kv))),
+        added_(
+            new std::atomic<bool>[static_cast<std::size_t>(p_.batch * p_.heads_kv * kv_blocks)]) {
+    if (!sums_) throw std::bad_alloc();
+    const std::int64_t count = bias_batch_ * bias_heads_ * p_.seqlen_q * p_.seqlen_kv;
+    constexpr std::int64_t kChunk = std::int64_t{1} << 18;
+    parallel_tasks(
+        p_.num_threads, (count + kChunk - 1) / kChunk, [] { return 0; },
+        [&](int&, std::int64_t chunk) {
+          const std::int64_t begin = chunk * kChunk;
+          std::fill_n(sums_.get() + begin, std::min(kChunk, count - begin), 0.0);
+        });
+    for (std::int64_t i = 0; i < p_.batch * p_.heads_kv * kv_blocks; ++i) added_[i] = false;
+  }
+
+  // Waits until the group before `group` in its bias slices has added K/V block `block`.
+  void wait_for_turn(std::int64_t group, std::int64_t block) const {
+    const std::int64_t before = group_before(group);
+    if (before < 0) return;
+    const std::atomic<bool>& added = added_[before * kv_blocks_ + block];
+    while (!added.load(std::memory_order_acquire) && !aborted_.load(std::memory_order_acquire)) {
+      std::this_thread::yield();
+    }
+  }
+  void mark_added(std::int64_t group, std::int64_t block) {
+    added_[group * kv_blocks_ + block].store(true, std::memory_order_release);
+  }
+  // A task failed: the call fails, and no task waits for its blocks any more.
+  void abort() { aborted_.store(true, std::memory_order_release); }
+
+  // Adds row `row` of (batch b, query head h), keys [key_begin, key_begin + n).
+  void add_row(std::int64_t b, std::int64_t h, std::int64_t row, std::int64_t key_begin,
+               const float* dlogits, std::int64_t n) {
+    const std::int64_t bb = bias_batch_ == 1 ? 0 : b, hb = bias_heads_ == 1 ? 0 : h;
+    double* sums =
+        sums_.get() + ((bb * bias_heads_ + hb) * p_.seqlen_q + row) * p_.seqlen_kv + key_begin;
+    add_widened_f64(sums, dlogits, n);
+  }
+
+  // dbias, the sums rounded to its dtype.
+  void store(const TensorView& dbias) const {
+    const std::int64_t Sq = p_.seqlen_q, Skv = p_.seqlen_kv;
+    parallel_tasks(
+        p_.num_threads, bias_batch_ * bias_heads_ * Sq, [] { return 0; },
+        [&](int&, std::int64_t task) {
+          const std::int64_t bb = task / (bias_heads_ * Sq), hb = task / Sq % bias_heads_,
+                             i = task % Sq;
+          const double* sums = sums_.get() + task * Skv;
+          for (std::int64_t j = 0; j < Skv; ++j) {
+            const std::int64_t offset = bb * dbias.strides[0] + hb * dbias.strides[1] +
+                                        i * dbias.strides[2] + j * dbias.strides[3];
+            store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sums[j]));
+          }
+        });
+  }
+
+ private:
+  // The group before `group` (b · heads_kv + h_kv) whose heads read the same bias slices, or -1.
+  std::int64_t group_before(std::int64_t group) const {
+    const std::int64_t b = group / p_.heads_kv, h_kv = group % p_.heads_kv;
+    if (bias_heads_ == 1) {
+      // One slice per batch (or one for all): the groups of that batch in turn.
+      if (bias_batch_ == 1) return group - 1;
+      return h_kv > 0 ? group - 1 : -1;
+    }
+    // A slice per query head: the same KV head's group in the batch before, where shared.
+    return bias_batch_ == 1 && b > 0 ? group - p_.heads_kv : -1;
+  }
+
+  const AttentionParams& p_;
+  std::int64_t bias_batch_, bias_heads_, kv_blocks_;
+  hwy::AlignedFreeUniquePtr<double[]> sums_;    // [bias batch, bias heads, seqlen_q, seqlen_kv]
+  std::unique_ptr<std::atomic<bool>[]> added_;  // [groups][K/V blocks]
+  std::atomic<bool> aborted_{false};
+};
+
 struct Task {
   std::int64_t b, h_kv, block_begin, block_end;  // K/V blocks [block_begin, block_end)
   QueryBlocks* queries;                          // holding the group's row blocks
   std::int64_t slot;                             // at this slot
   float* dq;  // the fp32 dQ sums this task adds into, [group x seqlen_q x dims_padded]
+  BiasGradientSums* bias_sums;  // dbias asked for: where the task adds its logits' gradient
 };
 
 // The K/V block [begin, end) of a task, packed once for every row block that sees it: in the
@@ -521,14 +624,16 @@ void score_gradient_step(const BackwardParams& bp, const BackwardTiles& tiles, S
     }
   }
   cpu::softmax_gradient_tile(t.dscores.data(), ld_s, t.probabilities.data(), ld_s,
-                             queries.delta(task.slot, pair.g, pair.n), bp.dlogits ? 1.0f : p.scale,
-                             pair.rows, kv.keys_padded);
-  if (bp.dlogits != nullptr) {
+                             queries.delta(task.slot, pair.g, pair.n),
+                             task.bias_sums != nullptr ? 1.0f : p.scale, pair.rows, kv.keys_padded);
+  if (task.bias_sums != nullptr) {
     const std::int64_t head = task.h_kv * p.group_size() + pair.g;
     for (std::int64_t i = 0; i < pair.rows; ++i) {
       float* ds = t.dscores.data() + i * ld_s;
-      cpu::store_dlogits_row(bp, task.b, head, pair.row_begin + i, kv.begin, kv.keys, ds,
-                             queries.lse(task.slot, pair.g, pair.n)[i]);
+      const std::int64_t row = pair.row_begin + i;
+      cpu::store_dlogits_row(p, task.b, head, row, kv.begin, kv.keys, ds,
+                             queries.lse(task.slot, pair.g, pair.n)[i], t.dlogits_row.data());
+      task.bias_sums->add_row(task.b, head, row, kv.begin, t.dlogits_row.data(), kv.keys);
       for (std::int64_t j = 0; j < kv.keys_padded; ++j) ds[j] *= p.scale;
     }
   }
@@ -636,20 +741,15 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
   for (std::int64_t block = task.block_begin; block < task.block_end; ++block) {
     KeyBlock kv = start_key_block(p, tiles, t, task.b, task.h_kv, block);
     const RowBlocks row_blocks = row_blocks_that_see(p, tiles, kv);
+    const std::int64_t group = task.b * p.heads_kv + task.h_kv;
+    if (task.bias_sums != nullptr) task.bias_sums->wait_for_turn(group, block);
     for (std::int64_t g = 0; g < p.group_size(); ++g) {
       for (std::int64_t n = row_blocks.first; n < row_blocks.end; ++n) {
-        // A pair that the bias and mask mask entirely adds nothing (its logits' gradient is 0).
+        // A pair that the bias and mask mask entirely adds nothing (its logits' gradient is 0,
+        // which the dbias sums need not add: they start at +0 and never become −0).
         const std::int64_t row_begin = n * tiles.rows, head = task.h_kv * p.group_size() + g;
         if (!cpu::logits_keep_some(p, task.b, head, row_begin, row_begin + task.queries->rows(n),
                                    kv.begin, kv.end)) {
-          if (bp.dlogits != nullptr) {
-            for (std::int64_t row = row_begin; row < row_begin + task.queries->rows(n); ++row) {
-              std::fill_n(bp.dlogits +
-                              ((task.b * p.heads_q + head) * p.seqlen_q + row) * p.seqlen_kv +
-                              kv.begin,
-                          kv.keys, 0.0f);
-            }
-          }
           continue;
         }
         const BlockPair pair = start_pair(bp, tiles, t, task, kv, g, n);
@@ -659,6 +759,7 @@ void backward_task(const BackwardParams& bp, const BackwardTiles& tiles, Scratch
         gradients_step(bp, tiles, t, task, kv, pair);
       }
     }
+    if (task.bias_sums != nullptr) task.bias_sums->mark_added(group, block);
     store_key_gradients(bp, tiles, t, task, kv);
   }
   fence_streams();
@@ -715,13 +816,31 @@ void flash_backward(const BackwardParams& bp) {
     }
   }
 
+  std::optional<BiasGradientSums> bias_sums;
+  if (bp.dbias.data != nullptr) bias_sums.emplace(bp, kv_blocks);
+
+  // A failed task or scratch skips the tasks after it: none may then wait for its blocks.
   parallel_tasks(
-      p.num_threads, groups * chunks, [&] { return Scratch(p, tiles, task_owns_queries); },
+      p.num_threads, groups * chunks,
+      [&] {
+        try {
+          return Scratch(p, tiles, task_owns_queries);
+        } catch (...) {
+          if (bias_sums) bias_sums->abort();
+          throw;
+        }
+      },
       [&](Scratch& scratch, std::int64_t index) {
         const std::int64_t group = index / chunks, chunk = index % chunks;
         const std::int64_t b = group / p.heads_kv, h_kv = group % p.heads_kv;
-        Task task{b, h_kv,   chunk * kv_blocks / chunks, (chunk + 1) * kv_blocks / chunks, nullptr,
-                  0, nullptr};
+        Task task{.b = b,
+                  .h_kv = h_kv,
+                  .block_begin = chunk * kv_blocks / chunks,
+                  .block_end = (chunk + 1) * kv_blocks / chunks,
+                  .queries = nullptr,
+                  .slot = 0,
+                  .dq = nullptr,
+                  .bias_sums = bias_sums ? &*bias_sums : nullptr};
         if (task_owns_queries) {
           for (std::int64_t g = 0; g < p.group_size(); ++g) {
             for (std::int64_t n = 0; n < scratch.queries->blocks_per_head(); ++n) {
@@ -736,7 +855,12 @@ void flash_backward(const BackwardParams& bp) {
           task.dq = dq_buffers.get() + (chunk * groups + group) * group_floats;
         }
         std::fill_n(task.dq, group_floats, 0.0f);
-        backward_task(bp, tiles, scratch, task);
+        try {
+          backward_task(bp, tiles, scratch, task);
+        } catch (...) {
+          if (bias_sums) bias_sums->abort();
+          throw;
+        }
         if (!task_owns_queries) return;
         for (std::int64_t g = 0; g < p.group_size(); ++g) {
           const std::int64_t h = h_kv * p.group_size() + g;
@@ -752,6 +876,7 @@ void flash_backward(const BackwardParams& bp) {
         }
         fence_streams();
       });
+  if (bias_sums) bias_sums->store(bp.dbias);
   if (task_owns_queries) return;
 
 #pragma omp parallel num_threads(p.num_threads)

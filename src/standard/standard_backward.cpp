@@ -127,7 +127,8 @@ void standard_backward_group(const BackwardParams& bp, std::int64_t b, std::int6
         // dbias: the logits' gradient P ∘ (dP − D_i) out, then dS scaled as above.
         for (std::int64_t row = 0; row < Sq; ++row) {
           float* ds = t.dscores.data() + row * width;
-          cpu::store_dlogits_row(bp, b, h, row, 0, Skv, ds, t.lse[row]);
+          cpu::store_dlogits_row(p, b, h, row, 0, Skv, ds, t.lse[row],
+                                 bp.dlogits + ((b * p.heads_q + h) * Sq + row) * Skv);
           for (std::int64_t j = 0; j < width; ++j) ds[j] *= p.scale;
         }
       }

@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "api/params.hpp"
+#include "cpu/kernels/tile_kernels.hpp"
 
 namespace flashattn::detail::cpu {
 
@@ -129,14 +130,13 @@ inline bool row_fully_masked(const AttentionParams& p, std::int64_t b, std::int6
 }
 
 // For dbias: the logits' gradient ds[0, n) of query row `row` of (batch b, query head h), keys
-// [key_begin, key_begin + n), into bp.dlogits; 0 for the keys the row does not see or a bias or
-// mask masks, and for a fully masked row (`lse`, as row_fully_masked), as in the reference (their
-// P = 0 times an infinite dP would be NaN).
-inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int64_t h,
+// [key_begin, key_begin + n), into dlogits[0, n); 0 for the keys the row does not see and for a
+// fully masked row (`lse`, as row_fully_masked), as in the reference. A key that a bias or mask
+// masks has P = 0, so its ds is ±0, which adds nothing to dbias's sums either way, unless dP is
+// infinite: that NaN is zeroed (the reference's 0). Only non-finite values look the mask up.
+inline void store_dlogits_row(const AttentionParams& p, std::int64_t b, std::int64_t h,
                               std::int64_t row, std::int64_t key_begin, std::int64_t n,
-                              const float* ds, float lse) {
-  const AttentionParams& p = bp.forward;
-  float* dlogits = bp.dlogits + ((b * p.heads_q + h) * p.seqlen_q + row) * p.seqlen_kv + key_begin;
+                              const float* ds, float lse, float* dlogits) {
   if (row_fully_masked(p, b, h, row, lse)) {
     std::fill_n(dlogits, n, 0.0f);
     return;
@@ -148,8 +148,9 @@ inline void store_dlogits_row(const BackwardParams& bp, std::int64_t b, std::int
   std::fill_n(dlogits, first, 0.0f);
   std::copy(ds + first, ds + last, dlogits + first);
   std::fill(dlogits + last, dlogits + n, 0.0f);
+  if (!p.modifiers.masks_logits() || all_finite(dlogits + first, last - first)) return;
   for (std::int64_t j = first; j < last; ++j) {
-    if (p.key_masked(b, h, row, key_begin + j)) dlogits[j] = 0.0f;
+    if (!std::isfinite(dlogits[j]) && p.key_masked(b, h, row, key_begin + j)) dlogits[j] = 0.0f;
   }
 }
 
