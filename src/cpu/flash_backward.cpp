@@ -331,8 +331,8 @@ class BiasGradientSums {
             static_cast<std::size_t>(bias_batch_ * bias_heads_ * p_.seqlen_q * p_.seqlen_kv))),
         added_(
             new std::atomic<bool>[static_cast<std::size_t>(p_.batch * p_.heads_kv * kv_blocks)]) {
-    if (!sums_) throw std::bad_alloc();
     const std::int64_t count = bias_batch_ * bias_heads_ * p_.seqlen_q * p_.seqlen_kv;
+    if (count > 0 && !sums_) throw std::bad_alloc();
     constexpr std::int64_t kChunk = std::int64_t{1} << 18;
     parallel_tasks(
         p_.num_threads, (count + kChunk - 1) / kChunk, [] { return 0; },
