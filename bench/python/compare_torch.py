@@ -19,25 +19,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import statistics
 import sys
 import time
 
 
-def _threads_from_argv() -> str:
-    # OpenMP reads OMP_NUM_THREADS when its runtime loads, so it is set before torch and
-    # flashattn are imported; main() parses the arguments properly.
-    for i, arg in enumerate(sys.argv):
-        if arg == "--threads" and i + 1 < len(sys.argv):
-            return sys.argv[i + 1]
-        if arg.startswith("--threads="):
-            return arg.split("=", 1)[1]
-    return "2"
+import omp_threads  # noqa: E402  (beside this script)
 
-
-os.environ["OMP_NUM_THREADS"] = _threads_from_argv()
+omp_threads.set_from_argv()
 
 import torch  # noqa: E402
 

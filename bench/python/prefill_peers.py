@@ -35,23 +35,14 @@ openvino onnxruntime onnx); a missing one is reported, not timed.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 
-def _threads_from_argv() -> str:
-    # OpenMP reads OMP_NUM_THREADS when its runtime loads: set before torch and flashattn load.
-    for i, arg in enumerate(sys.argv):
-        if arg == "--threads" and i + 1 < len(sys.argv):
-            return sys.argv[i + 1]
-        if arg.startswith("--threads="):
-            return arg.split("=", 1)[1]
-    return "2"
+import omp_threads  # noqa: E402  (beside this script)
 
-
-os.environ["OMP_NUM_THREADS"] = _threads_from_argv()
+omp_threads.set_from_argv()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
