@@ -25,6 +25,7 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/kernels/score_modifiers.hpp"
@@ -1022,6 +1023,31 @@ TEST(ModifiersDbias, FlashSumsEachHeadAloneInOrder) {
       }
     }
     EXPECT_EQ(mismatches, 0) << describe(c);
+  }
+}
+
+// An empty query or key sequence with dbias asked for: every path returns, dbias has no element
+// (the fuzzer's finding: the flash backward asked Highway for 0 bytes of sums, which aborts).
+TEST(ModifiersDbias, EmptySequencesReturn) {
+  for (const auto& [seqlen_q, seqlen_kv] : {std::pair<std::int64_t, std::int64_t>{0, 5}, {3, 0}}) {
+    Tensor q(DType::f32, {1, seqlen_q, 2, 8}), k(DType::f32, {1, seqlen_kv, 1, 8}),
+        v(DType::f32, {1, seqlen_kv, 1, 8}), out(DType::f32, {1, seqlen_q, 2, 8}),
+        bias(DType::f32, {1, 1, seqlen_q, seqlen_kv}),
+        dbias(DType::f32, {1, 1, seqlen_q, seqlen_kv});
+    std::vector<float> lse(static_cast<std::size_t>(2 * seqlen_q) + 1);
+    AttentionOptions options;
+    options.bias = bias.view;
+    for (AttentionImpl impl :
+         {AttentionImpl::flash, AttentionImpl::standard, AttentionImpl::reference}) {
+      attention_forward(impl, q.view, k.view, v.view, out.view, lse.data(), options);
+      Tensor dq(DType::f32, q.view.shape), dk(DType::f32, k.view.shape),
+          dv(DType::f32, v.view.shape);
+      ModifierGradients gradients;
+      gradients.dbias = dbias.view;
+      EXPECT_NO_THROW(attention_backward(impl, out.view, q.view, k.view, v.view, out.view,
+                                         lse.data(), dq.view, dk.view, dv.view, options, gradients))
+          << impl_name(impl) << " Sq " << seqlen_q << " Skv " << seqlen_kv;
+    }
   }
 }
 

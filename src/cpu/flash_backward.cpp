@@ -327,12 +327,13 @@ class BiasGradientSums {
         bias_batch_(bp.dbias.shape[0]),
         bias_heads_(bp.dbias.shape[1]),
         kv_blocks_(kv_blocks),
-        sums_(hwy::AllocateAligned<double>(
-            static_cast<std::size_t>(bias_batch_ * bias_heads_ * p_.seqlen_q * p_.seqlen_kv))),
         added_(
             new std::atomic<bool>[static_cast<std::size_t>(p_.batch * p_.heads_kv * kv_blocks)]) {
+    for (std::int64_t i = 0; i < p_.batch * p_.heads_kv * kv_blocks; ++i) added_[i] = false;
     const std::int64_t count = bias_batch_ * bias_heads_ * p_.seqlen_q * p_.seqlen_kv;
-    if (count > 0 && !sums_) throw std::bad_alloc();
+    if (count == 0) return;  // an empty bias: nothing to sum (Highway allocates no 0 bytes)
+    sums_ = hwy::AllocateAligned<double>(static_cast<std::size_t>(count));
+    if (!sums_) throw std::bad_alloc();
     constexpr std::int64_t kChunk = std::int64_t{1} << 18;
     parallel_tasks(
         p_.num_threads, (count + kChunk - 1) / kChunk, [] { return 0; },
@@ -340,7 +341,6 @@ class BiasGradientSums {
           const std::int64_t begin = chunk * kChunk;
           std::fill_n(sums_.get() + begin, std::min(kChunk, count - begin), 0.0);
         });
-    for (std::int64_t i = 0; i < p_.batch * p_.heads_kv * kv_blocks; ++i) added_[i] = false;
   }
 
   // Waits until the group before `group` in its bias slices has added K/V block `block`.
@@ -369,6 +369,7 @@ class BiasGradientSums {
 
   // dbias, the sums rounded to its dtype.
   void store(const TensorView& dbias) const {
+    if (!sums_) return;  // an empty bias
     const std::int64_t Sq = p_.seqlen_q, Skv = p_.seqlen_kv;
     parallel_tasks(
         p_.num_threads, bias_batch_ * bias_heads_ * Sq, [] { return 0; },
