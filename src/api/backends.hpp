@@ -39,6 +39,10 @@ void add_sink_gradients(const BackwardParams& params, double* sums);
 void store_bias_gradient(const BackwardParams& params, const float* dlogits);
 void store_bias_gradient(const BackwardParams& params, const double* dlogits);
 
+// Row (bb, hb, i) of dbias from its fp64 sums[0, seqlen_kv), each rounded once to dbias's dtype.
+void store_bias_gradient_row(const TensorView& dbias, std::int64_t bb, std::int64_t hb,
+                             std::int64_t i, const double* sums);
+
 // Merges two partial states into params.out and params.lse (cpu/merge_states.cpp).
 void merge_states(const MergeParams& params);
 

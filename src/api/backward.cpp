@@ -78,15 +78,20 @@ void store_bias_gradient_of(const BackwardParams& bp, const T* dlogits) {
             for (std::int64_t j = 0; j < Skv; ++j) sums[j] += static_cast<double>(row[j]);
           }
         }
-        for (std::int64_t j = 0; j < Skv; ++j) {
-          const std::int64_t offset = bb * dbias.strides[0] + hb * dbias.strides[1] +
-                                      i * dbias.strides[2] + j * dbias.strides[3];
-          store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sums[j]));
-        }
+        store_bias_gradient_row(dbias, bb, hb, i, sums.data());
       });
 }
 
 }  // namespace
+
+void store_bias_gradient_row(const TensorView& dbias, std::int64_t bb, std::int64_t hb,
+                             std::int64_t i, const double* sums) {
+  for (std::int64_t j = 0; j < dbias.shape[3]; ++j) {
+    const std::int64_t offset =
+        bb * dbias.strides[0] + hb * dbias.strides[1] + i * dbias.strides[2] + j * dbias.strides[3];
+    store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sums[j]));
+  }
+}
 
 void store_bias_gradient(const BackwardParams& bp, const float* dlogits) {
   store_bias_gradient_of(bp, dlogits);

@@ -376,12 +376,7 @@ class BiasGradientSums {
         [&](int&, std::int64_t task) {
           const std::int64_t bb = task / (bias_heads_ * Sq), hb = task / Sq % bias_heads_,
                              i = task % Sq;
-          const double* sums = sums_.get() + task * Skv;
-          for (std::int64_t j = 0; j < Skv; ++j) {
-            const std::int64_t offset = bb * dbias.strides[0] + hb * dbias.strides[1] +
-                                        i * dbias.strides[2] + j * dbias.strides[3];
-            store_f32(dbias.data, dbias.dtype, offset, static_cast<float>(sums[j]));
-          }
+          store_bias_gradient_row(dbias, bb, hb, i, sums_.get() + task * Skv);
         });
   }
 
