@@ -38,6 +38,10 @@
 
 #include "cpu/flash_decode.hpp"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -211,28 +215,39 @@ struct InputRows {
 // have not seen yet (docs/tuning.md has the variants and their rates):
 enum class Prefetching {
   // The next call's rows (the next KV head's, or the next group's first), all at once before
-  // the call: f32 on AMD's cores, and every call whose rows are not read where they lie.
+  // the call: f32 on Zen 5, and every call whose rows are not read where they lie.
   kNextCall,
   // The whole rows (every KV head) of the next key group, a share of them per KV head,
-  // in address order: 16-bit rows on AMD's cores (Zen 5: bf16 35-38 GB/s against 26-32 for
-  // kNextCall); on Ice Lake 1.07-1.23x the time of kNextCall, its prefetches waiting for fill
-  // buffers.
+  // in address order: 16-bit and 1-byte rows on Zen 5 (bf16 35-38 GB/s against 26-32 for
+  // kNextCall); on Ice Lake 1.07-1.23x the time of kNextCall, on Zen 4 1.2-1.4x that of kSpread,
+  // its prefetches waiting for fill buffers.
   kWholeRows,
   // Elsewhere: the rows kBytesAhead on, which the products ask for line by line as they read
   // their own (InputRows::ahead), so that no burst of prefetches waits for fill buffers while
-  // the products wait behind it. Chosen on Ice Lake; not measured on AMD's cores.
+  // the products wait behind it. Chosen on Ice Lake and on Zen 4; not measured on Zen 5.
   kSpread,
 };
 
-Prefetching prefetching_for(DType dtype) {
+// Whether this is an AMD CPU of family 26 (Zen 5), the one machine kind measured faster with
+// the bursts of kNextCall and kWholeRows than without (docs/tuning.md).
+bool amd_family_26() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool amd = [] {
+  static const bool zen5 = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__builtin_cpu_is("amd") == 0 || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    const unsigned base_family = (eax >> 8) & 0xfu, extended_family = (eax >> 20) & 0xffu;
+    return base_family + (base_family == 0xfu ? extended_family : 0u) == 26u;
   }();
-  if (amd) return dtype == DType::f32 ? Prefetching::kNextCall : Prefetching::kWholeRows;
+  return zen5;
+#else
+  return false;
 #endif
-  static_cast<void>(dtype);
+}
+
+Prefetching prefetching_for(DType dtype) {
+  if (amd_family_26())
+    return dtype == DType::f32 ? Prefetching::kNextCall : Prefetching::kWholeRows;
   return Prefetching::kSpread;
 }
 
