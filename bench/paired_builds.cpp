@@ -5,7 +5,8 @@
 //
 // kvcache: kvcache_attention_forward with f32 queries against a cache of --dtype, dense or in
 // pages of --page-size rows handed out in shuffled order (a serving cache), every sequence
-// --seqlen-kv keys long, --seqlen query rows each (1: decoding).
+// --seqlen-kv keys long, --seqlen query rows each (1: decoding). A quantized cache (int8, fp8)
+// holds the codes of normal(0, 1) values with a scale of 1/64 per row and KV head.
 //
 // Both builds are loaded into one process (dlopen, RTLD_LOCAL) and their calls alternate on the
 // same inputs, base-new then new-base round by round, so that both see the same stretch of the
@@ -132,9 +133,11 @@ int run_pairs(const Options& options) {
   builds[new_first ? 1 : 0] = load(new_first ? options.candidate : options.base);
   builds[new_first ? 0 : 1] = load(new_first ? options.base : options.candidate);
 
-  const DType dtype = options.dtype == "bf16"  ? DType::bf16
-                      : options.dtype == "f16" ? DType::f16
-                                               : DType::f32;
+  DType dtype = DType::f32;
+  for (const DType candidate :
+       {DType::f32, DType::f16, DType::bf16, DType::int8, DType::fp8_e4m3, DType::fp8_e5m2}) {
+    if (options.dtype == flashattn::dtype_name(candidate)) dtype = candidate;
+  }
   const std::int64_t kv_heads = options.kv_heads > 0 ? options.kv_heads : options.heads;
   const std::int64_t seqlen_kv = options.seqlen_kv > 0 ? options.seqlen_kv : options.seqlen;
   const std::array<std::int64_t, 4> q_shape{options.batch, options.seqlen, options.heads,
@@ -159,6 +162,12 @@ int run_pairs(const Options& options) {
   const std::vector<std::int32_t> cache_seqlens(static_cast<std::size_t>(options.batch),
                                                 static_cast<std::int32_t>(seqlen_kv));
   const DType q_dtype = kvcache ? DType::f32 : dtype;
+  const std::array<std::int64_t, 4> scale_shape{cache_shape[0], cache_shape[1], kv_heads, 1};
+  std::vector<float> scales(
+      flashattn::is_quantized(dtype)
+          ? static_cast<std::size_t>(scale_shape[0] * scale_shape[1] * kv_heads)
+          : 0,
+      1.0f / 64.0f);
   const Tensor q(q_dtype, q_shape, rng), k(dtype, kvcache ? cache_shape : kv_shape, rng),
       v(dtype, kvcache ? cache_shape : kv_shape, rng);
   const Tensor dout(dtype, q_shape, rng);
@@ -185,6 +194,10 @@ int run_pairs(const Options& options) {
           flashattn::contiguous_view(const_cast<std::uint8_t*>(k.bytes.data()), dtype, cache_shape),
           flashattn::contiguous_view(const_cast<std::uint8_t*>(v.bytes.data()), dtype,
                                      cache_shape)};
+      if (flashattn::is_quantized(dtype)) {
+        cache.k_scale = flashattn::contiguous_view(scales.data(), scale_shape);
+        cache.v_scale = cache.k_scale;
+      }
       if (page_size > 0) {
         cache.block_table = block_table.data();
         cache.pages_per_sequence = pages_per_sequence;
@@ -279,7 +292,8 @@ int main(int argc, char** argv) {
                  "forward, backward (flash path) or kvcache (f32 q, cache of --dtype)")
       ->check(CLI::IsMember({"forward", "backward", "kvcache"}))
       ->capture_default_str();
-  app.add_option("--dtype", options.dtype)->check(CLI::IsMember({"f32", "f16", "bf16"}));
+  app.add_option("--dtype", options.dtype, "int8, fp8_e4m3 and fp8_e5m2: kvcache only")
+      ->check(CLI::IsMember({"f32", "f16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"}));
   app.add_option("--batch", options.batch)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--heads", options.heads)->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--kv-heads", options.kv_heads, "0 = as --heads")->check(CLI::NonNegativeNumber);
@@ -303,6 +317,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, flashattn::kMaxThreads));
   app.add_option("--new-first", options.new_first)->group("");  // internal: the child runs
   CLI11_PARSE(app, argc, argv);
+  const bool quantized = options.dtype == "int8" || options.dtype.starts_with("fp8");
+  if (quantized && options.pass != "kvcache") {
+    std::fprintf(stderr,
+                 "--dtype: %s is a cache dtype, which only --pass kvcache takes, got --pass %s\n",
+                 options.dtype.c_str(), options.pass.c_str());
+    return 2;
+  }
 
   try {
     if (!options.new_first.empty()) return run_pairs(options);

@@ -9,7 +9,11 @@
 // scores' u32 term), and the bound is test_kvcache.cpp's. A 16-bit q adds the rounding of the
 // gathered rows to its dtype where the call gathers (more than 32 query rows per KV head, the
 // standard and reference paths): K's moves each score by u_q·scale·D·max|q|·max|k| and so the
-// output by twice that times max|v|, V's the output by u_q·max|v|.
+// output by twice that times max|v|, V's the output by u_q·max|v|. Over an int8 cache with a
+// scale per row the decode path may multiply q's rows rounded to 16-bit codes
+// (cpu/kernels/int8_products.hpp), each element by at most u_c = 1/(2·32767) of its row's max|q|:
+// u_c·scores more on each score, so 2·u_c·scores·max|v| on the output and u_c·scores on the lse;
+// both ways (with and without the integer products) are run where the CPU has them.
 
 #include <gtest/gtest.h>
 
@@ -24,6 +28,7 @@
 #include <vector>
 
 #include "cpu/kernels/cache_rows.hpp"
+#include "cpu/kernels/int8_products.hpp"
 #include "flashattn/kvcache.hpp"
 #include "test_support.hpp"
 #include "util/quantize.hpp"
@@ -32,6 +37,8 @@ namespace flashattn::testing {
 namespace {
 
 constexpr double kU32 = 0x1p-24;
+// The rounding of q's rows to the integer products' codes, relative to the row's max|q|.
+constexpr double kQueryCodeRoundoff = 0.5 / detail::cpu::kQueryCodeMax;
 
 // The finite values of an fp8 format, by code.
 std::vector<std::pair<float, int>> finite_codes(DType dtype) {
@@ -521,6 +528,7 @@ TEST_P(QuantizedCacheAgainstReference, MatchesTheReferenceOnTheDequantizedCache)
   options.causal = c.causal;
   options.window_left = c.window_left;
   const double u_q = c.q_dtype == DType::f32 ? 0.0 : unit_roundoff(c.q_dtype);
+  const double u_c = c.cache_dtype == DType::int8 ? kQueryCodeRoundoff : 0.0;
   struct Expected {
     ReferenceResult want;
     double tolerance, lse_tolerance;
@@ -539,12 +547,12 @@ TEST_P(QuantizedCacheAgainstReference, MatchesTheReferenceOnTheDequantizedCache)
     ReferenceResult want = reference(q_b, k_b, v_b, options);
     const double lse_tolerance =
         kU32 * (4.0 * scores + 2.0 * static_cast<double>(L) + 4.0 * max_abs_finite(want.lse)) +
-        u_q * scores;
+        (u_q + u_c) * scores;
     expected.push_back({std::move(want),
                         kU32 * max_v * (4.0 * scores + 2.0 * static_cast<double>(L) + 16.0) +
                             unit_roundoff(c.q_dtype) * max_v +
                             probability_rounding_bound(c.q_dtype, max_v) +
-                            u_q * max_v * (2.0 * scores + 1.0) + 1e-30,
+                            u_q * max_v * (2.0 * scores + 1.0) + u_c * max_v * 2.0 * scores + 1e-30,
                         lse_tolerance});
   }
   const auto expect_matches_reference = [&](const Outputs& got) {
@@ -571,8 +579,17 @@ TEST_P(QuantizedCacheAgainstReference, MatchesTheReferenceOnTheDequantizedCache)
     }
   };
   expect_matches_reference(from_dense);
-  // Every SIMD target's products on the codes (or dequantized rows), paged.
-  on_every_target([&] { expect_matches_reference(run(c, q, cache.paged(), after, {}, 2)); });
+  // Every SIMD target's products on the codes (or dequantized rows), paged; over an int8 cache
+  // each way of its products that the CPU has.
+  const std::vector<detail::cpu::Int8Products> ways =
+      c.cache_dtype == DType::int8 ? detail::cpu::supported_int8_products()
+                                   : std::vector{detail::cpu::active_int8_products()};
+  for (const detail::cpu::Int8Products way : ways) {
+    SCOPED_TRACE(detail::cpu::int8_products_name(way));
+    detail::cpu::force_int8_products(way);
+    on_every_target([&] { expect_matches_reference(run(c, q, cache.paged(), after, {}, 2)); });
+  }
+  detail::cpu::force_int8_products(std::nullopt);
 }
 
 std::vector<QuantCase> quant_cases() {
@@ -593,6 +610,8 @@ std::vector<QuantCase> quant_cases() {
     cases.push_back({{17, 200, 63}, 3, 3, 4, 4, 64, 210, 16, dtype, Scales::per_row, true, 40});
     cases.push_back({{5, 70}, 1, 2, 8, 1, 96, 80, 7, dtype, Scales::per_group32, true});
   }
+  // int8 rows of 80 dims (the integer products' masked last step), one query row per KV head.
+  cases.push_back({{3, 129}, 1, 1, 4, 4, 80, 140, 16, DType::int8, Scales::per_row});
   // A bf16 q (and new rows) over int8; head_dim not a whole number of vectors.
   {
     QuantCase c = {ragged, 1, 1, 8, 2, 64, 320, 16, DType::int8, Scales::per_row};
@@ -678,7 +697,8 @@ TEST(QuantizedCache, ZeroTinyHugeAndNonFiniteRows) {
       const ReferenceResult want = reference(q_b, k_b, v_b, {});
       const double max_v = max_abs(v_b);
       const double scores = std::sqrt(static_cast<double>(D)) * max_abs(q_b) * max_abs(k_b);
-      const double tolerance = kU32 * max_v * (4.0 * scores + 2.0 * L + 16.0) + 1e-300;
+      const double tolerance = kU32 * max_v * (4.0 * scores + 2.0 * L + 16.0) +
+                               kQueryCodeRoundoff * max_v * 2.0 * scores + 1e-300;
       const MaxError error = max_error(out_b, want.out);
       EXPECT_LE(error.value, tolerance) << "sequence " << b << " out index " << error.index
                                         << ": got " << error.got << ", want " << error.want;

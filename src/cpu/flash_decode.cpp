@@ -10,7 +10,9 @@
 // order, see DecodePlan) or, where head_dim is not a whole number of vectors, widened into
 // padded rows, against all of their head's query rows; a quantized cache's codes likewise, each
 // key's score and each value row's weight multiplied by the row's scale (or, with a scale per
-// group of dims, the rows dequantized first: cpu/kernels/cache_rows.cpp). Per block of Bk
+// group of dims, the rows dequantized first: cpu/kernels/cache_rows.cpp); an int8 cache's keys
+// against q's rows rounded to 16-bit codes, in integers, where the CPU has AVX512-VNNI
+// (DecodePlan::int8_products). Per block of Bk
 // keys and per KV head h, for the rows r of its query heads and positions:
 //   s[h][r][j] = q[h][r] · k[j, h]                     dot_rows          [rows x Bk] per head
 //   softcap, ALiBi of scale·s (when asked for)         modify_scores
@@ -49,6 +51,7 @@
 #include <vector>
 
 #include "cpu/kernels/cache_rows.hpp"
+#include "cpu/kernels/int8_products.hpp"
 #include "cpu/kernels/score_modifiers.hpp"
 #include "cpu/kernels/tile_kernels.hpp"
 #include "cpu/tile_sizes.hpp"
@@ -116,7 +119,22 @@ struct DecodePlan {
   // bf16 pair order. Faster up to kMaxBf16PairRows rows per KV head, slower beyond them
   // (docs/tuning.md).
   bool bf16_pairs = false;
+  // An int8 cache read in place whose scores come from integer products
+  // (cpu::dot_rows_int8): the query rows are then also kept as 16-bit codes, Dq apart.
+  bool int8_products = false;
 };
+
+// Whether the products read K and V rows where they lie: both head dims whole numbers of vectors,
+// and a quantized cache with one scale per row (applied to the products' results); otherwise
+// rows are widened, or dequantized group by group, into padded fp32 rows first.
+bool rows_read_in_place(const AttentionParams& p) {
+  return p.head_dim == cpu::pad_to_lanes(p.head_dim) &&
+         p.head_dim_v == cpu::pad_to_lanes(p.head_dim_v) &&
+         (!is_quantized(p.dtype) || (p.k_scale.groups == 1 && p.v_scale.groups == 1));
+}
+
+// Query codes per row for the integer products: head_dim padded to their steps of 32 dims.
+std::int64_t query_code_stride(std::int64_t head_dim) { return (head_dim + 31) / 32 * 32; }
 
 DecodePlan decode_plan(const AttentionParams& p) {
   DecodePlan plan;
@@ -127,6 +145,9 @@ DecodePlan decode_plan(const AttentionParams& p) {
   };
   plan.bf16_pairs = p.dtype == DType::bf16 && pairs_fit(p.head_dim) && pairs_fit(p.head_dim_v) &&
                     plan.rows <= kMaxBf16PairRows;
+  plan.int8_products = p.dtype == DType::int8 && rows_read_in_place(p) &&
+                       p.head_dim <= cpu::kMaxInt8ProductDims &&
+                       cpu::active_int8_products() == cpu::Int8Products::avx512_vnni;
   const cpu::TileSizes tiles = cpu::flash_tiles(p.head_dim, p.head_dim_v);
   const std::int64_t tile_floats = tiles.rows * tiles.keys;
   plan.block_keys = std::clamp(tile_floats / std::max<std::int64_t>(1, p.heads_kv * plan.rows) /
@@ -181,6 +202,9 @@ struct Scratch {
   // [key group x max(Dp, Dvp)] K or V rows widened, zeros past their head dim (a head dim not a
   // whole number of vectors, or f16 without F16C)
   AlignedVector<float> inputs;
+  // DecodePlan::int8_products: q's rows as 16-bit codes [Hkv·rows x Dq] and their scales.
+  AlignedVector<std::int16_t> q_codes;
+  AlignedVector<float> q_code_scales;
 };
 
 // The query positions that see key j: [first, last). Key ranges are monotone in the position
@@ -265,9 +289,7 @@ class KeyWalk {
         chunk_end_(chunk.end),
         prefetching_(prefetching_for(p.dtype)),
         element_bytes_(static_cast<std::int64_t>(dtype_size(p.dtype))),
-        in_place_(p.head_dim == cpu::pad_to_lanes(p.head_dim) &&
-                  p.head_dim_v == cpu::pad_to_lanes(p.head_dim_v) &&
-                  (!is_quantized(p.dtype) || (p.k_scale.groups == 1 && p.v_scale.groups == 1))) {
+        in_place_(rows_read_in_place(p)) {
     for (std::int64_t position = 0; position < p.seqlen_q; ++position) {
       ranges_[position] = p.entry_key_range(b, position);
     }
@@ -492,10 +514,7 @@ class KeyWalk {
   std::int64_t b_, chunk_begin_, chunk_end_;
   Prefetching prefetching_;
   std::int64_t element_bytes_;
-  // Whether the products read the rows where they lie (both head dims whole numbers of vectors; a
-  // quantized cache's codes too where each row has one scale, applied to the products' results);
-  // otherwise rows are widened, or dequantized group by group, into padded fp32 rows first.
-  bool in_place_;
+  bool in_place_;                 // rows_read_in_place
   std::int64_t dims_ = 0;         // of the rows walked: head_dim for K, head_dim_v for V
   std::int64_t calls_ahead_ = 1;  // Prefetching::kSpread: kBytesAhead in calls
   KeyRange ranges_[kMaxDecodeRows];
@@ -542,6 +561,12 @@ void load_query_rows(const AttentionParams& p, const DecodePlan& plan, Scratch& 
       load_row_f32(loaded, p.q, p.q_dtype,
                    p.q_strides.offset(b, r % Sq, h * p.group_size() + r / Sq), p.head_dim);
       if (plan.bf16_pairs) cpu::to_bf16_pair_order(q_row, loaded, Dp);
+      if (plan.int8_products) {
+        const std::int64_t Dq = query_code_stride(p.head_dim);
+        const std::int64_t slot = h * rows + r;
+        t.q_code_scales[slot] =
+            cpu::quantize_query_row(t.q_codes.data() + slot * Dq, q_row, p.head_dim, Dq);
+      }
     }
   }
 }
@@ -575,6 +600,11 @@ void scores_step(const AttentionParams& p, const DecodePlan& plan, Scratch& t, K
         const float* q_rows = t.q.data() + first * Dp;
         if (plan.bf16_pairs) {
           cpu::dot_rows_bf16_pairs(out, Bk, q_rows, Dp, count, k.rows, key_count, Dp, k.ahead);
+        } else if (plan.int8_products) {
+          const std::int64_t Dq = query_code_stride(p.head_dim);
+          cpu::dot_rows_int8(out, Bk, t.q_codes.data() + first * Dq, Dq,
+                             t.q_code_scales.data() + first, count, k.rows, key_count, p.head_dim,
+                             k.ahead);
         } else {
           cpu::dot_rows(out, Bk, q_rows, Dp, count, k.rows, k.dtype, key_count, Dp, k.ahead);
         }
@@ -711,8 +741,11 @@ std::int64_t flash_decode_scratch_bytes(const AttentionParams& p) {
   const DecodePlan plan = decode_plan(p);
   const __int128 Dp = cpu::pad_to_lanes(p.head_dim), Dvp = cpu::pad_to_lanes(p.head_dim_v);
   const __int128 slots_per_entry = p.heads_kv * plan.rows;
+  // The query codes of the integer products and their scales (2 bytes a code, counted as 4).
+  const __int128 codes =
+      plan.int8_products ? slots_per_entry * (query_code_stride(p.head_dim) + 1) : 0;
   const __int128 per_thread =
-      slots_per_entry * (Dp + plan.block_keys) + plan.key_group * std::max(Dp, Dvp);
+      slots_per_entry * (Dp + plan.block_keys) + plan.key_group * std::max(Dp, Dvp) + codes;
   const __int128 shared = static_cast<__int128>(plan.total_chunks) * slots_per_entry * (Dvp + 2);
   const __int128 bytes = (p.num_threads * per_thread + shared) * 4;
   return bytes > std::numeric_limits<std::int64_t>::max() ? std::numeric_limits<std::int64_t>::max()
@@ -732,9 +765,13 @@ void flash_decode(const AttentionParams& p) {
   parallel_tasks(
       p.num_threads, plan.total_chunks,
       [&] {
-        return Scratch{AlignedVector<float>(slots_per_entry * Dp), -1,
+        const std::int64_t codes = plan.int8_products ? slots_per_entry : 0;
+        return Scratch{AlignedVector<float>(slots_per_entry * Dp),
+                       -1,
                        AlignedVector<float>(slots_per_entry * plan.block_keys),
-                       AlignedVector<float>(plan.key_group * std::max(Dp, Dvp))};
+                       AlignedVector<float>(plan.key_group * std::max(Dp, Dvp)),
+                       AlignedVector<std::int16_t>(codes * query_code_stride(p.head_dim)),
+                       AlignedVector<float>(codes)};
       },
       [&](Scratch& t, std::int64_t task) {
         const std::int64_t chunk = plan.order[task];
