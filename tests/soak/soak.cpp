@@ -16,7 +16,8 @@
 //   kvcache    kvcache_attention_forward with appends, dense and paged caches holding the same
 //              rows: bit for bit the same, and the first sequence against the reference; one
 //              call in three on an int8 (scales per row) or fp8 (one scale per KV head) cache,
-//              the reference over its values code · scale;
+//              the reference over its values code · scale (int8: the bound holds the rounding
+//              of q to the decode's 16-bit codes as well);
 //   merge      merge_attention_states of two key halves: against the reference over all keys.
 // A failed check, an exception, or RSS growing by more than --max-rss-growth-mib from the end of
 // the first tenth of the run to its end (not judged under ASan or TSan), fails the run (exit 1).
@@ -38,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/kernels/int8_products.hpp"
 #include "test_support.hpp"
 
 namespace flashattn::testing {
@@ -138,9 +140,11 @@ struct LogitModifiers {
 };
 
 // Checks `got` (any dtype, [B, Sq, Hq, D]) against the fp64 reference's out within the standard
-// path's bound times `factor`; returns error / tolerance.
+// path's bound times `factor`, plus what rounding q's elements by u_q of the largest before the
+// products moves it (the int8 decode's query codes: docs/semantics.md); returns error / tolerance.
 double forward_ratio(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& got,
-                     const AttentionOptions& options, double factor, DType dtype, double max_bias) {
+                     const AttentionOptions& options, double factor, DType dtype, double max_bias,
+                     double u_q = 0.0) {
   const ReferenceResult want = reference(q, k, v, options);
   const double D = static_cast<double>(q.view.shape[3]);
   const double max_v = max_abs(v);
@@ -148,7 +152,8 @@ double forward_ratio(const Tensor& q, const Tensor& k, const Tensor& v, const Te
                            (4.0 / std::sqrt(D) * D * max_abs(q) * max_abs(k) + 4.0 * max_bias +
                             2.0 * static_cast<double>(k.view.shape[1]) + 16.0) +
                        2.0 * unit_roundoff(dtype) * max_v +
-                       probability_rounding_bound(dtype, max_v) + 1e-30;
+                       probability_rounding_bound(dtype, max_v) +
+                       2.0 * u_q * max_v * std::sqrt(D) * max_abs(q) * max_abs(k) + 1e-30;
   return max_error(got, want.out).value / bound;
 }
 
@@ -411,7 +416,8 @@ class User {
       k0.set(0, j, h, d, dense_k.at(0, j, h, d) * k_scale);
       v0.set(0, j, h, d, dense_v.at(0, j, h, d) * v_scale);
     });
-    check(kKVCache, forward_ratio(q0, k0, v0, o0, options, 1.0, q_type, 0.0),
+    const double query_codes = cache_type == DType::int8 ? 0.5 / detail::cpu::kQueryCodeMax : 0.0;
+    check(kKVCache, forward_ratio(q0, k0, v0, o0, options, 1.0, q_type, 0.0, query_codes),
           "sequence 0 beyond its bound");
   }
 
