@@ -250,16 +250,30 @@ enum class Prefetching {
   // their own (InputRows::ahead), so that no burst of prefetches waits for fill buffers while
   // the products wait behind it. Chosen on Ice Lake and on Zen 4; not measured on Zen 5.
   kSpread,
+  // The same into L2 (ScatteredRows::into_l2): AMD's cores other than Zen 5. On Zen 4 0.72-0.74
+  // of kSpread's time at 16384 and 65536 16-bit keys, 0.83-0.88 for int8, 0.87 for f32; 1.09 at
+  // 4096 bf16 keys, which lie in L3 (docs/tuning.md).
+  kSpreadIntoL2,
 };
 
-// Whether this is an AMD CPU of family 26 (Zen 5), the one machine kind measured faster with
+// Whether this is an AMD CPU; of family 26 (Zen 5), the one machine kind measured faster with
 // the bursts of kNextCall and kWholeRows than without (docs/tuning.md).
+bool amd() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool is_amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return is_amd;
+#else
+  return false;
+#endif
+}
 bool amd_family_26() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool zen5 = [] {
-    __builtin_cpu_init();
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__builtin_cpu_is("amd") == 0 || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if (!amd() || __get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
     const unsigned base_family = (eax >> 8) & 0xfu, extended_family = (eax >> 20) & 0xffu;
     return base_family + (base_family == 0xfu ? extended_family : 0u) == 26u;
   }();
@@ -270,9 +284,10 @@ bool amd_family_26() {
 }
 
 Prefetching prefetching_for(DType dtype) {
-  if (amd_family_26())
+  if (amd_family_26()) {
     return dtype == DType::f32 ? Prefetching::kNextCall : Prefetching::kWholeRows;
-  return Prefetching::kSpread;
+  }
+  return amd() ? Prefetching::kSpreadIntoL2 : Prefetching::kSpread;
 }
 
 // The keys of one (batch entry, key chunk) task as memory lays them out, a key group at a time
@@ -374,7 +389,8 @@ class KeyWalk {
   // F16C are widened before the products, which then ask for none: tile_kernels.cpp.)
   std::int64_t head_ahead(const void* base, const Strides& strides, std::int64_t h,
                           std::int64_t key, std::int64_t count, bool first_call) {
-    if (prefetching_ == Prefetching::kSpread && count == plan_.key_group && in_place_) {
+    if ((prefetching_ == Prefetching::kSpread || prefetching_ == Prefetching::kSpreadIntoL2) &&
+        count == plan_.key_group && in_place_) {
       const Call target = call_ahead(h, key, count, calls_ahead_);
       if (target.key + count <= chunk_end_) {
         if (target.key != ahead_.key) locate(target.key, count, strides, ahead_);
@@ -480,6 +496,7 @@ class KeyWalk {
         inputs_ = {
             rows_in(base, strides, h, group_, strided), p_.dtype, row_scales,
             ahead < 0 ? cpu::ScatteredRows{} : rows_in(base, strides, ahead, ahead_, strided)};
+        inputs_.ahead.into_l2 = prefetching_ == Prefetching::kSpreadIntoL2;
       } else if (is_quantized(p_.dtype)) {
         float* widened = t_.inputs.data();
         for (std::int64_t j = key; j < key + count; ++j, widened += Dp) {

@@ -70,6 +70,15 @@ FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dpwssd(__m512i&
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
 
+// A line of the rows ahead (ScatteredRows::into_l2).
+inline void prefetch(const char* line, bool into_l2) {
+  if (into_l2) {
+    prefetch_line_into_l2(line);
+  } else {
+    prefetch_line(line);
+  }
+}
+
 // The 16 int32 vectors v, each summed across its lanes, as the lanes of one vector (lane i: the
 // sum of v[i]): pairs interleaved and added (32-bit, then 64-bit elements), which leaves each
 // 128-bit block with 4 sums of its own block of each of 4 vectors, then the blocks added.
@@ -120,7 +129,7 @@ template <int R, int K>
 FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dot_block(
     float* out, std::int64_t out_stride, const std::int16_t* codes, std::int64_t ld_codes,
     __m512 lane_scales, const std::int8_t* const* x, std::int64_t n,
-    const std::int8_t* const* ahead) {
+    const std::int8_t* const* ahead, bool into_l2) {
   static_assert(R * K <= 16);
   __m512i sums[R * K];
 #pragma GCC unroll 16
@@ -130,7 +139,7 @@ FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dot_block(
     dot_step<R, K>(sums, codes, ld_codes, x, d, ~__mmask32{0});
     if (ahead != nullptr && d % kLineBytes == 0) {
 #pragma GCC unroll 16
-      for (int k = 0; k < K; ++k) prefetch_line(reinterpret_cast<const char*>(ahead[k] + d));
+      for (int k = 0; k < K; ++k) prefetch(reinterpret_cast<const char*>(ahead[k] + d), into_l2);
     }
   }
   if (d < n) {
@@ -138,7 +147,7 @@ FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dot_block(
                    static_cast<__mmask32>((std::uint64_t{1} << (n - d)) - 1));
     if (ahead != nullptr && d % kLineBytes == 0) {
 #pragma GCC unroll 16
-      for (int k = 0; k < K; ++k) prefetch_line(reinterpret_cast<const char*>(ahead[k] + d));
+      for (int k = 0; k < K; ++k) prefetch(reinterpret_cast<const char*>(ahead[k] + d), into_l2);
     }
   }
   __m512i all[16];
@@ -178,12 +187,12 @@ FLASHATTN_VNNI_TARGET void dot_rows_block(float* out, std::int64_t out_stride,
   for (; k + K <= x_count; k += K) {
     gather(k, K);
     dot_block<R, K>(out + k, out_stride, codes, ld_codes, lane_scales, rows, n,
-                    has_ahead ? ahead_rows : nullptr);
+                    has_ahead ? ahead_rows : nullptr, ahead.into_l2);
   }
   for (; k < x_count; ++k) {
     gather(k, 1);
     dot_block<R, 1>(out + k, out_stride, codes, ld_codes, tail_lane_scales, rows, n,
-                    has_ahead ? ahead_rows : nullptr);
+                    has_ahead ? ahead_rows : nullptr, ahead.into_l2);
   }
 }
 

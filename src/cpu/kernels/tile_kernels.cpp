@@ -358,13 +358,14 @@ struct StridedRows {
   using Element = T;
   const T* first = nullptr;
   std::int64_t ld = 0;
+  bool into_l2 = false;  // ScatteredRows::into_l2
   HWY_INLINE bool present() const { return first != nullptr; }
   HWY_INLINE const T* row(std::int64_t k) const { return first + k * ld; }
   HWY_INLINE StridedRows from_row(std::int64_t k) const {
-    return {present() ? row(k) : nullptr, ld};
+    return {present() ? row(k) : nullptr, ld, into_l2};
   }
   HWY_INLINE StridedRows from_column(std::int64_t d) const {
-    return {present() ? first + d : nullptr, ld};
+    return {present() ? first + d : nullptr, ld, into_l2};
   }
 };
 template <class T>
@@ -373,20 +374,35 @@ struct OffsetRows {
   const char* base = nullptr;
   const std::int64_t* offsets = nullptr;  // bytes
   std::int64_t column = 0;
+  bool into_l2 = false;  // ScatteredRows::into_l2
   OffsetRows() = default;
-  OffsetRows(const char* base_, const std::int64_t* offsets_, std::int64_t column_)
-      : base(base_), offsets(offsets_), column(column_) {}
+  OffsetRows(const char* base_, const std::int64_t* offsets_, std::int64_t column_, bool into_l2_)
+      : base(base_), offsets(offsets_), column(column_), into_l2(into_l2_) {}
   explicit OffsetRows(const ScatteredRows& rows)
-      : base(static_cast<const char*>(rows.base)), offsets(rows.byte_offsets) {}
+      : base(static_cast<const char*>(rows.base)),
+        offsets(rows.byte_offsets),
+        into_l2(rows.into_l2) {}
   HWY_INLINE bool present() const { return base != nullptr; }
   HWY_INLINE const T* row(std::int64_t k) const {
     return reinterpret_cast<const T*>(base + offsets[k]) + column;
   }
   HWY_INLINE OffsetRows from_row(std::int64_t k) const {
-    return {base, present() ? offsets + k : nullptr, column};
+    return {base, present() ? offsets + k : nullptr, column, into_l2};
   }
-  HWY_INLINE OffsetRows from_column(std::int64_t d) const { return {base, offsets, column + d}; }
+  HWY_INLINE OffsetRows from_column(std::int64_t d) const {
+    return {base, offsets, column + d, into_l2};
+  }
 };
+
+// One line of rows ahead, into the cache level they ask for.
+template <class Rows>
+HWY_INLINE void PrefetchLineOf(const Rows& rows, const char* line) {
+  if (rows.into_l2) {
+    prefetch_line_into_l2(line);
+  } else {
+    prefetch_line(line);
+  }
+}
 
 // Asks for the lines of `count` rows that start at byte offsets of each row in [begin, end)
 // elements: a decode product, reading elements [begin, end) of its own rows, asks for the same
@@ -399,7 +415,7 @@ HWY_INLINE void PrefetchAhead(const Rows& rows, int count, std::int64_t begin, s
   for (int k = 0; k < count; ++k) {
     const char* row = reinterpret_cast<const char*>(rows.row(k));
     for (std::int64_t byte = first; byte < end * kBytes; byte += kLineBytes) {
-      prefetch_line(row + byte);
+      PrefetchLineOf(rows, row + byte);
     }
   }
 }
@@ -669,7 +685,7 @@ HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT ro
   for (std::int64_t d = 0; d < n; d += V * N) {
     if (ahead.present()) {
       if (line_per_step) {
-        for (int k = 0; k < K; ++k) prefetch_line(ahead_rows[k] + d * kElementBytes);
+        for (int k = 0; k < K; ++k) PrefetchLineOf(ahead, ahead_rows[k] + d * kElementBytes);
       } else {
         PrefetchAhead(ahead, K, d, d + V * N);
       }
@@ -978,7 +994,8 @@ HWY_INLINE void WithRowsOf(const ScatteredRows& x, const ScatteredRows& ahead,
   if (x.byte_offsets == nullptr) {
     using Rows = StridedRows<Element>;
     kernel(Rows{static_cast<const Element*>(x.base), x.ld},
-           ahead_alike ? Rows{static_cast<const Element*>(ahead.base), ahead.ld} : Rows{});
+           ahead_alike ? Rows{static_cast<const Element*>(ahead.base), ahead.ld, ahead.into_l2}
+                       : Rows{});
   } else {
     using Rows = OffsetRows<Element>;
     kernel(Rows(x), ahead_alike ? Rows(ahead) : Rows{});

@@ -126,6 +126,8 @@ struct ScatteredRows {
   const void* base = nullptr;
   std::int64_t ld = 0;
   const std::int64_t* byte_offsets = nullptr;
+  // Rows ahead (asked for, not read): whether into L2 (prefetcht1) rather than L1.
+  bool into_l2 = false;
 };
 
 // Decode (few query rows against a long key sequence, flash_decode.cpp): fp32 rows padded with
