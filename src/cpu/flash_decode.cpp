@@ -250,9 +250,8 @@ enum class Prefetching {
   // their own (InputRows::ahead), so that no burst of prefetches waits for fill buffers while
   // the products wait behind it. Chosen on Ice Lake and on Zen 4; not measured on Zen 5.
   kSpread,
-  // The same into L2 (ScatteredRows::into_l2): AMD's cores other than Zen 5. On Zen 4 0.72-0.74
-  // of kSpread's time at 16384 and 65536 16-bit keys, 0.83-0.88 for int8, 0.87 for f32; 1.09 at
-  // 4096 bf16 keys, which lie in L3 (docs/tuning.md).
+  // The same into L2 (ScatteredRows::into_l2): AMD's cores other than Zen 5, where on Zen 4 it
+  // took 0.72-0.89 of kSpread's time from memory, up to 1.09 from L3 (docs/tuning.md).
   kSpreadIntoL2,
 };
 

@@ -37,14 +37,21 @@ inline void prefetch_line(const char* address) {
 #endif
 }
 
-// The same into L2 (prefetcht1): the decode's rows ahead on Zen 4, whose L1 prefetches wait for
-// its miss buffers where L2's do not (docs/tuning.md).
+// The same into L2 (prefetcht1): the decode's rows ahead on AMD's cores other than Zen 5, faster
+// there than into L1 (docs/tuning.md); and the one or the other.
 inline void prefetch_line_into_l2(const char* address) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht1 %0" : : "m"(*address));
 #else
   __builtin_prefetch(address, 0, 2);
 #endif
+}
+inline void prefetch_line(const char* address, bool into_l2) {
+  if (into_l2) {
+    prefetch_line_into_l2(address);
+  } else {
+    prefetch_line(address);
+  }
 }
 
 // Asks for the n elements at base + offset to be brought into the caches, for reading or (a

@@ -70,15 +70,6 @@ FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dpwssd(__m512i&
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
 }
 
-// A line of the rows ahead (ScatteredRows::into_l2).
-inline void prefetch(const char* line, bool into_l2) {
-  if (into_l2) {
-    prefetch_line_into_l2(line);
-  } else {
-    prefetch_line(line);
-  }
-}
-
 // The 16 int32 vectors v, each summed across its lanes, as the lanes of one vector (lane i: the
 // sum of v[i]): pairs interleaved and added (32-bit, then 64-bit elements), which leaves each
 // 128-bit block with 4 sums of its own block of each of 4 vectors, then the blocks added.
@@ -139,7 +130,9 @@ FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dot_block(
     dot_step<R, K>(sums, codes, ld_codes, x, d, ~__mmask32{0});
     if (ahead != nullptr && d % kLineBytes == 0) {
 #pragma GCC unroll 16
-      for (int k = 0; k < K; ++k) prefetch(reinterpret_cast<const char*>(ahead[k] + d), into_l2);
+      for (int k = 0; k < K; ++k) {
+        prefetch_line(reinterpret_cast<const char*>(ahead[k] + d), into_l2);
+      }
     }
   }
   if (d < n) {
@@ -147,7 +140,9 @@ FLASHATTN_VNNI_TARGET __attribute__((always_inline)) inline void dot_block(
                    static_cast<__mmask32>((std::uint64_t{1} << (n - d)) - 1));
     if (ahead != nullptr && d % kLineBytes == 0) {
 #pragma GCC unroll 16
-      for (int k = 0; k < K; ++k) prefetch(reinterpret_cast<const char*>(ahead[k] + d), into_l2);
+      for (int k = 0; k < K; ++k) {
+        prefetch_line(reinterpret_cast<const char*>(ahead[k] + d), into_l2);
+      }
     }
   }
   __m512i all[16];

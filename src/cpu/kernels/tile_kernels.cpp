@@ -394,16 +394,6 @@ struct OffsetRows {
   }
 };
 
-// One line of rows ahead, into the cache level they ask for.
-template <class Rows>
-HWY_INLINE void PrefetchLineOf(const Rows& rows, const char* line) {
-  if (rows.into_l2) {
-    prefetch_line_into_l2(line);
-  } else {
-    prefetch_line(line);
-  }
-}
-
 // Asks for the lines of `count` rows that start at byte offsets of each row in [begin, end)
 // elements: a decode product, reading elements [begin, end) of its own rows, asks for the same
 // part of the rows a later call takes (InputRows::ahead in flash_decode.cpp).
@@ -415,7 +405,7 @@ HWY_INLINE void PrefetchAhead(const Rows& rows, int count, std::int64_t begin, s
   for (int k = 0; k < count; ++k) {
     const char* row = reinterpret_cast<const char*>(rows.row(k));
     for (std::int64_t byte = first; byte < end * kBytes; byte += kLineBytes) {
-      PrefetchLineOf(rows, row + byte);
+      prefetch_line(row + byte, rows.into_l2);
     }
   }
 }
@@ -685,7 +675,7 @@ HWY_INLINE void DotSums(Tag tag, Vec (&sums)[R][K], const float* HWY_RESTRICT ro
   for (std::int64_t d = 0; d < n; d += V * N) {
     if (ahead.present()) {
       if (line_per_step) {
-        for (int k = 0; k < K; ++k) PrefetchLineOf(ahead, ahead_rows[k] + d * kElementBytes);
+        for (int k = 0; k < K; ++k) prefetch_line(ahead_rows[k] + d * kElementBytes, ahead.into_l2);
       } else {
         PrefetchAhead(ahead, K, d, d + V * N);
       }
