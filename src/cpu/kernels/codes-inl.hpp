@@ -69,13 +69,13 @@ HWY_INLINE codes_hn::VFromD<DF> WidenFp8E4M3Codes(DF df, const std::uint8_t* HWY
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
   // As an IEEE half 2^-8 times the value (the code's exponent and mantissa bits at the half's,
   // whose bias is 8 more; subnormal codes are subnormal halves), converted (F16C) and scaled
-  // by 2^8, exactly; the NaN code S.1111.111 comes out as ±480, which no code is.
+  // by 2^8, exactly; the NaN code S.1111.111 comes out as ±480, which no code is. The code
+  // shifted left by 7 has them in place and the sign at bit 14, which adding that bit to itself
+  // moves to bit 15 (bit 15 being 0).
   const codes_hn::Rebind<std::uint16_t, DF> d16;
-  const auto code =
-      codes_hn::PromoteTo(d16, codes_hn::LoadU(codes_hn::Rebind<std::uint8_t, DF>(), codes));
-  const auto halves =
-      codes_hn::Or(codes_hn::ShiftLeft<7>(codes_hn::And(code, codes_hn::Set(d16, 0x7f))),
-                   codes_hn::ShiftLeft<8>(codes_hn::And(code, codes_hn::Set(d16, 0x80))));
+  const auto shifted = codes_hn::ShiftLeft<7>(
+      codes_hn::PromoteTo(d16, codes_hn::LoadU(codes_hn::Rebind<std::uint8_t, DF>(), codes)));
+  const auto halves = codes_hn::Add(shifted, codes_hn::And(shifted, codes_hn::Set(d16, 0x4000)));
   const auto value = codes_hn::Mul(
       codes_hn::PromoteTo(df, codes_hn::BitCast(codes_hn::Rebind<hwy::float16_t, DF>(), halves)),
       codes_hn::Set(df, 256.0f));
